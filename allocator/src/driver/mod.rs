@@ -1,0 +1,396 @@
+//! The driver seam: the few device operations the pool needs, and nothing else.
+//!
+//! The pool never calls CUDA directly. Everything it asks of a device goes through [`Driver`],
+//! whose contract is stated here, once. Two implementations exist:
+//!
+//! * [`SimDriver`](sim::SimDriver): a simulated GPU, public and first-class: tests, benches and
+//!   `cistern replay` run on it.
+//! * [`CudaDriver`](cuda::CudaDriver): the CUDA driver API through `cudarc`, on each device's
+//!   primary context (the one the CUDA runtime and PyTorch use).
+//!
+//! # Contract (every implementation)
+//!
+//! * **Devices** are ordinals `0..device_count()`. Every call names its device; an
+//!   implementation binds whatever context it needs. Calls are thread-safe (`Send + Sync`).
+//! * **Addresses** are plain `u64` device virtual addresses. `0` is never a valid allocation.
+//! * **Virtual memory (VMM)**, only when [`DeviceCaps::vmm`] is true:
+//!   - `reserve_va(dev, size, align)` reserves `size` bytes of address space (`size` and `align`
+//!     multiples of [`DeviceCaps::granularity`]); no physical memory is committed.
+//!   - `free_va` releases a whole reservation; every mapping inside it must be unmapped first.
+//!   - `create_physical(dev, size)` commits `size` bytes (a multiple of the granularity) of device
+//!     memory as a handle. Failure for lack of memory is [`DriverErrorKind::OutOfMemory`].
+//!   - `map(dev, addr, size, handle)` maps the *whole* handle at `addr` (inside a reservation,
+//!     granularity-aligned). `unmap(dev, addr, size)` undoes exactly one earlier `map` (CUDA cannot
+//!     unmap part of a mapping). The caller must ensure that no queued work still touches the range
+//!     before unmapping (CUDA does not synchronise for us).
+//!   - `set_access(dev, addr, size)` grants read/write access to device `dev` over mapped memory;
+//!     it may span several mappings. A mapping is unusable until access is set.
+//!   - `release_physical` frees a handle; it must no longer be mapped anywhere.
+//! * **Linear fallback**: `mem_alloc` / `mem_free` (`cuMemAlloc` / `cuMemFree`). `mem_free` may
+//!   synchronise the device: slow path only.
+//! * **Streams** are opaque `u64` values ([`StreamId`]), the raw `CUstream`; `0` is the legacy
+//!   default stream. The driver never creates or destroys streams for the pool.
+//! * **Events**: `event_create` (timing disabled), `event_record` on a stream, `event_query`
+//!   (`Ok(true)` when all work before the record has completed; never blocks),
+//!   `event_synchronize` (blocks the host: slow paths only), `event_destroy`, and
+//!   `stream_wait_event` (the stream waits on the device; the host never blocks).
+//! * **Errors** are [`DriverError`]s naming the call and the driver's code. No method panics.
+//! * **Hazard hook**: `note_handout` is called by the pool each time it hands a range to a user on
+//!   a stream. Real drivers ignore it; the simulator uses it to detect reuse races. It must cost
+//!   next to nothing when nothing is being checked.
+
+use std::fmt;
+use std::sync::Arc;
+
+pub mod cuda;
+pub mod sim;
+
+/// A device ordinal.
+pub type DeviceId = usize;
+
+/// A raw stream handle (`CUstream` / `cudaStream_t`); `0` is the legacy default stream.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The legacy default stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// An event handle created by [`Driver::event_create`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EventId(pub u64);
+
+/// A physical memory handle created by [`Driver::create_physical`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// What a device can do, read once when its pool is created.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceCaps {
+    /// Device memory in bytes.
+    pub total_memory: u64,
+    /// Whether the virtual memory management API (`cuMemCreate`, `cuMemMap`, ...) is usable.
+    pub vmm: bool,
+    /// The minimum granularity of physical allocations and mappings, in bytes (a power of two).
+    pub granularity: u64,
+    /// A human-readable device name.
+    pub name: String,
+    /// The device UUID (`GPU-xxxxxxxx-...`), when the driver knows it.
+    pub uuid: Option<String>,
+}
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MemInfo {
+    /// Bytes free on the device (for all processes).
+    pub free: u64,
+    /// Bytes of device memory in total.
+    pub total: u64,
+}
+
+/// Every kind of driver call, for counters, fault injection and error reports.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[allow(missing_docs)]
+pub enum DriverCall {
+    DeviceCount,
+    Capabilities,
+    MemInfo,
+    ReserveVa,
+    FreeVa,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    Unmap,
+    SetAccess,
+    MemAlloc,
+    MemFree,
+    EventCreate,
+    EventRecord,
+    EventQuery,
+    EventSynchronize,
+    EventDestroy,
+    StreamWaitEvent,
+    DeviceSynchronize,
+}
+
+impl DriverCall {
+    /// Every call kind, in declaration order.
+    pub const ALL: [DriverCall; 19] = [
+        DriverCall::DeviceCount,
+        DriverCall::Capabilities,
+        DriverCall::MemInfo,
+        DriverCall::ReserveVa,
+        DriverCall::FreeVa,
+        DriverCall::CreatePhysical,
+        DriverCall::ReleasePhysical,
+        DriverCall::Map,
+        DriverCall::Unmap,
+        DriverCall::SetAccess,
+        DriverCall::MemAlloc,
+        DriverCall::MemFree,
+        DriverCall::EventCreate,
+        DriverCall::EventRecord,
+        DriverCall::EventQuery,
+        DriverCall::EventSynchronize,
+        DriverCall::EventDestroy,
+        DriverCall::StreamWaitEvent,
+        DriverCall::DeviceSynchronize,
+    ];
+
+    /// The CUDA driver function this call kind corresponds to.
+    pub fn cuda_name(self) -> &'static str {
+        match self {
+            DriverCall::DeviceCount => "cuDeviceGetCount",
+            DriverCall::Capabilities => "cuDeviceGetAttribute",
+            DriverCall::MemInfo => "cuMemGetInfo",
+            DriverCall::ReserveVa => "cuMemAddressReserve",
+            DriverCall::FreeVa => "cuMemAddressFree",
+            DriverCall::CreatePhysical => "cuMemCreate",
+            DriverCall::ReleasePhysical => "cuMemRelease",
+            DriverCall::Map => "cuMemMap",
+            DriverCall::Unmap => "cuMemUnmap",
+            DriverCall::SetAccess => "cuMemSetAccess",
+            DriverCall::MemAlloc => "cuMemAlloc",
+            DriverCall::MemFree => "cuMemFree",
+            DriverCall::EventCreate => "cuEventCreate",
+            DriverCall::EventRecord => "cuEventRecord",
+            DriverCall::EventQuery => "cuEventQuery",
+            DriverCall::EventSynchronize => "cuEventSynchronize",
+            DriverCall::EventDestroy => "cuEventDestroy",
+            DriverCall::StreamWaitEvent => "cuStreamWaitEvent",
+            DriverCall::DeviceSynchronize => "cuCtxSynchronize",
+        }
+    }
+
+    /// A short snake_case name, used as a stats key (`num_driver_calls.<name>`).
+    pub fn key(self) -> &'static str {
+        match self {
+            DriverCall::DeviceCount => "device_count",
+            DriverCall::Capabilities => "capabilities",
+            DriverCall::MemInfo => "mem_info",
+            DriverCall::ReserveVa => "reserve_va",
+            DriverCall::FreeVa => "free_va",
+            DriverCall::CreatePhysical => "create_physical",
+            DriverCall::ReleasePhysical => "release_physical",
+            DriverCall::Map => "map",
+            DriverCall::Unmap => "unmap",
+            DriverCall::SetAccess => "set_access",
+            DriverCall::MemAlloc => "mem_alloc",
+            DriverCall::MemFree => "mem_free",
+            DriverCall::EventCreate => "event_create",
+            DriverCall::EventRecord => "event_record",
+            DriverCall::EventQuery => "event_query",
+            DriverCall::EventSynchronize => "event_synchronize",
+            DriverCall::EventDestroy => "event_destroy",
+            DriverCall::StreamWaitEvent => "stream_wait_event",
+            DriverCall::DeviceSynchronize => "device_synchronize",
+        }
+    }
+}
+
+impl fmt::Display for DriverCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.cuda_name())
+    }
+}
+
+/// The broad class of a driver failure; the pool's recovery depends on it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum DriverErrorKind {
+    /// The device has no memory for the request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory,
+    /// The operation is not supported on this device or driver.
+    NotSupported,
+    /// An argument was rejected.
+    InvalidValue,
+    /// No CUDA driver library could be loaded, or it failed to initialise.
+    NoDriver,
+    /// The device ordinal does not exist.
+    InvalidDevice,
+    /// Any other driver error.
+    Other,
+}
+
+/// A failed driver call: which call, the driver's numeric code, and a message.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DriverError {
+    /// The call that failed.
+    pub call: DriverCall,
+    /// The broad class of the failure.
+    pub kind: DriverErrorKind,
+    /// The driver's result code (`CUresult` value; the simulator uses the same codes).
+    pub code: i32,
+    /// What went wrong, for humans.
+    pub message: String,
+}
+
+impl DriverError {
+    /// A new error.
+    pub fn new(
+        call: DriverCall,
+        kind: DriverErrorKind,
+        code: i32,
+        message: impl Into<String>,
+    ) -> Self {
+        DriverError {
+            call,
+            kind,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// Whether the call failed for lack of device memory.
+    pub fn is_oom(&self) -> bool {
+        self.kind == DriverErrorKind::OutOfMemory
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} failed with code {} ({:?}): {}",
+            self.call, self.code, self.kind, self.message
+        )
+    }
+}
+
+impl std::error::Error for DriverError {}
+
+/// Shorthand for results of driver calls.
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// The device operations the pool needs. See the module documentation for the contract.
+pub trait Driver: Send + Sync + 'static {
+    /// A short name for reports (`"cuda"`, `"sim"`).
+    fn name(&self) -> &'static str;
+    /// How many devices exist.
+    fn device_count(&self) -> DriverResult<usize>;
+    /// What device `dev` can do.
+    fn capabilities(&self, dev: DeviceId) -> DriverResult<DeviceCaps>;
+    /// Free and total memory of device `dev`.
+    fn mem_info(&self, dev: DeviceId) -> DriverResult<MemInfo>;
+
+    /// Reserves `size` bytes of virtual address space aligned to `align`.
+    fn reserve_va(&self, dev: DeviceId, size: u64, align: u64) -> DriverResult<u64>;
+    /// Releases a reservation made by [`Driver::reserve_va`] (all of it).
+    fn free_va(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()>;
+    /// Commits `size` bytes of physical device memory.
+    fn create_physical(&self, dev: DeviceId, size: u64) -> DriverResult<PhysHandle>;
+    /// Frees a physical handle that is no longer mapped.
+    fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()>;
+    /// Maps the whole of `handle` (of `size` bytes) at `addr`.
+    fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()>;
+    /// Unmaps exactly one earlier mapping `[addr, addr + size)`.
+    fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()>;
+    /// Grants device `dev` read/write access to mapped memory `[addr, addr + size)`.
+    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()>;
+
+    /// Allocates linear device memory (`cuMemAlloc`), for devices without VMM.
+    fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64>;
+    /// Frees memory from [`Driver::mem_alloc`]; may synchronise the device.
+    fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()>;
+
+    /// Creates an event with timing disabled.
+    fn event_create(&self, dev: DeviceId) -> DriverResult<EventId>;
+    /// Records `event` on `stream`.
+    fn event_record(&self, dev: DeviceId, event: EventId, stream: StreamId) -> DriverResult<()>;
+    /// Whether all work captured by the last record of `event` has completed. Never blocks.
+    fn event_query(&self, dev: DeviceId, event: EventId) -> DriverResult<bool>;
+    /// Blocks the host until `event` has completed.
+    fn event_synchronize(&self, dev: DeviceId, event: EventId) -> DriverResult<()>;
+    /// Destroys an event.
+    fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()>;
+    /// Makes `stream` wait (on the device) until `event` has completed.
+    fn stream_wait_event(&self, dev: DeviceId, stream: StreamId, event: EventId)
+        -> DriverResult<()>;
+    /// Blocks the host until all work on device `dev` has completed.
+    fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
+
+    /// Called when the pool hands `[ptr, ptr + size)` to a user on `stream`. Real drivers ignore
+    /// it; the simulator records a hazard if unfinished work on another stream touches the range.
+    #[inline]
+    fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {
+        let _ = (dev, ptr, size, stream);
+    }
+}
+
+impl<D: Driver + ?Sized> Driver for Arc<D> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn device_count(&self) -> DriverResult<usize> {
+        (**self).device_count()
+    }
+    fn capabilities(&self, dev: DeviceId) -> DriverResult<DeviceCaps> {
+        (**self).capabilities(dev)
+    }
+    fn mem_info(&self, dev: DeviceId) -> DriverResult<MemInfo> {
+        (**self).mem_info(dev)
+    }
+    fn reserve_va(&self, dev: DeviceId, size: u64, align: u64) -> DriverResult<u64> {
+        (**self).reserve_va(dev, size, align)
+    }
+    fn free_va(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        (**self).free_va(dev, addr, size)
+    }
+    fn create_physical(&self, dev: DeviceId, size: u64) -> DriverResult<PhysHandle> {
+        (**self).create_physical(dev, size)
+    }
+    fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()> {
+        (**self).release_physical(dev, handle)
+    }
+    fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        (**self).map(dev, addr, size, handle)
+    }
+    fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        (**self).unmap(dev, addr, size)
+    }
+    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        (**self).set_access(dev, addr, size)
+    }
+    fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
+        (**self).mem_alloc(dev, size)
+    }
+    fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        (**self).mem_free(dev, ptr)
+    }
+    fn event_create(&self, dev: DeviceId) -> DriverResult<EventId> {
+        (**self).event_create(dev)
+    }
+    fn event_record(&self, dev: DeviceId, event: EventId, stream: StreamId) -> DriverResult<()> {
+        (**self).event_record(dev, event, stream)
+    }
+    fn event_query(&self, dev: DeviceId, event: EventId) -> DriverResult<bool> {
+        (**self).event_query(dev, event)
+    }
+    fn event_synchronize(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        (**self).event_synchronize(dev, event)
+    }
+    fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        (**self).event_destroy(dev, event)
+    }
+    fn stream_wait_event(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+        event: EventId,
+    ) -> DriverResult<()> {
+        (**self).stream_wait_event(dev, stream, event)
+    }
+    fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
+        (**self).device_synchronize(dev)
+    }
+    #[inline]
+    fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {
+        (**self).note_handout(dev, ptr, size, stream)
+    }
+}

@@ -1,0 +1,1 @@
+//! The simulated GPU (being written).
