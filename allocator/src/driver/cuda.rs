@@ -1,1 +1,774 @@
-//! The CUDA driver backend (being written).
+//! The CUDA driver backend: the only place cistern calls CUDA.
+//!
+//! [`CudaDriver`] implements [`Driver`] over the raw CUDA driver API bindings of
+//! `cudarc::driver::sys`, loaded at run time from `libcuda.so`. It must never panic (every failure
+//! is a [`DriverError`]), never create a context (it uses each device's *primary* context, the one
+//! the CUDA runtime and PyTorch use, so its pointers are valid in their code), and never
+//! synchronise on a hot path (only `event_synchronize`, `device_synchronize` and `mem_free` may
+//! block the host, as the [contract](super) allows).
+//!
+//! # Loading without panics
+//!
+//! cudarc resolves each driver function lazily and panics when the library or a symbol is
+//! missing. [`CudaDriver::new`] therefore checks that a driver library is present
+//! (`is_culib_present`) and that it exports every symbol in [`CUDA_SYMBOLS`] before it makes a
+//! single call; a missing library or symbol is a [`DriverErrorKind::NoDriver`] error. Every call
+//! into cudarc also runs under `catch_unwind`, as a second line of defence.
+//!
+//! # Contexts
+//!
+//! A device's primary context is retained the first time a call needs it (so a process that uses
+//! one GPU does not pay for a context on every visible GPU) and released when the driver is
+//! dropped. Before each call on device `dev`, the driver compares the thread's current context
+//! (`cuCtxGetCurrent`, a thread-local read inside libcuda) with `dev`'s primary context and calls
+//! `cuCtxSetCurrent` only when they differ. If it had to replace another context, it puts that
+//! context back after the call, so the caller's notion of the current device (`cudaGetDevice`,
+//! `torch.cuda.current_device()`) is left as it was. A cache of our own in a thread-local would
+//! be stale as soon as other code on the thread switches devices, so the driver does not keep one.
+//!
+//! # Handles
+//!
+//! [`StreamId`], [`EventId`] and [`PhysHandle`] carry the raw `CUstream`, `CUevent` and
+//! `CUmemGenericAllocationHandle` values. The driver validates most handles it is given, but
+//! passing an event that was never created (or already destroyed) is outside the contract and the
+//! CUDA driver does not promise to detect it; the pool only passes handles it got from here.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self, CUresult};
+use parking_lot::Mutex;
+
+use super::{
+    DeviceCaps, DeviceId, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
+    MemInfo, PhysHandle, StreamId,
+};
+
+/// Every CUDA driver symbol this backend resolves, as exported by `libcuda.so`.
+///
+/// [`CudaDriver::new`] refuses to start (with [`DriverErrorKind::NoDriver`]) unless the library
+/// exports all of them; a fake `libcuda.so` must export at least these.
+pub const CUDA_SYMBOLS: [&str; 30] = [
+    "cuInit",
+    "cuGetErrorString",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceGetUuid_v2",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuMemGetInfo_v2",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+    "cuStreamWaitEvent",
+];
+
+/// How to get going when no usable driver is found; every [`CudaDriver::new`] error ends with it.
+const FIX: &str =
+    "install the NVIDIA driver, or set CISTERN_DRIVER=sim to run on the simulated GPU";
+
+/// The granularity reported for devices without VMM: the size of the pool's linear segments.
+const LINEAR_GRANULARITY: u64 = 2 << 20;
+
+/// The code reported when the driver library cannot be loaded at all (`CUDA_ERROR_NOT_INITIALIZED`).
+const CODE_NOT_LOADED: i32 = CUresult::CUDA_ERROR_NOT_INITIALIZED as i32;
+
+/// One device as the driver knows it.
+#[derive(Debug)]
+struct Device {
+    /// The `CUdevice` handle for this ordinal.
+    cu: sys::CUdevice,
+    /// The retained primary context (a `CUcontext` as an address), once a call needed it.
+    ctx: OnceLock<usize>,
+    /// Serialises the first retain, so the context is retained exactly once.
+    retain: Mutex<()>,
+    /// Capabilities, after the first query.
+    caps: OnceLock<DeviceCaps>,
+}
+
+/// The CUDA driver API on each device's primary context. See the [module documentation](self).
+#[derive(Debug)]
+pub struct CudaDriver {
+    devices: Vec<Device>,
+}
+
+impl CudaDriver {
+    /// Loads the CUDA driver, initialises it and enumerates the devices.
+    ///
+    /// Fails with [`DriverErrorKind::NoDriver`] when no driver library is installed, when it
+    /// lacks a function cistern needs, or when it sees no device; every error message ends with
+    /// how to fix it (install the driver, or set `CISTERN_DRIVER=sim`). Never panics.
+    pub fn new() -> DriverResult<CudaDriver> {
+        Self::open().map_err(|mut e| {
+            e.message = format!("{}: {FIX}", e.message);
+            e
+        })
+    }
+
+    fn open() -> DriverResult<CudaDriver> {
+        let call = DriverCall::DeviceCount;
+        load_library()?;
+        // SAFETY: cuInit takes a plain flags word (which must be 0) and may be called any number
+        // of times; every symbol was found by `load_library`.
+        cu(call, "cuInit", || unsafe { sys::cuInit(0) })?;
+        let mut count: c_int = 0;
+        // SAFETY: `count` is a live, writable c_int for the whole call.
+        cu(call, "cuDeviceGetCount", || unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        if count <= 0 {
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::NoDriver,
+                CUresult::CUDA_ERROR_NO_DEVICE as i32,
+                "the CUDA driver sees no device (check CUDA_VISIBLE_DEVICES)",
+            ));
+        }
+        let mut devices = Vec::with_capacity(count as usize);
+        for ordinal in 0..count {
+            let mut handle: sys::CUdevice = 0;
+            // SAFETY: `handle` is a live, writable CUdevice; `ordinal` is in
+            // `0..cuDeviceGetCount()`, and the driver checks it anyway.
+            cu(call, "cuDeviceGet", || unsafe {
+                sys::cuDeviceGet(&mut handle, ordinal)
+            })?;
+            devices.push(Device {
+                cu: handle,
+                ctx: OnceLock::new(),
+                retain: Mutex::new(()),
+                caps: OnceLock::new(),
+            });
+        }
+        Ok(CudaDriver { devices })
+    }
+
+    /// Device `dev`, or an [`DriverErrorKind::InvalidDevice`] error without asking the driver.
+    fn device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
+        self.devices.get(dev).ok_or_else(|| {
+            DriverError::new(
+                call,
+                DriverErrorKind::InvalidDevice,
+                CUresult::CUDA_ERROR_INVALID_DEVICE as i32,
+                format!(
+                    "device {dev} does not exist: the CUDA driver sees {} device(s)",
+                    self.devices.len()
+                ),
+            )
+        })
+    }
+
+    /// The primary context of `d`, retained on first use.
+    fn primary(&self, call: DriverCall, d: &Device) -> DriverResult<sys::CUcontext> {
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx as sys::CUcontext);
+        }
+        let _first = d.retain.lock();
+        if let Some(&ctx) = d.ctx.get() {
+            return Ok(ctx as sys::CUcontext);
+        }
+        let mut ctx: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `ctx` is a live, writable CUcontext; `d.cu` came from cuDeviceGet. Retaining
+        // the primary context never creates a new context of ours: it activates the shared one.
+        cu(call, "cuDevicePrimaryCtxRetain", || unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, d.cu)
+        })?;
+        if ctx.is_null() {
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::Other,
+                CUresult::CUDA_ERROR_INVALID_CONTEXT as i32,
+                "cuDevicePrimaryCtxRetain returned a null context",
+            ));
+        }
+        // We hold `retain` and saw the cell empty, and the cell is only set under `retain`, so
+        // this set succeeds and the context is retained exactly once (released in `Drop`).
+        let _ = d.ctx.set(ctx as usize);
+        Ok(ctx)
+    }
+
+    /// Makes device `dev`'s primary context current on this thread until the guard drops.
+    fn bind(&self, call: DriverCall, dev: DeviceId) -> DriverResult<Bound> {
+        let d = self.device(call, dev)?;
+        let ctx = self.primary(call, d)?;
+        let mut current: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `current` is a live, writable CUcontext; the call only reads the thread's
+        // context stack.
+        cu(call, "cuCtxGetCurrent", || unsafe {
+            sys::cuCtxGetCurrent(&mut current)
+        })?;
+        if current == ctx {
+            return Ok(Bound { restore: None });
+        }
+        // SAFETY: `ctx` is a primary context we retained (see `primary`) and do not release
+        // before `self` drops, so it is valid to make current.
+        cu(call, "cuCtxSetCurrent", || unsafe {
+            sys::cuCtxSetCurrent(ctx)
+        })?;
+        // A thread without a context keeps ours: nothing of the caller's is displaced, and the
+        // next call on this device costs no switch.
+        Ok(Bound {
+            restore: (!current.is_null()).then_some(current as usize),
+        })
+    }
+
+    /// Reads what device `d` can do (no context needed).
+    fn query_caps(d: &Device) -> DriverResult<DeviceCaps> {
+        let call = DriverCall::Capabilities;
+        let mut total: usize = 0;
+        // SAFETY: `total` is a live, writable usize; `d.cu` came from cuDeviceGet.
+        cu(call, "cuDeviceTotalMem_v2", || unsafe {
+            sys::cuDeviceTotalMem_v2(&mut total, d.cu)
+        })?;
+        let mut vmm: c_int = 0;
+        // SAFETY: `vmm` is a live, writable c_int; the attribute is a valid enum value.
+        cu(call, "cuDeviceGetAttribute", || unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut vmm,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+                d.cu,
+            )
+        })?;
+        let vmm = vmm != 0;
+        let granularity = if vmm {
+            let prop = pinned_on(d.cu);
+            let mut g: usize = 0;
+            // SAFETY: `g` is a live, writable usize and `prop` a fully initialised allocation
+            // property that outlives the call.
+            cu(call, "cuMemGetAllocationGranularity", || unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut g,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            })?;
+            let g = g as u64;
+            if !g.is_power_of_two() {
+                return Err(DriverError::new(
+                    call,
+                    DriverErrorKind::Other,
+                    CUresult::CUDA_ERROR_INVALID_VALUE as i32,
+                    format!("cuMemGetAllocationGranularity: {g} is not a power of two"),
+                ));
+            }
+            g
+        } else {
+            LINEAR_GRANULARITY
+        };
+        let mut name: [c_char; 256] = [0; 256];
+        // SAFETY: `name` is a live, writable buffer of exactly the length passed.
+        cu(call, "cuDeviceGetName", || unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, d.cu)
+        })?;
+        let name: Vec<u8> = name.iter().map(|&c| c as u8).collect();
+        let name = match CStr::from_bytes_until_nul(&name) {
+            Ok(s) => s.to_string_lossy().into_owned(),
+            Err(_) => String::from_utf8_lossy(&name).into_owned(),
+        };
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: `uuid` is a live, writable CUuuid.
+        let uuid = cu(call, "cuDeviceGetUuid_v2", || unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, d.cu)
+        })
+        .ok()
+        .map(|()| format_uuid(uuid.bytes.map(|c| c as u8)));
+        Ok(DeviceCaps {
+            total_memory: total as u64,
+            vmm,
+            granularity,
+            name,
+            uuid,
+        })
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        for d in &self.devices {
+            if d.ctx.get().is_some() {
+                let handle = d.cu;
+                // SAFETY: this device's primary context was retained exactly once (`primary`)
+                // and is released exactly once, here; nothing of ours uses it afterwards.
+                let _ = catch_unwind(|| unsafe { sys::cuDevicePrimaryCtxRelease_v2(handle) });
+            }
+        }
+    }
+}
+
+/// Puts back the context a call displaced (see [`CudaDriver::bind`]).
+struct Bound {
+    restore: Option<usize>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // SAFETY: `previous` was current on this thread a moment ago, set by its owner, who
+            // is blocked in a call to us and cannot have destroyed it. A failure leaves our
+            // primary context current, which is still a valid state.
+            let _ = catch_unwind(|| unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) });
+        }
+    }
+}
+
+/// Checks that a driver library is present and exports [`CUDA_SYMBOLS`], without panicking.
+fn load_library() -> DriverResult<()> {
+    let not_loaded = |message: String| {
+        DriverError::new(
+            DriverCall::DeviceCount,
+            DriverErrorKind::NoDriver,
+            CODE_NOT_LOADED,
+            message,
+        )
+    };
+    // SAFETY: `is_culib_present` dlopens the candidate names of libcuda and closes them again.
+    // Loading runs the library's initialisers, as every CUDA program does; that is sound for the
+    // NVIDIA driver (or a faithful fake of it).
+    let present = catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
+    if !present {
+        return Err(not_loaded("no CUDA driver (libcuda.so) found".into()));
+    }
+    let missing = catch_unwind(|| {
+        // SAFETY: `culib` loads the library found above once for the process (it panics only if
+        // none loads, caught here). `get` only looks each name up; nothing is called or read.
+        let lib = unsafe { sys::culib() };
+        CUDA_SYMBOLS
+            .iter()
+            .copied()
+            // SAFETY: as above: a lookup only, the symbol is dropped unused.
+            .filter(|s| unsafe { lib.get::<unsafe extern "C" fn()>(s.as_bytes()) }.is_err())
+            .collect::<Vec<_>>()
+    });
+    match missing {
+        Err(_) => Err(not_loaded(
+            "a CUDA driver library (libcuda.so) was found but could not be loaded".into(),
+        )),
+        Ok(missing) if !missing.is_empty() => Err(not_loaded(format!(
+            "the CUDA driver library (libcuda.so) lacks {missing:?}: it is older than CUDA 12 \
+             or not the NVIDIA driver"
+        ))),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Runs one driver function and maps its result; a panic inside cudarc becomes an error.
+#[inline]
+fn cu(call: DriverCall, func: &'static str, f: impl FnOnce() -> CUresult) -> DriverResult<()> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+        Ok(r) => Err(cuda_error(call, func, r)),
+        Err(_) => Err(unavailable(call, func)),
+    }
+}
+
+/// The error for a function cudarc could not resolve (it panicked; `new` makes this unreachable).
+#[cold]
+fn unavailable(call: DriverCall, func: &'static str) -> DriverError {
+    DriverError::new(
+        call,
+        DriverErrorKind::NoDriver,
+        CODE_NOT_LOADED,
+        format!("{func}: the CUDA driver library could not provide this function"),
+    )
+}
+
+/// A [`DriverError`] for a failed `CUresult`: the function, the code's name and the driver's text.
+#[cold]
+fn cuda_error(call: DriverCall, func: &'static str, r: CUresult) -> DriverError {
+    let mut text: *const c_char = ptr::null();
+    // SAFETY: `text` is a live, writable pointer; on success the driver stores a pointer to a
+    // static NUL-terminated string in it.
+    let described = catch_unwind(AssertUnwindSafe(|| unsafe {
+        sys::cuGetErrorString(r, &mut text)
+    }));
+    let text = match described {
+        Ok(CUresult::CUDA_SUCCESS) if !text.is_null() => {
+            // SAFETY: the driver returned success and a non-null pointer to a static C string.
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned()
+        }
+        _ => "no description".to_owned(),
+    };
+    DriverError::new(
+        call,
+        error_kind(r),
+        r as i32,
+        format!("{func}: {r:?} ({text})"),
+    )
+}
+
+/// The broad class of a failed `CUresult`.
+fn error_kind(r: CUresult) -> DriverErrorKind {
+    use CUresult::*;
+    match r {
+        CUDA_ERROR_OUT_OF_MEMORY => DriverErrorKind::OutOfMemory,
+        CUDA_ERROR_NOT_SUPPORTED => DriverErrorKind::NotSupported,
+        CUDA_ERROR_INVALID_VALUE => DriverErrorKind::InvalidValue,
+        CUDA_ERROR_INVALID_DEVICE => DriverErrorKind::InvalidDevice,
+        CUDA_ERROR_NO_DEVICE | CUDA_ERROR_NOT_INITIALIZED | CUDA_ERROR_STUB_LIBRARY => {
+            DriverErrorKind::NoDriver
+        }
+        _ => DriverErrorKind::Other,
+    }
+}
+
+/// Formats a device UUID as nvidia-smi does: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+fn format_uuid(bytes: [u8; 16]) -> String {
+    let mut s = String::with_capacity(40);
+    s.push_str("GPU");
+    for (i, b) in bytes.iter().enumerate() {
+        if matches!(i, 0 | 4 | 6 | 8 | 10) {
+            s.push('-');
+        }
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// The allocation property of pinned device memory on device `dev`.
+fn pinned_on(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: device_location(dev),
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// The memory location "device `dev`".
+fn device_location(dev: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev,
+    }
+}
+
+/// A `u64` from the pool as a `usize` size or address for the driver.
+#[inline]
+fn to_usize(call: DriverCall, v: u64) -> DriverResult<usize> {
+    usize::try_from(v).map_err(|_| {
+        DriverError::new(
+            call,
+            DriverErrorKind::InvalidValue,
+            CUresult::CUDA_ERROR_INVALID_VALUE as i32,
+            format!("{v:#x} does not fit in this platform's address space"),
+        )
+    })
+}
+
+/// The raw `CUstream` behind a [`StreamId`] (`0` is the legacy default stream).
+#[inline]
+fn stream_ptr(call: DriverCall, s: StreamId) -> DriverResult<sys::CUstream> {
+    Ok(to_usize(call, s.0)? as sys::CUstream)
+}
+
+/// The raw `CUevent` behind an [`EventId`]; a null event is refused without asking the driver.
+#[inline]
+fn event_ptr(call: DriverCall, e: EventId) -> DriverResult<sys::CUevent> {
+    if e.0 == 0 {
+        return Err(DriverError::new(
+            call,
+            DriverErrorKind::InvalidValue,
+            CUresult::CUDA_ERROR_INVALID_HANDLE as i32,
+            "null event",
+        ));
+    }
+    Ok(to_usize(call, e.0)? as sys::CUevent)
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> DriverResult<usize> {
+        // Counted by cuDeviceGetCount in `new`; the set of visible devices cannot change after
+        // cuInit.
+        Ok(self.devices.len())
+    }
+
+    fn capabilities(&self, dev: DeviceId) -> DriverResult<DeviceCaps> {
+        let d = self.device(DriverCall::Capabilities, dev)?;
+        if let Some(caps) = d.caps.get() {
+            return Ok(caps.clone());
+        }
+        let caps = Self::query_caps(d)?;
+        Ok(d.caps.get_or_init(|| caps).clone())
+    }
+
+    fn mem_info(&self, dev: DeviceId) -> DriverResult<MemInfo> {
+        let call = DriverCall::MemInfo;
+        let _bound = self.bind(call, dev)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both out-pointers are live, writable usizes; dev's context is current.
+        cu(call, "cuMemGetInfo_v2", || unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn reserve_va(&self, dev: DeviceId, size: u64, align: u64) -> DriverResult<u64> {
+        let call = DriverCall::ReserveVa;
+        let (size, align) = (to_usize(call, size)?, to_usize(call, align)?);
+        let _bound = self.bind(call, dev)?;
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` is a live, writable CUdeviceptr; no fixed address (0) and no flags are
+        // requested, and the driver validates size and alignment.
+        cu(call, "cuMemAddressReserve", || unsafe {
+            sys::cuMemAddressReserve(&mut addr, size, align, 0, 0)
+        })?;
+        Ok(addr)
+    }
+
+    fn free_va(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::FreeVa;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: plain values; the driver checks that `[addr, addr + size)` is a reservation.
+        cu(call, "cuMemAddressFree", || unsafe {
+            sys::cuMemAddressFree(addr, size)
+        })
+    }
+
+    fn create_physical(&self, dev: DeviceId, size: u64) -> DriverResult<PhysHandle> {
+        let call = DriverCall::CreatePhysical;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        let prop = pinned_on(self.device(call, dev)?.cu);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is a live, writable handle and `prop` a fully initialised property
+        // that outlives the call; flags must be 0.
+        cu(call, "cuMemCreate", || unsafe {
+            sys::cuMemCreate(&mut handle, size, &prop, 0)
+        })?;
+        Ok(PhysHandle(handle))
+    }
+
+    fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()> {
+        let call = DriverCall::ReleasePhysical;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: a plain handle value, which the driver validates.
+        cu(call, "cuMemRelease", || unsafe {
+            sys::cuMemRelease(handle.0)
+        })
+    }
+
+    fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let call = DriverCall::Map;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: plain values; the driver checks that the range lies in a reservation, is free,
+        // and that `size` covers the handle (offset 0 and flags 0 are the only legal values).
+        cu(call, "cuMemMap", || unsafe {
+            sys::cuMemMap(addr, size, 0, handle.0, 0)
+        })
+    }
+
+    fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::Unmap;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: plain values the driver validates. That no queued work still touches the
+        // range is the caller's duty, stated in the contract.
+        cu(call, "cuMemUnmap", || unsafe {
+            sys::cuMemUnmap(addr, size)
+        })
+    }
+
+    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::SetAccess;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(self.device(call, dev)?.cu),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `desc` is one fully initialised descriptor that outlives the call, matching
+        // the count of 1; the driver validates the range.
+        cu(call, "cuMemSetAccess", || unsafe {
+            sys::cuMemSetAccess(addr, size, &desc, 1)
+        })
+    }
+
+    fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
+        let call = DriverCall::MemAlloc;
+        let size = to_usize(call, size)?;
+        let _bound = self.bind(call, dev)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a live, writable CUdeviceptr; dev's context is current.
+        cu(call, "cuMemAlloc_v2", || unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, size)
+        })?;
+        Ok(ptr)
+    }
+
+    fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        let call = DriverCall::MemFree;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: a plain address; the driver refuses one that cuMemAlloc did not return.
+        cu(call, "cuMemFree_v2", || unsafe { sys::cuMemFree_v2(ptr) })
+    }
+
+    fn event_create(&self, dev: DeviceId) -> DriverResult<EventId> {
+        let call = DriverCall::EventCreate;
+        let _bound = self.bind(call, dev)?;
+        let mut event: sys::CUevent = ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+        // SAFETY: `event` is a live, writable CUevent; dev's context is current, so the event
+        // belongs to it.
+        cu(call, "cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        Ok(EventId(event as usize as u64))
+    }
+
+    fn event_record(&self, dev: DeviceId, event: EventId, stream: StreamId) -> DriverResult<()> {
+        let call = DriverCall::EventRecord;
+        let (ev, st) = (event_ptr(call, event)?, stream_ptr(call, stream)?);
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `ev` came from event_create (contract) and `st` is a stream of dev's primary
+        // context or a special stream handle; the driver checks they share a context.
+        cu(call, "cuEventRecord", || unsafe {
+            sys::cuEventRecord(ev, st)
+        })
+    }
+
+    fn event_query(&self, dev: DeviceId, event: EventId) -> DriverResult<bool> {
+        let call = DriverCall::EventQuery;
+        let ev = event_ptr(call, event)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `ev` came from event_create (contract); the query never blocks.
+        match catch_unwind(|| unsafe { sys::cuEventQuery(ev) }) {
+            Ok(CUresult::CUDA_SUCCESS) => Ok(true),
+            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+            Ok(r) => Err(cuda_error(call, "cuEventQuery", r)),
+            Err(_) => Err(unavailable(call, "cuEventQuery")),
+        }
+    }
+
+    fn event_synchronize(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        let call = DriverCall::EventSynchronize;
+        let ev = event_ptr(call, event)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `ev` came from event_create (contract).
+        cu(call, "cuEventSynchronize", || unsafe {
+            sys::cuEventSynchronize(ev)
+        })
+    }
+
+    fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        let call = DriverCall::EventDestroy;
+        let ev = event_ptr(call, event)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `ev` came from event_create and is destroyed once (contract).
+        cu(call, "cuEventDestroy_v2", || unsafe {
+            sys::cuEventDestroy_v2(ev)
+        })
+    }
+
+    fn stream_wait_event(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+        event: EventId,
+    ) -> DriverResult<()> {
+        let call = DriverCall::StreamWaitEvent;
+        let (ev, st) = (event_ptr(call, event)?, stream_ptr(call, stream)?);
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `ev` came from event_create (contract), `st` is a stream handle, flags are 0;
+        // the wait is queued on the device and never blocks the host.
+        cu(call, "cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(st, ev, 0)
+        })
+    }
+
+    fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
+        let call = DriverCall::DeviceSynchronize;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
+        cu(call, "cuCtxSynchronize", || unsafe {
+            sys::cuCtxSynchronize()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_is_formatted_like_nvidia_smi() {
+        let bytes = [
+            0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab,
+            0xcd, 0xef,
+        ];
+        assert_eq!(
+            format_uuid(bytes),
+            "GPU-12345678-9abc-def0-0123-456789abcdef"
+        );
+    }
+
+    #[test]
+    fn results_map_to_kinds() {
+        use CUresult::*;
+        let cases = [
+            (CUDA_ERROR_OUT_OF_MEMORY, DriverErrorKind::OutOfMemory),
+            (CUDA_ERROR_NOT_SUPPORTED, DriverErrorKind::NotSupported),
+            (CUDA_ERROR_INVALID_VALUE, DriverErrorKind::InvalidValue),
+            (CUDA_ERROR_INVALID_DEVICE, DriverErrorKind::InvalidDevice),
+            (CUDA_ERROR_NO_DEVICE, DriverErrorKind::NoDriver),
+            (CUDA_ERROR_NOT_INITIALIZED, DriverErrorKind::NoDriver),
+            (CUDA_ERROR_STUB_LIBRARY, DriverErrorKind::NoDriver),
+            (CUDA_ERROR_INVALID_HANDLE, DriverErrorKind::Other),
+            (CUDA_ERROR_NOT_READY, DriverErrorKind::Other),
+        ];
+        for (r, kind) in cases {
+            assert_eq!(error_kind(r), kind, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn codes_are_the_numeric_cuda_results() {
+        assert_eq!(CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32, 2);
+        assert_eq!(CUresult::CUDA_ERROR_NOT_READY as i32, 600);
+        assert_eq!(CODE_NOT_LOADED, 3);
+    }
+
+    #[test]
+    fn symbols_are_listed_once() {
+        let mut s = CUDA_SYMBOLS.to_vec();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), CUDA_SYMBOLS.len());
+    }
+}
