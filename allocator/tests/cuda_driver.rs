@@ -1,0 +1,229 @@
+//! The CUDA backend against whatever driver this machine has.
+//!
+//! Without `libcuda.so`, `CudaDriver::new()` must fail cleanly (no panic) with `NoDriver` and a
+//! message naming the fix. With a driver and a GPU, the remaining tests exercise every call; on
+//! machines without one they print `skipping: ...` and pass.
+
+use std::sync::Arc;
+
+use cistern::driver::cuda::{CudaDriver, CUDA_SYMBOLS};
+use cistern::driver::{Driver, DriverCall, DriverErrorKind, EventId, StreamId};
+
+/// The driver, or `None` (with a visible note) when this machine has no usable CUDA driver.
+fn gpu(test: &str) -> Option<CudaDriver> {
+    match CudaDriver::new() {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipping: {test}: no usable CUDA driver here ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn new_fails_cleanly_without_a_driver() {
+    match CudaDriver::new() {
+        Ok(d) => eprintln!(
+            "skipping: new_fails_cleanly_without_a_driver: a CUDA driver is present ({} device(s))",
+            d.device_count().unwrap_or(0)
+        ),
+        Err(e) => {
+            assert!(
+                e.message.contains("CISTERN_DRIVER=sim"),
+                "the error must name the fix: {e}"
+            );
+            assert!(
+                e.message.contains("install the NVIDIA driver"),
+                "the error must name the fix: {e}"
+            );
+            if e.message.starts_with("no CUDA driver (libcuda.so) found") {
+                assert_eq!(e.kind, DriverErrorKind::NoDriver, "{e}");
+                assert_eq!(e.call, DriverCall::DeviceCount);
+                assert_eq!(
+                    e.message,
+                    "no CUDA driver (libcuda.so) found: install the NVIDIA driver, or set \
+                     CISTERN_DRIVER=sim to run on the simulated GPU"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn new_can_be_retried_without_panicking() {
+    for _ in 0..3 {
+        let first = CudaDriver::new().map(|_| ());
+        let again = CudaDriver::new().map(|_| ());
+        assert_eq!(first.is_ok(), again.is_ok());
+    }
+}
+
+#[test]
+fn is_a_shareable_driver() {
+    fn shareable<D: Driver + Send + Sync + 'static>() {}
+    shareable::<CudaDriver>();
+    shareable::<Arc<CudaDriver>>();
+}
+
+#[test]
+fn symbols_name_the_versioned_entry_points() {
+    for s in [
+        "cuMemAlloc_v2",
+        "cuMemFree_v2",
+        "cuMemGetInfo_v2",
+        "cuEventDestroy_v2",
+    ] {
+        assert!(CUDA_SYMBOLS.contains(&s), "{s}");
+    }
+    assert!(!CUDA_SYMBOLS.contains(&"cuMemAlloc"));
+}
+
+// ---- with a GPU ----
+
+#[test]
+fn gpu_devices_and_capabilities() {
+    let Some(d) = gpu("gpu_devices_and_capabilities") else {
+        return;
+    };
+    assert_eq!(d.name(), "cuda");
+    let n = d.device_count().unwrap();
+    assert!(n >= 1);
+    for dev in 0..n {
+        let caps = d.capabilities(dev).unwrap();
+        assert!(caps.total_memory > 0, "{caps:?}");
+        assert!(caps.vmm, "every supported GPU has VMM: {caps:?}");
+        assert!(caps.granularity.is_power_of_two(), "{caps:?}");
+        assert!(!caps.name.is_empty(), "{caps:?}");
+        let uuid = caps.uuid.clone().expect("a UUID");
+        assert!(uuid.starts_with("GPU-") && uuid.len() == 40, "{uuid}");
+        assert_eq!(d.capabilities(dev).unwrap(), caps, "cached caps differ");
+        let info = d.mem_info(dev).unwrap();
+        assert!(info.free <= info.total && info.total > 0, "{info:?}");
+        eprintln!("device {dev}: {caps:?} {info:?}");
+    }
+}
+
+#[test]
+fn gpu_out_of_range_devices_are_refused() {
+    let Some(d) = gpu("gpu_out_of_range_devices_are_refused") else {
+        return;
+    };
+    let n = d.device_count().unwrap();
+    let kind = |r: Result<(), cistern::driver::DriverError>| r.unwrap_err().kind;
+    assert_eq!(
+        kind(d.capabilities(n).map(|_| ())),
+        DriverErrorKind::InvalidDevice
+    );
+    assert_eq!(
+        kind(d.mem_alloc(n, 1 << 20).map(|_| ())),
+        DriverErrorKind::InvalidDevice
+    );
+    assert_eq!(
+        kind(d.reserve_va(n + 7, 2 << 20, 2 << 20).map(|_| ())),
+        DriverErrorKind::InvalidDevice
+    );
+    assert_eq!(
+        kind(d.device_synchronize(usize::MAX)),
+        DriverErrorKind::InvalidDevice
+    );
+}
+
+#[test]
+fn gpu_vmm_round_trip() {
+    let Some(d) = gpu("gpu_vmm_round_trip") else {
+        return;
+    };
+    let g = d.capabilities(0).unwrap().granularity;
+    let va = d.reserve_va(0, 8 * g, g).unwrap();
+    assert_ne!(va, 0);
+    assert_eq!(va % g, 0);
+    let a = d.create_physical(0, g).unwrap();
+    let b = d.create_physical(0, 2 * g).unwrap();
+    d.map(0, va, g, a).unwrap();
+    d.map(0, va + g, 2 * g, b).unwrap();
+    // One set_access may span several mappings.
+    d.set_access(0, va, 3 * g).unwrap();
+    // Mapping over a mapped range is refused.
+    assert!(d.map(0, va, g, a).is_err());
+    d.unmap(0, va + g, 2 * g).unwrap();
+    d.unmap(0, va, g).unwrap();
+    d.release_physical(0, a).unwrap();
+    d.release_physical(0, b).unwrap();
+    d.free_va(0, va, 8 * g).unwrap();
+}
+
+#[test]
+fn gpu_physical_memory_beyond_the_device_is_out_of_memory() {
+    let Some(d) = gpu("gpu_physical_memory_beyond_the_device_is_out_of_memory") else {
+        return;
+    };
+    let caps = d.capabilities(0).unwrap();
+    let g = caps.granularity;
+    let size = (caps.total_memory * 2).div_ceil(g) * g;
+    let e = d.create_physical(0, size).unwrap_err();
+    assert_eq!(e.call, DriverCall::CreatePhysical);
+    assert!(e.is_oom(), "{e}");
+    assert_eq!(e.code, 2, "{e}");
+}
+
+#[test]
+fn gpu_linear_alloc_and_free() {
+    let Some(d) = gpu("gpu_linear_alloc_and_free") else {
+        return;
+    };
+    let p = d.mem_alloc(0, 3 << 20).unwrap();
+    assert_ne!(p, 0);
+    let q = d.mem_alloc(0, 512).unwrap();
+    assert_ne!(p, q);
+    d.mem_free(0, q).unwrap();
+    d.mem_free(0, p).unwrap();
+}
+
+#[test]
+fn gpu_events_on_the_default_stream() {
+    let Some(d) = gpu("gpu_events_on_the_default_stream") else {
+        return;
+    };
+    let ev = d.event_create(0).unwrap();
+    assert_ne!(ev, EventId(0));
+    // A fresh event has no work captured: it is complete.
+    assert!(d.event_query(0, ev).unwrap());
+    d.event_record(0, ev, StreamId::DEFAULT).unwrap();
+    d.event_synchronize(0, ev).unwrap();
+    assert!(d.event_query(0, ev).unwrap());
+    d.stream_wait_event(0, StreamId::DEFAULT, ev).unwrap();
+    d.device_synchronize(0).unwrap();
+    d.event_destroy(0, ev).unwrap();
+    // A null event is refused without reaching the driver.
+    assert_eq!(
+        d.event_query(0, EventId(0)).unwrap_err().kind,
+        DriverErrorKind::InvalidValue
+    );
+}
+
+#[test]
+fn gpu_calls_from_many_threads() {
+    let Some(d) = gpu("gpu_calls_from_many_threads") else {
+        return;
+    };
+    let d = Arc::new(d);
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let d = Arc::clone(&d);
+            std::thread::spawn(move || {
+                let dev = i % d.device_count().unwrap();
+                for _ in 0..50 {
+                    let p = d.mem_alloc(dev, 1 << 20).unwrap();
+                    let ev = d.event_create(dev).unwrap();
+                    d.event_record(dev, ev, StreamId::DEFAULT).unwrap();
+                    d.event_synchronize(dev, ev).unwrap();
+                    d.event_destroy(dev, ev).unwrap();
+                    d.mem_free(dev, p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
