@@ -178,14 +178,12 @@ struct Parser<'a> {
     stack: Vec<Node>,
     marks: Vec<usize>,
     arena: Vec<Container>,
-    memo: Vec<Option<Node>>,
-    /// Memo entries whose index is far beyond the dense part (never written by CPython).
+    /// Memo entries `0..len`, the indices CPython's pickler writes (always the next one).
+    memo: Vec<Node>,
+    /// Memo entries written out of order, so a hostile `LONG_BINPUT 0xffffffff` cannot make the
+    /// reader allocate gigabytes.
     sparse_memo: HashMap<u32, Node>,
 }
-
-/// Largest memo index stored densely; beyond it the sparse map is used, so a hostile
-/// `LONG_BINPUT 0xffffffff` cannot make the reader allocate gigabytes.
-const DENSE_MEMO_SLACK: usize = 1 << 16;
 
 impl<'a> Parser<'a> {
     fn new(data: &'a [u8]) -> Self {
@@ -327,11 +325,10 @@ impl<'a> Parser<'a> {
             return Err(self.err("expected a value to memoize, found an empty stack"));
         };
         let i = idx as usize;
-        if i < self.memo.len() {
-            self.memo[i] = Some(top);
-        } else if i <= self.memo.len() + DENSE_MEMO_SLACK {
-            self.memo.resize(i, None);
-            self.memo.push(Some(top));
+        if let Some(slot) = self.memo.get_mut(i) {
+            *slot = top;
+        } else if i == self.memo.len() {
+            self.memo.push(top);
         } else {
             self.sparse_memo.insert(idx, top);
         }
@@ -342,7 +339,7 @@ impl<'a> Parser<'a> {
         let found = self
             .memo
             .get(idx as usize)
-            .and_then(|n| n.clone())
+            .cloned()
             .or_else(|| self.sparse_memo.get(&idx).cloned());
         match found {
             Some(n) => {

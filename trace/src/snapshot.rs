@@ -290,12 +290,21 @@ impl Snapshot {
 
     /// Parse a snapshot pickle.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, SnapshotError> {
-        Self::from_value(&pickle::from_slice(bytes)?)
+        // A real snapshot spends several bytes on each segment, block and event; a hostile one
+        // could reference one shared dict millions of times and make the expansion quadratic.
+        Self::from_value_limited(&pickle::from_slice(bytes)?, bytes.len())
     }
 
     /// Interpret an already parsed pickle. Accepts the dict layout (`segments`, optional
     /// `device_traces`) and the oldest layout, a bare list of segments.
     pub fn from_value(v: &Value) -> Result<Self, SnapshotError> {
+        Self::from_value_limited(v, usize::MAX)
+    }
+
+    /// [`Snapshot::from_value`], failing once more than `max_items` segments, blocks and events
+    /// have been read.
+    pub fn from_value_limited(v: &Value, max_items: usize) -> Result<Self, SnapshotError> {
+        let mut budget = Budget(max_items);
         let (segments_v, traces_v) = match v {
             Value::Dict(_) => (
                 v.get("segments")
@@ -308,14 +317,21 @@ impl Snapshot {
         let segs = seq(segments_v, "segments")?;
         let mut segments = Vec::with_capacity(segs.len());
         for (i, s) in segs.iter().enumerate() {
-            segments.push(parse_segment(s, &format!("segments[{i}]"))?);
+            let path = format!("segments[{i}]");
+            budget.spend(1, &path)?;
+            if let Some(b) = s.get("blocks").and_then(Value::as_seq) {
+                budget.spend(b.len(), &path)?;
+            }
+            segments.push(parse_segment(s, &path)?);
         }
         let mut device_traces = Vec::new();
         match traces_v {
             None | Some(Value::None) => {}
             Some(t) => {
                 for (d, dev) in seq(t, "device_traces")?.iter().enumerate() {
-                    let evs = seq(dev, &format!("device_traces[{d}]"))?;
+                    let path = format!("device_traces[{d}]");
+                    let evs = seq(dev, &path)?;
+                    budget.spend(evs.len(), &path)?;
                     let mut out = Vec::with_capacity(evs.len());
                     for (i, e) in evs.iter().enumerate() {
                         out.push(parse_event(e, d, i)?);
@@ -578,6 +594,25 @@ impl Snapshot {
             initial_from_segments,
             used_free_completed,
             anomalies,
+        }
+    }
+}
+
+/// How many more segments, blocks and events may be read.
+struct Budget(usize);
+
+impl Budget {
+    fn spend(&mut self, n: usize, path: &str) -> Result<(), SnapshotError> {
+        match self.0.checked_sub(n) {
+            Some(left) => {
+                self.0 = left;
+                Ok(())
+            }
+            None => Err(shape(
+                path,
+                "fewer segments, blocks and events than input bytes",
+                "more (shared objects referenced over and over)",
+            )),
         }
     }
 }
@@ -880,6 +915,18 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "snapshot: expected a `segments` key, found none"
+        );
+        // {'segments': [s, s, s, ...]} with one shared segment dict referenced 1000 times.
+        let mut p = b"\x80\x04}(\x8c\x08segments](}\x94(\x8c\x07address".to_vec();
+        p.extend(b"K\x00\x8c\ntotal_sizeK\x00u");
+        p.extend(std::iter::repeat(&b"h\x00"[..]).take(1000).flatten());
+        p.extend(b"eu.");
+        let v = pickle::from_slice(&p).unwrap();
+        assert_eq!(Snapshot::from_value(&v).unwrap().segments.len(), 1001);
+        let e = Snapshot::from_value_limited(&v, 1000).unwrap_err();
+        assert!(
+            e.to_string().starts_with("segments[1000]: expected fewer"),
+            "{e}"
         );
         let e = Snapshot::from_bytes(b"\x80\x04}").unwrap_err();
         assert!(matches!(e, SnapshotError::Pickle(_)), "{e}");
