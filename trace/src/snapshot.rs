@@ -1,0 +1,934 @@
+//! PyTorch CUDA memory snapshots (`torch.cuda.memory._snapshot()` / `_dump_snapshot()` pickles).
+//!
+//! A snapshot holds the allocator state at dump time (`segments`, each with its `blocks`) and,
+//! when `_record_memory_history()` was on, a ring buffer of events per device
+//! (`device_traces`). [`Snapshot::reconstruct`] turns one device's events into a replayable
+//! [`AllocSequence`], rebuilding the blocks that were already live when the ring buffer's window
+//! opened the way PyTorch's `MemoryViz.js` does: by walking back from the final state.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::pickle::{self, PickleError, Value};
+use crate::sequence::{AllocSequence, Op};
+
+/// Error reading a snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The file could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The bytes are not a readable pickle.
+    #[error("pickle: {0}")]
+    Pickle(#[from] PickleError),
+    /// The pickle does not have the shape of a memory snapshot.
+    #[error("{path}: expected {expected}, found {found}")]
+    Shape {
+        /// Where, e.g. `segments[3].blocks[2].size`.
+        path: String,
+        /// What was expected there.
+        expected: String,
+        /// What was there instead.
+        found: String,
+    },
+}
+
+/// State of a block at dump time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockState {
+    /// Handed out to the program.
+    ActiveAllocated,
+    /// Freed by the program, waiting for stream events before it can be reused.
+    ActivePendingFree,
+    /// Cached free memory.
+    Inactive,
+    /// Any other state string.
+    Other(String),
+}
+
+impl BlockState {
+    fn parse(s: &str) -> Self {
+        match s {
+            "active_allocated" => BlockState::ActiveAllocated,
+            "active_pending_free" => BlockState::ActivePendingFree,
+            "inactive" => BlockState::Inactive,
+            other => BlockState::Other(other.to_string()),
+        }
+    }
+
+    /// Whether the block still holds a live allocation (allocated or pending free).
+    pub fn is_active(&self) -> bool {
+        matches!(
+            self,
+            BlockState::ActiveAllocated | BlockState::ActivePendingFree
+        )
+    }
+}
+
+/// A block inside a segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// Device address (computed from the segment address and the sizes of the blocks before it
+    /// when an old layout does not record it).
+    pub address: u64,
+    /// Rounded size of the block.
+    pub size: u64,
+    /// Bytes the program asked for, when recorded.
+    pub requested_size: Option<u64>,
+    /// State at dump time.
+    pub state: BlockState,
+}
+
+impl Block {
+    /// The requested size when known, else the block size.
+    pub fn requested_or_size(&self) -> u64 {
+        self.requested_size.unwrap_or(self.size)
+    }
+}
+
+/// A segment (one `cudaMalloc` or one expandable mapping) at dump time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// CUDA device index.
+    pub device: u64,
+    /// Base address.
+    pub address: u64,
+    /// Reserved bytes.
+    pub total_size: u64,
+    /// Stream the segment belongs to.
+    pub stream: u64,
+    /// `"large"` or `"small"` pool, when recorded.
+    pub segment_type: Option<String>,
+    /// Bytes in allocated blocks, when recorded.
+    pub allocated_size: Option<u64>,
+    /// Bytes in active blocks, when recorded.
+    pub active_size: Option<u64>,
+    /// The blocks, in address order.
+    pub blocks: Vec<Block>,
+}
+
+/// What a trace event records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The program allocated `size` requested bytes at `addr`.
+    Alloc,
+    /// The program freed the block at `addr` (older snapshots call it `free`).
+    FreeRequested,
+    /// The block at `addr` became reusable (its stream uses completed).
+    FreeCompleted,
+    /// `cudaMalloc` of a new segment.
+    SegmentAlloc,
+    /// `cudaFree` of a segment.
+    SegmentFree,
+    /// Expandable segments: pages mapped.
+    SegmentMap,
+    /// Expandable segments: pages unmapped.
+    SegmentUnmap,
+    /// An allocation failed (`addr` holds the device's free bytes).
+    Oom,
+    /// A snapshot was taken.
+    Snapshot,
+    /// Any other action string.
+    Other(String),
+}
+
+impl Action {
+    fn parse(s: &str) -> Self {
+        match s {
+            "alloc" => Action::Alloc,
+            "free_requested" | "free" => Action::FreeRequested,
+            "free_completed" => Action::FreeCompleted,
+            "segment_alloc" => Action::SegmentAlloc,
+            "segment_free" => Action::SegmentFree,
+            "segment_map" => Action::SegmentMap,
+            "segment_unmap" => Action::SegmentUnmap,
+            "oom" => Action::Oom,
+            "snapshot" => Action::Snapshot,
+            other => Action::Other(other.to_string()),
+        }
+    }
+}
+
+/// One entry of a device's trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceEvent {
+    /// What happened.
+    pub action: Action,
+    /// Device address (for `oom`, the device's free bytes).
+    pub addr: u64,
+    /// Bytes (requested size for `alloc` and frees, segment size for `segment_*`).
+    pub size: u64,
+    /// Stream.
+    pub stream: u64,
+    /// Timestamp in microseconds, when recorded.
+    pub time_us: Option<i64>,
+    /// Innermost Python frame as `file:line function`, when the event has Python frames.
+    pub top_frame: Option<Arc<str>>,
+}
+
+/// A parsed memory snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Allocator state at dump time.
+    pub segments: Vec<Segment>,
+    /// Events per device (index = device); empty when the snapshot has no history.
+    pub device_traces: Vec<Vec<TraceEvent>>,
+}
+
+/// Something in a trace that does not fit the final state or itself. The reconstruction works
+/// around each one so that the sequence stays valid, and reports it here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Anomaly {
+    /// An `alloc` at an address that was still live; the older block is freed first.
+    AllocOverLive {
+        /// Index in the device trace.
+        event: usize,
+        /// The address.
+        addr: u64,
+    },
+    /// A free of an address that the window already saw freed and not allocated again; ignored.
+    DoubleFree {
+        /// Index in the device trace.
+        event: usize,
+        /// The address.
+        addr: u64,
+    },
+    /// The free event's size differs from its alloc event's size (the alloc's is used).
+    FreeSizeMismatch {
+        /// Index in the device trace.
+        event: usize,
+        /// The address.
+        addr: u64,
+        /// Size at allocation.
+        alloc_size: u64,
+        /// Size at free.
+        free_size: u64,
+    },
+    /// Allocated in the window and never freed, but no active block is at that address at the end.
+    LiveButNotInSegments {
+        /// The address.
+        addr: u64,
+        /// Requested size from the trace.
+        size: u64,
+    },
+    /// Allocated in the window and never freed, but the final block's requested size differs.
+    EndSizeMismatch {
+        /// The address.
+        addr: u64,
+        /// Requested size from the trace.
+        trace_size: u64,
+        /// Requested size (or size) of the final block.
+        segment_size: u64,
+    },
+    /// An active final block at an address the window freed and never allocated again; left out.
+    ActiveButFreedInWindow {
+        /// The address.
+        addr: u64,
+        /// Its requested size (or size).
+        size: u64,
+    },
+}
+
+/// The result of [`Snapshot::reconstruct`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reconstruction {
+    /// The replayable sequence.
+    pub sequence: AllocSequence,
+    /// For each op of `sequence.ops`, the index of the device-trace event it came from (`None`
+    /// for the reconstructed initial allocations).
+    pub op_events: Vec<Option<usize>>,
+    /// How many initial allocations came from frees of blocks never allocated in the window.
+    pub initial_from_frees: usize,
+    /// How many initial allocations came from final active blocks that never appear in the window.
+    pub initial_from_segments: usize,
+    /// Whether frees were taken from `free_completed` (else from `free_requested`).
+    pub used_free_completed: bool,
+    /// Inconsistencies found and worked around.
+    pub anomalies: Vec<Anomaly>,
+}
+
+/// PyTorch's reserved bytes over a trace window, from the `segment_*` events.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReservedCurve {
+    /// Reserved bytes when the window opened: the final total minus the window's net change.
+    pub start: u64,
+    /// `(event index, reserved bytes after that event)` for each segment event.
+    pub points: Vec<(usize, u64)>,
+    /// Reserved bytes at dump time (sum of the device's segment sizes).
+    pub end: u64,
+    /// The window's segment events would make the start negative (the trace and the final
+    /// state disagree); `start` was clamped to 0.
+    pub inconsistent: bool,
+}
+
+impl ReservedCurve {
+    /// Largest reserved value over the window, including its start.
+    pub fn peak(&self) -> u64 {
+        self.points
+            .iter()
+            .map(|&(_, r)| r)
+            .fold(self.start, u64::max)
+    }
+}
+
+impl Snapshot {
+    /// Read a snapshot pickle from a file.
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, SnapshotError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_bytes(&bytes)
+    }
+
+    /// Parse a snapshot pickle.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        // A real snapshot spends several bytes on each segment, block and event; a hostile one
+        // could reference one shared dict millions of times and make the expansion quadratic.
+        Self::from_value_limited(&pickle::from_slice(bytes)?, bytes.len())
+    }
+
+    /// Interpret an already parsed pickle. Accepts the dict layout (`segments`, optional
+    /// `device_traces`) and the oldest layout, a bare list of segments.
+    pub fn from_value(v: &Value) -> Result<Self, SnapshotError> {
+        Self::from_value_limited(v, usize::MAX)
+    }
+
+    /// [`Snapshot::from_value`], failing once more than `max_items` segments, blocks and events
+    /// have been read.
+    pub fn from_value_limited(v: &Value, max_items: usize) -> Result<Self, SnapshotError> {
+        let mut budget = Budget(max_items);
+        let (segments_v, traces_v) = match v {
+            Value::Dict(_) => (
+                v.get("segments")
+                    .ok_or_else(|| shape("snapshot", "a `segments` key", "none"))?,
+                v.get("device_traces"),
+            ),
+            Value::List(_) => (v, None),
+            other => return Err(shape("snapshot", "a dict or list", other.type_name())),
+        };
+        let segs = seq(segments_v, "segments")?;
+        let mut segments = Vec::with_capacity(segs.len());
+        for (i, s) in segs.iter().enumerate() {
+            let path = format!("segments[{i}]");
+            budget.spend(1, &path)?;
+            if let Some(b) = s.get("blocks").and_then(Value::as_seq) {
+                budget.spend(b.len(), &path)?;
+            }
+            segments.push(parse_segment(s, &path)?);
+        }
+        let mut device_traces = Vec::new();
+        match traces_v {
+            None | Some(Value::None) => {}
+            Some(t) => {
+                for (d, dev) in seq(t, "device_traces")?.iter().enumerate() {
+                    let path = format!("device_traces[{d}]");
+                    let evs = seq(dev, &path)?;
+                    budget.spend(evs.len(), &path)?;
+                    let mut out = Vec::with_capacity(evs.len());
+                    for (i, e) in evs.iter().enumerate() {
+                        out.push(parse_event(e, d, i)?);
+                    }
+                    device_traces.push(out);
+                }
+            }
+        }
+        Ok(Snapshot {
+            segments,
+            device_traces,
+        })
+    }
+
+    /// The events of `device` (empty if none were recorded).
+    pub fn events(&self, device: usize) -> &[TraceEvent] {
+        self.device_traces
+            .get(device)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+
+    /// The segments of `device`.
+    pub fn device_segments(&self, device: usize) -> impl Iterator<Item = &Segment> {
+        self.segments
+            .iter()
+            .filter(move |s| s.device == device as u64)
+    }
+
+    /// Sum of segment sizes of `device` at dump time.
+    pub fn reserved_bytes(&self, device: usize) -> u64 {
+        self.device_segments(device).map(|s| s.total_size).sum()
+    }
+
+    /// Sum of requested sizes of the active blocks of `device` at dump time.
+    pub fn active_requested_bytes(&self, device: usize) -> u64 {
+        self.active_blocks(device)
+            .map(|(_, b)| b.requested_or_size())
+            .sum()
+    }
+
+    fn active_blocks(&self, device: usize) -> impl Iterator<Item = (&Segment, &Block)> {
+        self.device_segments(device)
+            .flat_map(|s| s.blocks.iter().map(move |b| (s, b)))
+            .filter(|(_, b)| b.state.is_active())
+    }
+
+    /// PyTorch's reserved-bytes curve over `device`'s trace window, from the `segment_*` events.
+    pub fn reserved_curve(&self, device: usize) -> ReservedCurve {
+        let events = self.events(device);
+        let delta = |e: &TraceEvent| -> i128 {
+            match e.action {
+                Action::SegmentAlloc | Action::SegmentMap => i128::from(e.size),
+                Action::SegmentFree | Action::SegmentUnmap => -i128::from(e.size),
+                _ => 0,
+            }
+        };
+        let end = self.reserved_bytes(device);
+        let net: i128 = events.iter().map(delta).sum();
+        let start = i128::from(end) - net;
+        let inconsistent = start < 0;
+        let mut cur = start.max(0);
+        let mut points = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            let d = delta(e);
+            if d != 0 {
+                cur += d;
+                let clamped = u64::try_from(cur.max(0)).unwrap_or(u64::MAX);
+                points.push((i, clamped));
+            }
+        }
+        ReservedCurve {
+            start: u64::try_from(start.max(0)).unwrap_or(u64::MAX),
+            points,
+            end,
+            inconsistent,
+        }
+    }
+
+    /// The replayable allocation sequence of `device` (see [`Snapshot::reconstruct`]).
+    pub fn alloc_free_sequence(&self, device: usize) -> AllocSequence {
+        self.reconstruct(device).sequence
+    }
+
+    /// Rebuild `device`'s allocation history as a valid sequence.
+    ///
+    /// * Frees are taken at `free_completed` (when memory becomes reusable), or at
+    ///   `free_requested` when the trace has no `free_completed` event at all.
+    /// * Blocks freed in the window but never allocated in it were live when it opened; so were
+    ///   blocks active at dump time (`active_allocated` or `active_pending_free`) that the window
+    ///   never mentions. Both become `Alloc`s at the start, in address order, with the free
+    ///   event's size or the block's `requested_size` (its `size` in old layouts).
+    /// * Blocks still live at the end are never freed.
+    ///
+    /// Inconsistencies are worked around and listed in [`Reconstruction::anomalies`].
+    pub fn reconstruct(&self, device: usize) -> Reconstruction {
+        let events = self.events(device);
+        let used_free_completed = events.iter().any(|e| e.action == Action::FreeCompleted);
+        let free_action = if used_free_completed {
+            Action::FreeCompleted
+        } else {
+            Action::FreeRequested
+        };
+
+        // Pass 1 over the window with provisional keys; initial blocks get keys as discovered.
+        enum Step {
+            Alloc { key: usize, size: u64, stream: u64 },
+            Free { key: usize },
+        }
+        struct Initial {
+            key: usize,
+            addr: u64,
+            size: u64,
+            stream: u64,
+        }
+        let mut next_key = 0usize;
+        let mut steps: Vec<(usize, Step)> = Vec::new();
+        let mut live: HashMap<u64, (usize, u64)> = HashMap::new();
+        let mut seen: HashSet<u64> = HashSet::new();
+        let mut initial: Vec<Initial> = Vec::new();
+        let mut anomalies = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            if e.action == Action::Alloc {
+                if let Some((key, _)) = live.remove(&e.addr) {
+                    anomalies.push(Anomaly::AllocOverLive {
+                        event: i,
+                        addr: e.addr,
+                    });
+                    steps.push((i, Step::Free { key }));
+                }
+                let key = next_key;
+                next_key += 1;
+                live.insert(e.addr, (key, e.size));
+                seen.insert(e.addr);
+                steps.push((
+                    i,
+                    Step::Alloc {
+                        key,
+                        size: e.size,
+                        stream: e.stream,
+                    },
+                ));
+            } else if e.action == free_action {
+                if let Some((key, size)) = live.remove(&e.addr) {
+                    if size != e.size {
+                        anomalies.push(Anomaly::FreeSizeMismatch {
+                            event: i,
+                            addr: e.addr,
+                            alloc_size: size,
+                            free_size: e.size,
+                        });
+                    }
+                    steps.push((i, Step::Free { key }));
+                } else if seen.insert(e.addr) {
+                    let key = next_key;
+                    next_key += 1;
+                    initial.push(Initial {
+                        key,
+                        addr: e.addr,
+                        size: e.size,
+                        stream: e.stream,
+                    });
+                    steps.push((i, Step::Free { key }));
+                } else {
+                    anomalies.push(Anomaly::DoubleFree {
+                        event: i,
+                        addr: e.addr,
+                    });
+                }
+            }
+        }
+        let initial_from_frees = initial.len();
+
+        // Compare what the window leaves live with the final state; add untouched blocks.
+        let mut end_blocks: HashMap<u64, u64> = HashMap::new();
+        let mut initial_from_segments = 0;
+        for (seg, b) in self.active_blocks(device) {
+            let size = b.requested_or_size();
+            end_blocks.insert(b.address, size);
+            if live.contains_key(&b.address) {
+                continue;
+            }
+            if seen.contains(&b.address) {
+                anomalies.push(Anomaly::ActiveButFreedInWindow {
+                    addr: b.address,
+                    size,
+                });
+                continue;
+            }
+            initial.push(Initial {
+                key: next_key,
+                addr: b.address,
+                size,
+                stream: seg.stream,
+            });
+            next_key += 1;
+            initial_from_segments += 1;
+        }
+        let mut live_end: Vec<(u64, u64)> = live.iter().map(|(&a, &(_, s))| (a, s)).collect();
+        live_end.sort_unstable();
+        for (addr, size) in live_end {
+            match end_blocks.get(&addr) {
+                None => anomalies.push(Anomaly::LiveButNotInSegments { addr, size }),
+                Some(&seg_size) if seg_size != size => anomalies.push(Anomaly::EndSizeMismatch {
+                    addr,
+                    trace_size: size,
+                    segment_size: seg_size,
+                }),
+                Some(_) => {}
+            }
+        }
+
+        // Pass 2: final ids, initial blocks first in address order, then the window in order.
+        initial.sort_by_key(|b| (b.addr, b.key));
+        let mut id_of = vec![0u64; next_key];
+        let mut ops = Vec::with_capacity(initial.len() + steps.len());
+        let mut op_events = Vec::with_capacity(initial.len() + steps.len());
+        let mut next_id = 0u64;
+        for b in &initial {
+            id_of[b.key] = next_id;
+            ops.push(Op::Alloc {
+                id: next_id,
+                size: b.size,
+                stream: b.stream,
+            });
+            op_events.push(None);
+            next_id += 1;
+        }
+        for (i, step) in steps {
+            let op = match step {
+                Step::Alloc { key, size, stream } => {
+                    id_of[key] = next_id;
+                    next_id += 1;
+                    Op::Alloc {
+                        id: id_of[key],
+                        size,
+                        stream,
+                    }
+                }
+                Step::Free { key } => Op::Free { id: id_of[key] },
+            };
+            ops.push(op);
+            op_events.push(Some(i));
+        }
+        let initially_live = initial.len();
+        // The construction above frees only live keys and never reuses one, so the replay
+        // cannot fail; report a zero peak rather than panic if that ever changes.
+        let peak_live_requested = crate::sequence::replay(&ops)
+            .map(|s| s.peak_live)
+            .unwrap_or(0);
+        let sequence = AllocSequence {
+            ops,
+            peak_live_requested,
+            initially_live,
+        };
+        Reconstruction {
+            sequence,
+            op_events,
+            initial_from_frees,
+            initial_from_segments,
+            used_free_completed,
+            anomalies,
+        }
+    }
+}
+
+/// How many more segments, blocks and events may be read.
+struct Budget(usize);
+
+impl Budget {
+    fn spend(&mut self, n: usize, path: &str) -> Result<(), SnapshotError> {
+        match self.0.checked_sub(n) {
+            Some(left) => {
+                self.0 = left;
+                Ok(())
+            }
+            None => Err(shape(
+                path,
+                "fewer segments, blocks and events than input bytes",
+                "more (shared objects referenced over and over)",
+            )),
+        }
+    }
+}
+
+fn shape(path: &str, expected: &str, found: &str) -> SnapshotError {
+    SnapshotError::Shape {
+        path: path.to_string(),
+        expected: expected.to_string(),
+        found: found.to_string(),
+    }
+}
+
+fn seq<'v>(v: &'v Value, path: &str) -> Result<&'v [Value], SnapshotError> {
+    v.as_seq()
+        .ok_or_else(|| shape(path, "a list", v.type_name()))
+}
+
+fn dict_check(v: &Value, path: &str) -> Result<(), SnapshotError> {
+    match v {
+        Value::Dict(_) => Ok(()),
+        other => Err(shape(path, "a dict", other.type_name())),
+    }
+}
+
+fn describe(v: &Value) -> String {
+    match v {
+        Value::Int(i) => format!("int {i}"),
+        Value::BigInt(i) => format!("int {i}"),
+        Value::Str(s) => format!("str {s:?}"),
+        other => other.type_name().to_string(),
+    }
+}
+
+fn opt_u64(d: &Value, key: &str, path: &str) -> Result<Option<u64>, SnapshotError> {
+    match d.get(key) {
+        None | Some(Value::None) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            shape(
+                &format!("{path}.{key}"),
+                "a non-negative int below 2^64",
+                &describe(v),
+            )
+        }),
+    }
+}
+
+fn req_u64(d: &Value, key: &str, path: &str) -> Result<u64, SnapshotError> {
+    opt_u64(d, key, path)?.ok_or_else(|| shape(path, &format!("a `{key}` key"), "none"))
+}
+
+fn opt_str<'v>(d: &'v Value, key: &str, path: &str) -> Result<Option<&'v str>, SnapshotError> {
+    match d.get(key) {
+        None | Some(Value::None) => Ok(None),
+        Some(v) => v
+            .as_str()
+            .map(Some)
+            .ok_or_else(|| shape(&format!("{path}.{key}"), "a str", &describe(v))),
+    }
+}
+
+fn parse_segment(s: &Value, path: &str) -> Result<Segment, SnapshotError> {
+    dict_check(s, path)?;
+    let address = req_u64(s, "address", path)?;
+    let mut blocks = Vec::new();
+    if let Some(bv) = s.get("blocks") {
+        let bpath = format!("{path}.blocks");
+        let mut offset = address;
+        for (i, b) in seq(bv, &bpath)?.iter().enumerate() {
+            let p = format!("{bpath}[{i}]");
+            dict_check(b, &p)?;
+            let size = req_u64(b, "size", &p)?;
+            let state =
+                opt_str(b, "state", &p)?.ok_or_else(|| shape(&p, "a `state` key", "none"))?;
+            let addr = opt_u64(b, "address", &p)?.unwrap_or(offset);
+            offset = addr.saturating_add(size);
+            blocks.push(Block {
+                address: addr,
+                size,
+                requested_size: opt_u64(b, "requested_size", &p)?,
+                state: BlockState::parse(state),
+            });
+        }
+    }
+    Ok(Segment {
+        device: opt_u64(s, "device", path)?.unwrap_or(0),
+        address,
+        total_size: req_u64(s, "total_size", path)?,
+        stream: opt_u64(s, "stream", path)?.unwrap_or(0),
+        segment_type: opt_str(s, "segment_type", path)?.map(str::to_string),
+        allocated_size: opt_u64(s, "allocated_size", path)?,
+        active_size: opt_u64(s, "active_size", path)?,
+        blocks,
+    })
+}
+
+fn parse_event(e: &Value, device: usize, index: usize) -> Result<TraceEvent, SnapshotError> {
+    let path = format!("device_traces[{device}][{index}]");
+    dict_check(e, &path)?;
+    let action =
+        opt_str(e, "action", &path)?.ok_or_else(|| shape(&path, "an `action` key", "none"))?;
+    let time_us = match e.get("time_us") {
+        None | Some(Value::None) => None,
+        Some(v) => Some(
+            v.as_i128()
+                .and_then(|t| i64::try_from(t).ok())
+                .ok_or_else(|| shape(&format!("{path}.time_us"), "an int", &describe(v)))?,
+        ),
+    };
+    Ok(TraceEvent {
+        action: Action::parse(action),
+        addr: opt_u64(e, "addr", &path)?.unwrap_or(0),
+        size: opt_u64(e, "size", &path)?.unwrap_or(0),
+        stream: opt_u64(e, "stream", &path)?.unwrap_or(0),
+        time_us,
+        top_frame: e.get("frames").and_then(top_python_frame),
+    })
+}
+
+/// The first frame whose file is a Python source, as `file:line name`.
+fn top_python_frame(frames: &Value) -> Option<Arc<str>> {
+    frames.as_seq()?.iter().find_map(|f| {
+        let file = f.get("filename")?.as_str()?;
+        if !file.ends_with(".py") {
+            return None;
+        }
+        let line = f.get("line").and_then(Value::as_i128).unwrap_or(0);
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("?");
+        Some(Arc::from(format!("{file}:{line} {name}")))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(action: Action, addr: u64, size: u64) -> TraceEvent {
+        TraceEvent {
+            action,
+            addr,
+            size,
+            stream: 0,
+            time_us: None,
+            top_frame: None,
+        }
+    }
+
+    fn block(address: u64, size: u64, state: BlockState) -> Block {
+        Block {
+            address,
+            size,
+            requested_size: Some(size),
+            state,
+        }
+    }
+
+    #[test]
+    fn reconstruct_window_with_initial_blocks() {
+        // Final state: block at 0x100 (live throughout, never in the window), block at 0x300
+        // (allocated in the window), 0x200 freed in the window without its alloc.
+        let snap = Snapshot {
+            segments: vec![Segment {
+                device: 0,
+                address: 0x100,
+                total_size: 0x1000,
+                stream: 0,
+                segment_type: None,
+                allocated_size: None,
+                active_size: None,
+                blocks: vec![
+                    block(0x100, 16, BlockState::ActiveAllocated),
+                    block(0x200, 32, BlockState::Inactive),
+                    block(0x300, 8, BlockState::ActivePendingFree),
+                ],
+            }],
+            device_traces: vec![vec![
+                ev(Action::FreeRequested, 0x200, 32),
+                ev(Action::FreeCompleted, 0x200, 32),
+                ev(Action::Alloc, 0x200, 4),
+                ev(Action::FreeRequested, 0x200, 4),
+                ev(Action::FreeCompleted, 0x200, 4),
+                ev(Action::Alloc, 0x300, 8),
+                ev(Action::FreeRequested, 0x300, 8),
+            ]],
+        };
+        let r = snap.reconstruct(0);
+        assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+        assert!(r.used_free_completed);
+        assert_eq!(r.initial_from_frees, 1);
+        assert_eq!(r.initial_from_segments, 1);
+        assert_eq!(
+            r.sequence.ops,
+            vec![
+                Op::Alloc {
+                    id: 0,
+                    size: 16,
+                    stream: 0
+                },
+                Op::Alloc {
+                    id: 1,
+                    size: 32,
+                    stream: 0
+                },
+                Op::Free { id: 1 },
+                Op::Alloc {
+                    id: 2,
+                    size: 4,
+                    stream: 0
+                },
+                Op::Free { id: 2 },
+                Op::Alloc {
+                    id: 3,
+                    size: 8,
+                    stream: 0
+                },
+            ]
+        );
+        assert_eq!(
+            r.op_events,
+            vec![None, None, Some(1), Some(2), Some(4), Some(5)]
+        );
+        assert_eq!(r.sequence.peak_live_requested, 48);
+        let stats = r.sequence.replay().unwrap();
+        assert_eq!(stats.live_bytes_at_end(), snap.active_requested_bytes(0));
+    }
+
+    #[test]
+    fn anomalies_are_worked_around() {
+        let snap = Snapshot {
+            segments: vec![],
+            device_traces: vec![vec![
+                ev(Action::Alloc, 0x10, 4),
+                ev(Action::Alloc, 0x10, 4),
+                ev(Action::FreeRequested, 0x10, 4),
+                ev(Action::FreeRequested, 0x10, 4),
+                ev(Action::Alloc, 0x20, 4),
+            ]],
+        };
+        let r = snap.reconstruct(0);
+        assert_eq!(
+            r.anomalies,
+            vec![
+                Anomaly::AllocOverLive {
+                    event: 1,
+                    addr: 0x10
+                },
+                Anomaly::DoubleFree {
+                    event: 3,
+                    addr: 0x10
+                },
+                Anomaly::LiveButNotInSegments {
+                    addr: 0x20,
+                    size: 4
+                },
+            ]
+        );
+        assert!(!r.used_free_completed);
+        assert!(r.sequence.replay().is_ok());
+    }
+
+    #[test]
+    fn reserved_curve_from_segment_events() {
+        let snap = Snapshot {
+            segments: vec![Segment {
+                device: 0,
+                address: 0,
+                total_size: 100,
+                stream: 0,
+                segment_type: None,
+                allocated_size: None,
+                active_size: None,
+                blocks: vec![],
+            }],
+            device_traces: vec![vec![
+                ev(Action::SegmentAlloc, 0, 50),
+                ev(Action::Alloc, 0, 1),
+                ev(Action::SegmentFree, 0, 80),
+                ev(Action::SegmentMap, 0, 30),
+            ]],
+        };
+        let c = snap.reserved_curve(0);
+        assert_eq!(c.start, 100);
+        assert_eq!(c.points, vec![(0, 150), (2, 70), (3, 100)]);
+        assert_eq!(c.peak(), 150);
+        assert!(!c.inconsistent);
+    }
+
+    #[test]
+    fn shape_errors_name_the_place() {
+        // {'segments': [{'address': 'x'}]}
+        let p: &[u8] = b"\x80\x04}(\x8c\x08segments]}(\x8c\x07address\x8c\x01xuau.";
+        let e = Snapshot::from_bytes(p).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "segments[0].address: expected a non-negative int below 2^64, found str \"x\""
+        );
+        // {'segments': 5}
+        let e = Snapshot::from_bytes(b"\x80\x04}\x8c\x08segmentsK\x05s.").unwrap_err();
+        assert_eq!(e.to_string(), "segments: expected a list, found int");
+        let e = Snapshot::from_bytes(b"\x80\x04}.").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "snapshot: expected a `segments` key, found none"
+        );
+        // {'segments': [s, s, s, ...]} with one shared segment dict referenced 1000 times.
+        let mut p = b"\x80\x04}(\x8c\x08segments](}\x94(\x8c\x07address".to_vec();
+        p.extend(b"K\x00\x8c\ntotal_sizeK\x00u");
+        p.extend(std::iter::repeat(&b"h\x00"[..]).take(1000).flatten());
+        p.extend(b"eu.");
+        let v = pickle::from_slice(&p).unwrap();
+        assert_eq!(Snapshot::from_value(&v).unwrap().segments.len(), 1001);
+        let e = Snapshot::from_value_limited(&v, 1000).unwrap_err();
+        assert!(
+            e.to_string().starts_with("segments[1000]: expected fewer"),
+            "{e}"
+        );
+        let e = Snapshot::from_bytes(b"\x80\x04}").unwrap_err();
+        assert!(matches!(e, SnapshotError::Pickle(_)), "{e}");
+    }
+}
