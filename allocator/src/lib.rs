@@ -5,3 +5,56 @@
 #![deny(missing_docs)]
 
 pub mod driver;
+pub mod config;
+pub mod error;
+pub mod heap;
+pub mod stats;
+
+mod arena;
+pub mod pool;
+
+pub use config::Config;
+pub use driver::cuda::CudaDriver;
+pub use driver::sim::{SimConfig, SimDriver};
+pub use driver::{DeviceId, Driver, StreamId};
+pub use error::{Error, OomReport, Result};
+pub use pool::{Buffer, DevicePool, DeviceReport, Pool, PoolReport};
+pub use stats::Stats;
+
+/// Formats a byte count for people: `512 B`, `1.5 KiB`, `20.0 MiB`, `79.2 GiB`.
+pub fn format_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+/// Prints `msg` to stderr at most once per second (and says how many were suppressed).
+pub(crate) fn log_rate_limited(msg: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::time::{SystemTime, UNIX_EPOCH};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let last = LAST.load(Relaxed);
+    if now > last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
+        let n = SUPPRESSED.swap(0, Relaxed);
+        if n > 0 {
+            eprintln!("{msg} ({n} similar messages suppressed)");
+        } else {
+            eprintln!("{msg}");
+        }
+    } else {
+        SUPPRESSED.fetch_add(1, Relaxed);
+    }
+}

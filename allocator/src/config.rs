@@ -1,0 +1,322 @@
+//! Pool configuration: the typed [`Config`] and its text form, `CISTERN_CONF`.
+//!
+//! `CISTERN_CONF` uses PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax: `key:value` pairs separated by
+//! commas, e.g. `CISTERN_CONF="memory_fraction:0.5,release_threshold:8GiB"`. It is read once,
+//! when a pool is created from the environment. Unknown keys and bad values are errors that name
+//! the key and say what would be accepted: a typo must never be silently ignored.
+//!
+//! Sizes accept a plain byte count or a unit: `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024) or
+//! `KB`, `MB`, `GB`, `TB` (powers of 1000), case-insensitive, e.g. `512MiB`, `1.5GiB`.
+//!
+//! Every key, its default and its meaning is listed in [`KEYS`] (and in the README).
+
+use std::fmt;
+
+/// The name of the environment variable holding the configuration.
+pub const ENV_VAR: &str = "CISTERN_CONF";
+
+/// Every configuration key: `(key, default, meaning)`. The README's table is generated from the
+/// same words; a test checks that every key here appears there.
+pub const KEYS: &[(&str, &str, &str)] = &[
+    (
+        "vmm",
+        "true",
+        "Use the CUDA virtual memory API (reserve address space, map physical pages on demand, \
+         stitch cached pages). Falls back to cuMemAlloc segments when the device lacks VMM.",
+    ),
+    (
+        "memory_limit",
+        "none",
+        "Hard per-process limit on reserved memory per device, as a size (e.g. 40GiB).",
+    ),
+    (
+        "memory_fraction",
+        "1.0",
+        "Per-process limit as a fraction of device memory, in [0, 1]. With memory_limit, the \
+         lower of the two applies.",
+    ),
+    (
+        "release_threshold",
+        "none",
+        "Cached (reserved but unallocated) memory above this size is returned to the driver \
+         after each growth and on trim(). `none` keeps the cache until empty_cache().",
+    ),
+    (
+        "small_size",
+        "1MiB",
+        "Requests up to this size are served from the small heap (its own pages, so short-lived \
+         small blocks do not pin pages of large ones). A multiple of 512 B, at most 64 MiB.",
+    ),
+    (
+        "strict",
+        "false",
+        "Abort the process with a message on an invalid free (unknown pointer, double free) \
+         instead of counting and ignoring it. For debugging.",
+    ),
+];
+
+/// The pool's settings. `Config::default()` is what an empty `CISTERN_CONF` gives.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Config {
+    /// Use virtual memory management when the device supports it.
+    pub vmm: bool,
+    /// Hard limit on reserved bytes per device.
+    pub memory_limit: Option<u64>,
+    /// Limit as a fraction of device memory, in `[0, 1]`.
+    pub memory_fraction: f64,
+    /// Cached bytes above this are released after growth and on `trim()`.
+    pub release_threshold: Option<u64>,
+    /// Requests up to this many bytes use the small heap.
+    pub small_size: u64,
+    /// Abort on invalid frees.
+    pub strict: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            vmm: true,
+            memory_limit: None,
+            memory_fraction: 1.0,
+            release_threshold: None,
+            small_size: 1 << 20,
+            strict: false,
+        }
+    }
+}
+
+/// A configuration error: which key, and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The offending key (or the whole entry when it has no key).
+    pub key: String,
+    /// What is wrong, and what would be accepted.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{ENV_VAR}: `{}`: {}", self.key, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+/// Parses a size such as `4096`, `512MiB`, `1.5GiB` or `2GB` into bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let mult: f64 = match unit.as_str() {
+        "" | "b" => 1.0,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024.0 * 1024.0,
+        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+        "tib" | "t" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => {
+            return Err(format!(
+                "unknown unit `{unit}` in `{text}`: use bytes or KiB, MiB, GiB, TiB (1024-based) \
+                 or KB, MB, GB, TB (1000-based)"
+            ))
+        }
+    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size: expected a number with an optional unit, e.g. 512MiB"))?;
+    let bytes = value * mult;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        other => Err(err(key, format!("`{other}` is not a boolean: use true or false"))),
+    }
+}
+
+fn parse_opt_size(key: &str, v: &str) -> Result<Option<u64>, ConfigError> {
+    if v.trim().eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    parse_size(v).map(Some).map_err(|m| err(key, m))
+}
+
+impl Config {
+    /// Parses `key:value,key:value` text. Empty text gives the defaults.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        for entry in text.split(',') {
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
+            let Some((key, value)) = entry.split_once(':') else {
+                return Err(err(entry, "expected `key:value`"));
+            };
+            let key = key.trim();
+            c.set(key, value.trim())?;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads [`ENV_VAR`]; unset or empty gives the defaults.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        match std::env::var(ENV_VAR) {
+            Ok(text) => Config::parse(&text),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(err(ENV_VAR, "is not valid UTF-8")),
+        }
+    }
+
+    /// Sets one key from its text value (without validating the whole config).
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        match key {
+            "vmm" => self.vmm = parse_bool(key, value)?,
+            "memory_limit" => {
+                self.memory_limit = parse_opt_size(key, value)?;
+                if self.memory_limit == Some(0) {
+                    return Err(err(key, "must be greater than 0 (or `none`)"));
+                }
+            }
+            "memory_fraction" => {
+                let f: f64 = value.parse().map_err(|_| {
+                    err(key, format!("`{value}` is not a number: use a fraction in [0, 1]"))
+                })?;
+                self.memory_fraction = f;
+            }
+            "release_threshold" => self.release_threshold = parse_opt_size(key, value)?,
+            "small_size" => {
+                self.small_size = parse_size(value).map_err(|m| err(key, m))?;
+            }
+            "strict" => self.strict = parse_bool(key, value)?,
+            _ => {
+                let valid: Vec<&str> = KEYS.iter().map(|k| k.0).collect();
+                return Err(err(
+                    key,
+                    format!("unknown key; valid keys are: {}", valid.join(", ")),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks ranges and combinations.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(0.0..=1.0).contains(&self.memory_fraction) || self.memory_fraction.is_nan() {
+            return Err(err(
+                "memory_fraction",
+                format!("{} is outside [0, 1]", self.memory_fraction),
+            ));
+        }
+        if self.small_size < 512 || self.small_size % 512 != 0 || self.small_size > 64 << 20 {
+            return Err(err(
+                "small_size",
+                format!(
+                    "{} must be a multiple of 512 B between 512 B and 64 MiB",
+                    self.small_size
+                ),
+            ));
+        }
+        if self.memory_limit == Some(0) {
+            return Err(err("memory_limit", "must be greater than 0 (or `none`)"));
+        }
+        Ok(())
+    }
+
+    /// The effective limit on reserved bytes for a device of `total` bytes.
+    pub fn limit_for(&self, total: u64) -> u64 {
+        let frac = (total as f64 * self.memory_fraction).floor() as u64;
+        match self.memory_limit {
+            Some(l) => l.min(frac),
+            None => frac,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_is_default() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::parse(" , ").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn parses_every_key() {
+        let c = Config::parse(
+            "vmm:false, memory_limit:8GiB,memory_fraction:0.5,release_threshold:1.5GiB,\
+             small_size:2MiB,strict:true",
+        )
+        .unwrap();
+        assert!(!c.vmm);
+        assert_eq!(c.memory_limit, Some(8 << 30));
+        assert_eq!(c.memory_fraction, 0.5);
+        assert_eq!(c.release_threshold, Some(3 << 29));
+        assert_eq!(c.small_size, 2 << 20);
+        assert!(c.strict);
+    }
+
+    #[test]
+    fn sizes_and_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1KiB").unwrap(), 1024);
+        assert_eq!(parse_size("1kb").unwrap(), 1000);
+        assert_eq!(parse_size("2 MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        assert!(parse_size("12XB").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("-5").is_err());
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = Config::parse("memory_fractoin:0.5").unwrap_err();
+        assert_eq!(e.key, "memory_fractoin");
+        assert!(e.to_string().contains("valid keys are"), "{e}");
+        let e = Config::parse("memory_fraction:1.5").unwrap_err();
+        assert_eq!(e.key, "memory_fraction");
+        let e = Config::parse("memory_fraction:-0.1").unwrap_err();
+        assert_eq!(e.key, "memory_fraction");
+        let e = Config::parse("memory_fraction:half").unwrap_err();
+        assert_eq!(e.key, "memory_fraction");
+        let e = Config::parse("small_size:1000").unwrap_err();
+        assert_eq!(e.key, "small_size");
+        let e = Config::parse("memory_limit:0").unwrap_err();
+        assert_eq!(e.key, "memory_limit");
+        let e = Config::parse("memory_limit:12 parsecs").unwrap_err();
+        assert_eq!(e.key, "memory_limit");
+        let e = Config::parse("vmm").unwrap_err();
+        assert!(e.message.contains("key:value"));
+        let e = Config::parse("strict:maybe").unwrap_err();
+        assert_eq!(e.key, "strict");
+    }
+
+    #[test]
+    fn limit_takes_the_lower() {
+        let c = Config::parse("memory_limit:10GiB,memory_fraction:0.5").unwrap();
+        assert_eq!(c.limit_for(80 << 30), 10 << 30);
+        assert_eq!(c.limit_for(16 << 30), 8 << 30);
+        assert_eq!(Config::default().limit_for(1 << 30), 1 << 30);
+    }
+}

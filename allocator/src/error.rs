@@ -1,0 +1,195 @@
+//! The library's error type and the out-of-memory report.
+//!
+//! Reports are plain data with `Display` (for people) and serde (for tools).
+
+use std::fmt;
+
+use crate::config::ConfigError;
+use crate::driver::{DeviceId, DriverError, DriverErrorKind, StreamId};
+
+/// Everything that can go wrong when asking the pool for something.
+#[derive(Debug, Clone)]
+pub enum Error {
+    /// The device has no memory left for the request, after the whole OOM protocol ran.
+    OutOfMemory(Box<OomReport>),
+    /// The request would take reserved memory above the configured per-process limit.
+    LimitExceeded(Box<OomReport>),
+    /// A driver call failed in a way the pool could not recover from.
+    Driver(DriverError),
+    /// No CUDA driver could be used; the message says what to do.
+    NoDriver(String),
+    /// The device ordinal does not exist.
+    InvalidDevice {
+        /// The ordinal asked for.
+        device: DeviceId,
+        /// How many devices exist.
+        count: usize,
+    },
+    /// An argument was rejected (the message says which and why).
+    InvalidArgument(String),
+    /// The configuration was rejected.
+    Config(ConfigError),
+}
+
+impl Error {
+    /// Whether this is an out-of-memory or limit error (the ones a caller can recover from by
+    /// freeing memory).
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::OutOfMemory(_) | Error::LimitExceeded(_))
+    }
+
+    /// The OOM report, when there is one.
+    pub fn oom_report(&self) -> Option<&OomReport> {
+        match self {
+            Error::OutOfMemory(r) | Error::LimitExceeded(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+impl From<DriverError> for Error {
+    fn from(e: DriverError) -> Self {
+        if e.kind == DriverErrorKind::NoDriver {
+            Error::NoDriver(e.message)
+        } else {
+            Error::Driver(e)
+        }
+    }
+}
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Self {
+        Error::Config(e)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::OutOfMemory(r) => write!(f, "out of memory: {r}"),
+            Error::LimitExceeded(r) => write!(f, "memory limit exceeded: {r}"),
+            Error::Driver(e) => write!(f, "driver error: {e}"),
+            Error::NoDriver(m) => f.write_str(m),
+            Error::InvalidDevice { device, count } => write!(
+                f,
+                "invalid device {device}: {count} device(s) visible (check CUDA_VISIBLE_DEVICES)"
+            ),
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::Config(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Shorthand for the library's results.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Bytes attributed to one tag or call site, for reports.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Attribution {
+    /// The tag or symbolised site.
+    pub name: String,
+    /// Live bytes.
+    pub bytes: u64,
+    /// Live blocks.
+    pub blocks: u64,
+}
+
+/// Another process's use of the device, when known (filled by the registry/NVML layer).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OtherProcess {
+    /// Process id.
+    pub pid: u32,
+    /// Bytes it holds on the device.
+    pub bytes: u64,
+    /// Its command line, when known.
+    pub command: String,
+}
+
+/// What the pool knew when a request failed: enough to tell who holds the memory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OomReport {
+    /// The device.
+    pub device: DeviceId,
+    /// The stream of the request.
+    pub stream: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Bytes after rounding.
+    pub rounded: u64,
+    /// The per-process limit on reserved bytes.
+    pub limit: u64,
+    /// Device memory free (all processes), from the driver.
+    pub device_free: u64,
+    /// Device memory in total.
+    pub device_total: u64,
+    /// Bytes this pool holds from the driver.
+    pub reserved: u64,
+    /// Bytes in live blocks.
+    pub live: u64,
+    /// Bytes freed but waiting on other streams' work.
+    pub pending: u64,
+    /// Reserved bytes in no live or pending block.
+    pub cached: u64,
+    /// The largest free range in any arena.
+    pub largest_free: u64,
+    /// Live bytes by tag, largest first (empty until provenance is on).
+    pub top_tags: Vec<Attribution>,
+    /// Live bytes by call site, largest first (empty until sampling is on).
+    pub top_sites: Vec<Attribution>,
+    /// Other processes on the device, when known.
+    pub other_processes: Vec<OtherProcess>,
+    /// Why the request failed, in words.
+    pub reason: String,
+}
+
+fn mib(b: u64) -> String {
+    crate::format_bytes(b)
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "tried to allocate {} (rounded to {}) on device {} stream {}: {}",
+            mib(self.requested),
+            mib(self.rounded),
+            self.device,
+            StreamId(self.stream),
+            self.reason
+        )?;
+        writeln!(
+            f,
+            "  device: {} free of {}; limit for this process: {}",
+            mib(self.device_free),
+            mib(self.device_total),
+            mib(self.limit)
+        )?;
+        writeln!(
+            f,
+            "  this process: {} reserved = {} live + {} pending other streams + {} cached \
+             (largest free range {})",
+            mib(self.reserved),
+            mib(self.live),
+            mib(self.pending),
+            mib(self.cached),
+            mib(self.largest_free)
+        )?;
+        for (title, list) in [("tags", &self.top_tags), ("call sites", &self.top_sites)] {
+            if !list.is_empty() {
+                writeln!(f, "  top {title} by live bytes:")?;
+                for a in list {
+                    writeln!(f, "    {:>12}  {:>6} blocks  {}", mib(a.bytes), a.blocks, a.name)?;
+                }
+            }
+        }
+        if !self.other_processes.is_empty() {
+            writeln!(f, "  other processes on this device:")?;
+            for p in &self.other_processes {
+                writeln!(f, "    pid {:>7}  {:>12}  {}", p.pid, mib(p.bytes), p.command)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,752 @@
+//! The search structure: spans of address ranges and a segregated-fit index over the free ones.
+//!
+//! A [`Heap`] owns the *bookkeeping* of one or more segments (contiguous address ranges). Every
+//! byte of a segment belongs to exactly one [`Span`], and each span is
+//!
+//! * `Live`: handed to a user,
+//! * `Pending`: freed by the user, but other streams may still use it (waiting on events),
+//! * `Free`: mapped and reusable,
+//! * `Hole`: address space with no physical memory behind it (page-aligned).
+//!
+//! It knows nothing of devices, drivers, pages or streams: it works on `(address, length)` and
+//! never calls anything. The pool above it decides which pages are mapped and turns holes into
+//! free space (after mapping) or free space into holes (before unmapping).
+//!
+//! # Note [Segregated fit]
+//!
+//! Free spans are indexed TLSF-style: sizes are counted in 512 B units, a first level per power
+//! of two and 16 linear sub-classes per level, with one bitmap per level. Finding a free span is
+//! O(1) in the number of spans: scan the head of the request's own class for the best fit (up to
+//! [`CLASS_SCAN`] entries, stopping at an exact fit, so that a loop that frees and allocates the
+//! same sizes gets its own blocks back), else take the first span of the next non-empty class
+//! (every span there is large enough). Free spans are always coalesced with free neighbours, so
+//! a span's neighbours are never free.
+
+/// Every size and address the heap deals with is a multiple of this.
+pub const ALIGN: u64 = 512;
+
+/// Index of a span inside its heap. Stable for as long as the span is live or pending.
+pub type SpanId = u32;
+
+/// "No span".
+pub const NIL: SpanId = u32::MAX;
+
+const SL_LOG2: u32 = 4;
+const SL: usize = 1 << SL_LOG2;
+const FL: usize = 48;
+
+/// How many spans of the request's own class are examined for a best fit.
+pub const CLASS_SCAN: usize = 32;
+
+/// The state of a span.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SpanState {
+    /// Mapped and reusable.
+    Free,
+    /// Handed to a user.
+    Live,
+    /// Freed by the user; waiting for other streams' work to finish.
+    Pending,
+    /// Address space without physical memory.
+    Hole,
+    /// An unused slot of the span table.
+    Vacant,
+}
+
+/// Per-block metadata that travels with a live span. The provenance layer fills `tag`, `site`,
+/// `thread` and `time_ns`; the pool fills `requested`.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockMeta {
+    /// The size the user asked for (before rounding).
+    pub requested: u64,
+    /// Interned tag id (0: none).
+    pub tag: u32,
+    /// Interned call-site id (0: not sampled).
+    pub site: u32,
+    /// Small id of the allocating thread (0: unknown).
+    pub thread: u32,
+    /// Monotonic allocation time in nanoseconds (0: not recorded).
+    pub time_ns: u64,
+}
+
+/// One span: a range of a segment in one state.
+#[derive(Clone, Debug)]
+pub struct Span {
+    /// First address.
+    pub start: u64,
+    /// Length in bytes (a multiple of [`ALIGN`]).
+    pub len: u64,
+    /// What the span is.
+    pub state: SpanState,
+    /// The segment it belongs to (the pool's index).
+    pub seg: u32,
+    /// The span just below, or [`NIL`].
+    pub prev: SpanId,
+    /// The span just above, or [`NIL`].
+    pub next: SpanId,
+    fprev: SpanId,
+    fnext: SpanId,
+    /// Metadata of a live or pending block.
+    pub meta: BlockMeta,
+}
+
+impl Span {
+    /// One past the last address.
+    #[inline]
+    pub fn end(&self) -> u64 {
+        self.start + self.len
+    }
+}
+
+/// Spans of some segments, with a segregated free-list index.
+#[derive(Debug)]
+pub struct Heap {
+    spans: Vec<Span>,
+    vacant: Vec<SpanId>,
+    heads: Vec<SpanId>,
+    fl_bitmap: u64,
+    sl_bitmap: [u32; FL],
+    free_count: u64,
+    free_bytes: u64,
+}
+
+impl Default for Heap {
+    fn default() -> Self {
+        Heap::new()
+    }
+}
+
+#[inline]
+fn mapping(len: u64) -> (usize, usize) {
+    let units = len / ALIGN;
+    if units < SL as u64 {
+        (0, units as usize)
+    } else {
+        let f = 63 - units.leading_zeros();
+        let fl = (f - (SL_LOG2 - 1)) as usize;
+        let sl = ((units >> (f - SL_LOG2)) as usize) - SL;
+        (fl.min(FL - 1), sl)
+    }
+}
+
+impl Heap {
+    /// An empty heap.
+    pub fn new() -> Heap {
+        Heap {
+            spans: Vec::new(),
+            vacant: Vec::new(),
+            heads: vec![NIL; FL * SL],
+            fl_bitmap: 0,
+            sl_bitmap: [0; FL],
+            free_count: 0,
+            free_bytes: 0,
+        }
+    }
+
+    /// The span `id`.
+    #[inline]
+    pub fn span(&self, id: SpanId) -> &Span {
+        &self.spans[id as usize]
+    }
+
+    /// The span `id`, mutably (only its metadata should be changed through this).
+    #[inline]
+    pub fn meta_mut(&mut self, id: SpanId) -> &mut BlockMeta {
+        &mut self.spans[id as usize].meta
+    }
+
+    /// Number of free spans.
+    pub fn free_count(&self) -> u64 {
+        self.free_count
+    }
+
+    /// Bytes in free spans.
+    pub fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+
+    fn new_span(&mut self, span: Span) -> SpanId {
+        if let Some(id) = self.vacant.pop() {
+            self.spans[id as usize] = span;
+            id
+        } else {
+            self.spans.push(span);
+            (self.spans.len() - 1) as SpanId
+        }
+    }
+
+    fn release(&mut self, id: SpanId) {
+        let s = &mut self.spans[id as usize];
+        s.state = SpanState::Vacant;
+        s.prev = NIL;
+        s.next = NIL;
+        self.vacant.push(id);
+    }
+
+    fn insert_free(&mut self, id: SpanId) {
+        let (fl, sl) = mapping(self.spans[id as usize].len);
+        let idx = fl * SL + sl;
+        let head = self.heads[idx];
+        {
+            let s = &mut self.spans[id as usize];
+            s.state = SpanState::Free;
+            s.fprev = NIL;
+            s.fnext = head;
+        }
+        if head != NIL {
+            self.spans[head as usize].fprev = id;
+        }
+        self.heads[idx] = id;
+        self.fl_bitmap |= 1 << fl;
+        self.sl_bitmap[fl] |= 1 << sl;
+        self.free_count += 1;
+        self.free_bytes += self.spans[id as usize].len;
+    }
+
+    fn remove_free(&mut self, id: SpanId) {
+        let (len, fprev, fnext) = {
+            let s = &self.spans[id as usize];
+            debug_assert_eq!(s.state, SpanState::Free);
+            (s.len, s.fprev, s.fnext)
+        };
+        let (fl, sl) = mapping(len);
+        let idx = fl * SL + sl;
+        if fprev != NIL {
+            self.spans[fprev as usize].fnext = fnext;
+        } else {
+            self.heads[idx] = fnext;
+            if fnext == NIL {
+                self.sl_bitmap[fl] &= !(1 << sl);
+                if self.sl_bitmap[fl] == 0 {
+                    self.fl_bitmap &= !(1 << fl);
+                }
+            }
+        }
+        if fnext != NIL {
+            self.spans[fnext as usize].fprev = fprev;
+        }
+        self.free_count -= 1;
+        self.free_bytes -= len;
+    }
+
+    /// Adds a segment `[start, start + len)` as one span in `state` (`Free` or `Hole`); returns
+    /// the segment's first span, which stays its first span for as long as the segment exists.
+    pub fn add_segment(&mut self, seg: u32, start: u64, len: u64, state: SpanState) -> SpanId {
+        debug_assert!(len > 0 && len % ALIGN == 0 && start % ALIGN == 0);
+        let id = self.new_span(Span {
+            start,
+            len,
+            state: SpanState::Hole,
+            seg,
+            prev: NIL,
+            next: NIL,
+            fprev: NIL,
+            fnext: NIL,
+            meta: BlockMeta::default(),
+        });
+        if state == SpanState::Free {
+            self.insert_free(id);
+        }
+        id
+    }
+
+    /// Removes a whole segment given its first span. Every span must be free or a hole.
+    pub fn remove_segment(&mut self, first: SpanId) {
+        let mut id = first;
+        while id != NIL {
+            let next = self.spans[id as usize].next;
+            if self.spans[id as usize].state == SpanState::Free {
+                self.remove_free(id);
+            }
+            self.release(id);
+            id = next;
+        }
+    }
+
+    /// Finds a free span of at least `size` bytes (a multiple of [`ALIGN`]).
+    #[inline]
+    pub fn find(&self, size: u64) -> Option<SpanId> {
+        let (fl, sl) = mapping(size);
+        // Best fit among the first few spans of the request's own class.
+        let mut id = self.heads[fl * SL + sl];
+        let mut best = NIL;
+        let mut best_len = u64::MAX;
+        let mut scanned = 0;
+        while id != NIL && scanned < CLASS_SCAN {
+            let s = &self.spans[id as usize];
+            if s.len >= size && s.len < best_len {
+                best = id;
+                best_len = s.len;
+                if s.len == size {
+                    break;
+                }
+            }
+            id = s.fnext;
+            scanned += 1;
+        }
+        if best != NIL {
+            return Some(best);
+        }
+        // Any span of a larger class fits.
+        let sl_map = if sl + 1 < SL {
+            self.sl_bitmap[fl] & (!0u32 << (sl + 1))
+        } else {
+            0
+        };
+        let (fl2, sl2) = if sl_map != 0 {
+            (fl, sl_map.trailing_zeros() as usize)
+        } else {
+            let fl_map = if fl + 1 < FL {
+                self.fl_bitmap & (!0u64 << (fl + 1))
+            } else {
+                0
+            };
+            if fl_map == 0 {
+                return None;
+            }
+            let f = fl_map.trailing_zeros() as usize;
+            (f, self.sl_bitmap[f].trailing_zeros() as usize)
+        };
+        let head = self.heads[fl2 * SL + sl2];
+        debug_assert!(head != NIL);
+        Some(head)
+    }
+
+    /// Turns the free span `id` into a live block of `size` bytes at its start; the rest, if
+    /// any, stays free. Returns `id`, now live.
+    #[inline]
+    pub fn take(&mut self, id: SpanId, size: u64) -> SpanId {
+        self.remove_free(id);
+        let (start, len, seg, next) = {
+            let s = &self.spans[id as usize];
+            (s.start, s.len, s.seg, s.next)
+        };
+        debug_assert!(len >= size);
+        if len > size {
+            let rest = self.new_span(Span {
+                start: start + size,
+                len: len - size,
+                state: SpanState::Free,
+                seg,
+                prev: id,
+                next,
+                fprev: NIL,
+                fnext: NIL,
+                meta: BlockMeta::default(),
+            });
+            if next != NIL {
+                self.spans[next as usize].prev = rest;
+            }
+            self.spans[id as usize].next = rest;
+            self.spans[id as usize].len = size;
+            self.insert_free(rest);
+        }
+        let s = &mut self.spans[id as usize];
+        s.state = SpanState::Live;
+        id
+    }
+
+    /// Marks a live span pending (freed, waiting on other streams).
+    pub fn set_pending(&mut self, id: SpanId) {
+        debug_assert_eq!(self.spans[id as usize].state, SpanState::Live);
+        self.spans[id as usize].state = SpanState::Pending;
+    }
+
+    /// Frees a live or pending span and coalesces it with free neighbours. Returns the id of
+    /// the resulting free span.
+    #[inline]
+    pub fn free(&mut self, id: SpanId) -> SpanId {
+        debug_assert!(matches!(
+            self.spans[id as usize].state,
+            SpanState::Live | SpanState::Pending
+        ));
+        self.spans[id as usize].meta = BlockMeta::default();
+        let next = self.spans[id as usize].next;
+        if next != NIL && self.spans[next as usize].state == SpanState::Free {
+            self.remove_free(next);
+            self.absorb_next(id);
+        }
+        let prev = self.spans[id as usize].prev;
+        let id = if prev != NIL && self.spans[prev as usize].state == SpanState::Free {
+            self.remove_free(prev);
+            self.absorb_next(prev);
+            prev
+        } else {
+            id
+        };
+        self.insert_free(id);
+        id
+    }
+
+    /// `id` swallows the span after it.
+    fn absorb_next(&mut self, id: SpanId) {
+        let next = self.spans[id as usize].next;
+        let (nlen, nnext) = {
+            let n = &self.spans[next as usize];
+            (n.len, n.next)
+        };
+        self.spans[id as usize].len += nlen;
+        self.spans[id as usize].next = nnext;
+        if nnext != NIL {
+            self.spans[nnext as usize].prev = id;
+        }
+        self.release(next);
+    }
+
+    /// Splits span `id` at `at` (strictly inside it); returns the new upper span, in the same
+    /// state. The caller fixes free-list membership.
+    fn split_at(&mut self, id: SpanId, at: u64) -> SpanId {
+        let (start, len, seg, next, state) = {
+            let s = &self.spans[id as usize];
+            (s.start, s.len, s.seg, s.next, s.state)
+        };
+        debug_assert!(at > start && at < start + len);
+        let upper = self.new_span(Span {
+            start: at,
+            len: start + len - at,
+            state,
+            seg,
+            prev: id,
+            next,
+            fprev: NIL,
+            fnext: NIL,
+            meta: BlockMeta::default(),
+        });
+        if next != NIL {
+            self.spans[next as usize].prev = upper;
+        }
+        let s = &mut self.spans[id as usize];
+        s.next = upper;
+        s.len = at - start;
+        upper
+    }
+
+    /// Turns `[lo, hi)`, inside the free span `id`, into a hole (its pages are about to be
+    /// unmapped). Returns the hole's span id.
+    pub fn carve_hole(&mut self, id: SpanId, lo: u64, hi: u64) -> SpanId {
+        let s = &self.spans[id as usize];
+        debug_assert_eq!(s.state, SpanState::Free);
+        debug_assert!(s.start <= lo && lo < hi && hi <= s.end());
+        let (start, end) = (s.start, s.end());
+        self.remove_free(id);
+        let mid = if lo > start {
+            let m = self.split_at(id, lo);
+            self.insert_free(id);
+            m
+        } else {
+            id
+        };
+        if hi < end {
+            let upper = self.split_at(mid, hi);
+            self.insert_free(upper);
+        }
+        self.spans[mid as usize].state = SpanState::Hole;
+        self.merge_holes(mid)
+    }
+
+    fn merge_holes(&mut self, id: SpanId) -> SpanId {
+        let next = self.spans[id as usize].next;
+        if next != NIL && self.spans[next as usize].state == SpanState::Hole {
+            self.absorb_next(id);
+        }
+        let prev = self.spans[id as usize].prev;
+        if prev != NIL && self.spans[prev as usize].state == SpanState::Hole {
+            self.absorb_next(prev);
+            return prev;
+        }
+        id
+    }
+
+    /// Turns `[lo, hi)`, inside the hole `id`, into free space (its pages were just mapped), and
+    /// coalesces it. Returns the resulting free span.
+    pub fn fill_hole(&mut self, id: SpanId, lo: u64, hi: u64) -> SpanId {
+        let s = &self.spans[id as usize];
+        debug_assert_eq!(s.state, SpanState::Hole);
+        debug_assert!(s.start <= lo && lo < hi && hi <= s.end());
+        let (start, end) = (s.start, s.end());
+        let mid = if lo > start { self.split_at(id, lo) } else { id };
+        if hi < end {
+            self.split_at(mid, hi);
+        }
+        // Treat the middle as a block being freed: it coalesces with free neighbours.
+        self.spans[mid as usize].state = SpanState::Pending;
+        self.free(mid)
+    }
+
+    /// The spans of a segment, in address order, from its first span.
+    pub fn segment_spans(&self, first: SpanId) -> SegmentSpans<'_> {
+        SegmentSpans {
+            heap: self,
+            id: first,
+        }
+    }
+
+    /// Checks the heap's internal consistency for the segments whose first spans are given as
+    /// `(first, base, len)`. Returns a description of the first violation.
+    pub fn check(&self, segments: &[(SpanId, u64, u64)]) -> Result<(), String> {
+        let mut seen_free = 0u64;
+        let mut seen_free_bytes = 0u64;
+        let mut live_spans = 0usize;
+        for &(first, base, len) in segments {
+            let mut expect = base;
+            let mut prev = NIL;
+            let mut prev_state = SpanState::Vacant;
+            for (id, s) in self.segment_spans(first) {
+                live_spans += 1;
+                if s.start != expect {
+                    return Err(format!(
+                        "span {id} starts at {:#x}, expected {expect:#x}",
+                        s.start
+                    ));
+                }
+                if s.prev != prev {
+                    return Err(format!("span {id} has prev {} instead of {prev}", s.prev));
+                }
+                if s.len == 0 || s.len % ALIGN != 0 || s.start % ALIGN != 0 {
+                    return Err(format!("span {id} is misaligned: {s:?}"));
+                }
+                match s.state {
+                    SpanState::Vacant => return Err(format!("span {id} is vacant but linked")),
+                    SpanState::Free => {
+                        if prev_state == SpanState::Free {
+                            return Err(format!("free span {id} follows a free span"));
+                        }
+                        seen_free += 1;
+                        seen_free_bytes += s.len;
+                        let (fl, sl) = mapping(s.len);
+                        let mut f = self.heads[fl * SL + sl];
+                        let mut found = false;
+                        while f != NIL {
+                            if f == id {
+                                found = true;
+                                break;
+                            }
+                            f = self.spans[f as usize].fnext;
+                        }
+                        if !found {
+                            return Err(format!("free span {id} is not in its class list"));
+                        }
+                    }
+                    SpanState::Hole => {
+                        if prev_state == SpanState::Hole {
+                            return Err(format!("hole {id} follows a hole"));
+                        }
+                    }
+                    _ => {}
+                }
+                expect = s.end();
+                prev = id;
+                prev_state = s.state;
+            }
+            if expect != base + len {
+                return Err(format!(
+                    "segment at {base:#x} covers up to {expect:#x}, expected {:#x}",
+                    base + len
+                ));
+            }
+        }
+        if seen_free != self.free_count || seen_free_bytes != self.free_bytes {
+            return Err(format!(
+                "free totals {}/{} B disagree with spans {seen_free}/{seen_free_bytes} B",
+                self.free_count, self.free_bytes
+            ));
+        }
+        let mut listed = 0u64;
+        for fl in 0..FL {
+            for sl in 0..SL {
+                let head = self.heads[fl * SL + sl];
+                let bit = self.sl_bitmap[fl] & (1 << sl) != 0;
+                if bit != (head != NIL) {
+                    return Err(format!("bitmap bit ({fl},{sl}) disagrees with its list"));
+                }
+                let mut f = head;
+                let mut fp = NIL;
+                while f != NIL {
+                    let s = &self.spans[f as usize];
+                    if s.state != SpanState::Free || mapping(s.len) != (fl, sl) || s.fprev != fp {
+                        return Err(format!("class list ({fl},{sl}) holds a bad span {f}"));
+                    }
+                    listed += 1;
+                    fp = f;
+                    f = s.fnext;
+                }
+            }
+            if (self.fl_bitmap & (1 << fl) != 0) != (self.sl_bitmap[fl] != 0) {
+                return Err(format!("first-level bit {fl} disagrees with its classes"));
+            }
+        }
+        if listed != self.free_count {
+            return Err(format!(
+                "{listed} spans listed free, {} counted",
+                self.free_count
+            ));
+        }
+        if live_spans + self.vacant.len() != self.spans.len() {
+            return Err(format!(
+                "{} spans linked + {} vacant != {} slots",
+                live_spans,
+                self.vacant.len(),
+                self.spans.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Iterator over a segment's spans in address order.
+pub struct SegmentSpans<'a> {
+    heap: &'a Heap,
+    id: SpanId,
+}
+
+impl<'a> Iterator for SegmentSpans<'a> {
+    type Item = (SpanId, &'a Span);
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.id == NIL {
+            return None;
+        }
+        let id = self.id;
+        let s = &self.heap.spans[id as usize];
+        self.id = s.next;
+        Some((id, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn heap_with(len: u64) -> (Heap, SpanId) {
+        let mut h = Heap::new();
+        let first = h.add_segment(0, 0x1000_0000, len, SpanState::Free);
+        (h, first)
+    }
+
+    #[test]
+    fn mapping_is_monotonic_and_classes_fit() {
+        let mut last = (0, 0);
+        for units in 1..100_000u64 {
+            let m = mapping(units * ALIGN);
+            assert!(m >= last, "{units}");
+            last = m;
+        }
+        assert_eq!(mapping(ALIGN), (0, 1));
+        assert!(mapping(1 << 46).0 < FL);
+    }
+
+    #[test]
+    fn take_free_coalesce() {
+        let (mut h, first) = heap_with(4 * MIB);
+        let seg = [(first, 0x1000_0000, 4 * MIB)];
+        let a = h.take(h.find(MIB).unwrap(), MIB);
+        let b = h.take(h.find(MIB).unwrap(), MIB);
+        let c = h.take(h.find(512).unwrap(), 512);
+        h.check(&seg).unwrap();
+        assert_eq!(h.span(a).start, 0x1000_0000);
+        assert_eq!(h.span(b).start, 0x1000_0000 + MIB);
+        assert_eq!(h.span(c).start, 0x1000_0000 + 2 * MIB);
+        h.free(b);
+        h.check(&seg).unwrap();
+        // Exact fit comes back.
+        let b2 = h.find(MIB).unwrap();
+        assert_eq!(h.span(b2).start, 0x1000_0000 + MIB);
+        h.free(a);
+        h.free(c);
+        h.check(&seg).unwrap();
+        assert_eq!(h.free_count(), 1);
+        assert_eq!(h.free_bytes(), 4 * MIB);
+        assert!(h.find(4 * MIB).is_some());
+        assert!(h.find(4 * MIB + 512).is_none());
+    }
+
+    #[test]
+    fn holes_carve_and_fill() {
+        let g = 2 * MIB;
+        let base = 0x1000_0000;
+        let (mut h, first) = heap_with(8 * MIB);
+        let seg = [(first, base, 8 * MIB)];
+        let a = h.take(h.find(MIB).unwrap(), MIB);
+        let free = h.find(7 * MIB).unwrap();
+        let hole = h.carve_hole(free, base + g, base + 3 * g);
+        h.check(&seg).unwrap();
+        assert_eq!(h.span(hole).state, SpanState::Hole);
+        assert_eq!(h.free_bytes(), 7 * MIB - 2 * g);
+        // A second carve next to it merges holes.
+        let free2 = h.find(2 * MIB).unwrap();
+        assert_eq!(h.span(free2).start, base + 3 * g);
+        let hole2 = h.carve_hole(free2, base + 3 * g, base + 4 * g);
+        assert_eq!(hole2, hole);
+        assert_eq!(h.span(hole).len, 3 * g);
+        h.check(&seg).unwrap();
+        let f = h.fill_hole(hole, base + g, base + 4 * g);
+        h.check(&seg).unwrap();
+        assert_eq!(h.span(f).start, base + MIB);
+        assert_eq!(h.span(f).len, 7 * MIB);
+        h.free(a);
+        h.check(&seg).unwrap();
+        assert_eq!(h.free_count(), 1);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+        Carve(usize),
+    }
+
+    proptest! {
+        #[test]
+        fn random_programs_keep_the_heap_consistent(
+            ops in prop::collection::vec(prop_oneof![
+                (1u64..4096).prop_map(Op::Alloc),
+                any::<usize>().prop_map(Op::Free),
+                any::<usize>().prop_map(Op::Carve),
+            ], 1..200)
+        ) {
+            let base = 0x4000_0000u64;
+            let len = 64 * MIB;
+            let (mut h, first) = heap_with(len);
+            let seg = [(first, base, len)];
+            let mut live: Vec<(SpanId, u64, u64)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(units) => {
+                        let size = units * ALIGN;
+                        if let Some(id) = h.find(size) {
+                            prop_assert!(h.span(id).len >= size);
+                            let id = h.take(id, size);
+                            let s = h.span(id);
+                            for &(_, st, ln) in &live {
+                                prop_assert!(s.end() <= st || st + ln <= s.start, "overlap");
+                            }
+                            live.push((id, s.start, s.len));
+                        }
+                    }
+                    Op::Free(i) if !live.is_empty() => {
+                        let (id, _, _) = live.swap_remove(i % live.len());
+                        h.free(id);
+                    }
+                    Op::Carve(i) => {
+                        // Carve the first whole 2 MiB page of some free span, if any.
+                        let frees: Vec<SpanId> = h.segment_spans(first)
+                            .filter(|(_, s)| s.state == SpanState::Free)
+                            .map(|(id, _)| id).collect();
+                        if !frees.is_empty() {
+                            let id = frees[i % frees.len()];
+                            let s = h.span(id).clone();
+                            let lo = s.start.div_ceil(2 * MIB) * 2 * MIB;
+                            if lo + 2 * MIB <= s.end() {
+                                h.carve_hole(id, lo, lo + 2 * MIB);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                h.check(&seg).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
