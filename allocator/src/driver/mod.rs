@@ -310,8 +310,12 @@ pub trait Driver: Send + Sync + 'static {
     /// Destroys an event.
     fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()>;
     /// Makes `stream` wait (on the device) until `event` has completed.
-    fn stream_wait_event(&self, dev: DeviceId, stream: StreamId, event: EventId)
-        -> DriverResult<()>;
+    fn stream_wait_event(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+        event: EventId,
+    ) -> DriverResult<()>;
     /// Blocks the host until all work on device `dev` has completed.
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
 

@@ -1,1 +1,2388 @@
-//! The simulated GPU (being written).
+//! The simulated GPU: [`SimDriver`], a [`Driver`] with no hardware behind it.
+//!
+//! This module owns the simulator's whole state: per device, the virtual address space
+//! (reservations and their free list), physical handles, mappings and access rights, linear
+//! allocations, events, and the **work model** (synthetic kernels queued on streams); and, for the
+//! whole simulator, call counters, fault injection, optional latencies and the hazard log. It is
+//! used by tests, benches and `cistern replay`, and a later fake `libcuda.so` wraps it, so its
+//! semantics and error codes follow the real CUDA driver closely.
+//!
+//! # Model
+//!
+//! * Each device has its own disjoint address regions: VMM reservations come from
+//!   `0x7000_0000_0000 + dev * 2^41` (1 TiB), linear allocations from the next TiB. Freed ranges
+//!   are reused (first fit). `0` is never handed out.
+//! * Physical handles and linear allocations count against the device's capacity (minus the
+//!   memory of simulated other processes). Nothing is backed by host memory unless
+//!   [`SimConfig::backing`] is set; then host storage is allocated lazily, 64 KiB at a time, and
+//!   belongs to the physical handle (or linear allocation), so data follows a page that is
+//!   unmapped and mapped elsewhere.
+//! * **Work**: [`SimDriver::launch`] queues one unit of work on a stream, touching address ranges.
+//!   Each range is translated at launch time into *physical pieces* (handle + offset, or linear
+//!   allocation + offset). Work stays unfinished until a test completes it
+//!   ([`SimDriver::complete_next`], [`SimDriver::complete_stream`], [`SimDriver::complete_all`])
+//!   or a synchronising call (`event_synchronize`, `mem_free`, `device_synchronize`) does.
+//!   Streams are FIFO. `stream_wait_event` makes later work on a stream depend on the event's
+//!   captured work: completing that later work completes the dependency first.
+//! * **Hazards**: [`Driver::note_handout`] records a [`Hazard`] when unfinished work on another
+//!   stream touches the same physical memory and the handout stream has not waited for it (an
+//!   ordering established through `stream_wait_event`, transitively through pending work). `unmap`
+//!   and `release_physical` of physical memory that unfinished work touches are hazards too.
+//!   When a device has no unfinished work, `note_handout` costs one relaxed atomic load.
+//! * Stream `0` is treated as an ordinary stream: the legacy default stream's implicit
+//!   synchronisation with other streams is not simulated.
+//!
+//! Operations that exist only in the simulator (`launch`, `read`, `write`) are not driver calls:
+//! they are not counted, delayed or subject to fault injection. Their errors name the closest
+//! call kind: [`DriverCall::StreamWaitEvent`] for `launch`, [`DriverCall::SetAccess`] for `read`
+//! and `write`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use super::{
+    DeviceCaps, DeviceId, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
+    MemInfo, PhysHandle, StreamId,
+};
+
+/// The `CUresult` codes the simulator reports.
+pub mod codes {
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+    /// `CUDA_ERROR_INVALID_DEVICE`.
+    pub const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+    /// `CUDA_ERROR_NOT_READY` (an event query that is not complete; the trait reports it as
+    /// `Ok(false)`).
+    pub const CUDA_ERROR_NOT_READY: i32 = 600;
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+    /// `CUDA_ERROR_UNKNOWN`, used for injected faults on calls that cannot run out of memory.
+    pub const CUDA_ERROR_UNKNOWN: i32 = 999;
+}
+
+use codes::*;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+/// Base of device 0's VMM region.
+const REGION_BASE: u64 = 0x7000_0000_0000;
+/// Distance between two devices' regions.
+const DEVICE_STRIDE: u64 = 1 << 41;
+/// Size of each of a device's two regions (VMM, then linear).
+const REGION_SPAN: u64 = 1 << 40;
+/// Alignment of linear allocations (`cuMemAlloc` aligns to at least 256 B).
+const LINEAR_ALIGN: u64 = 512;
+/// Host backing is allocated in chunks of this many bytes.
+const CHUNK: u64 = 64 * 1024;
+/// How many [`DriverCall`] kinds exist.
+const NCALLS: usize = DriverCall::ALL.len();
+
+/// The call kind named by errors of [`SimDriver::launch`].
+const LAUNCH_CALL: DriverCall = DriverCall::StreamWaitEvent;
+/// The call kind named by errors of [`SimDriver::read`] and [`SimDriver::write`].
+const ACCESS_CALL: DriverCall = DriverCall::SetAccess;
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------------
+
+/// Simulated latencies: an optional duration per [`DriverCall`] kind, spent busy-waiting inside
+/// the call (after it is counted, before it does anything).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimLatencies {
+    /// The latency of each call kind, indexed by `DriverCall as usize`.
+    pub per_call: [Option<Duration>; NCALLS],
+}
+
+impl SimLatencies {
+    /// No latency for any call.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Rough latencies of a real GPU driver: `cuMemCreate` ~20 µs, `cuMemMap` ~10 µs,
+    /// `cuMemUnmap` ~20 µs, `cuMemSetAccess` ~10 µs, `cuMemAlloc`/`cuMemFree` ~100 µs, event
+    /// record ~2 µs, event query ~1 µs, and similar guesses for the rest.
+    pub fn realistic() -> Self {
+        let us = Duration::from_micros;
+        let mut l = Self::default();
+        for (call, d) in [
+            (DriverCall::DeviceCount, us(1)),
+            (DriverCall::Capabilities, us(1)),
+            (DriverCall::MemInfo, us(5)),
+            (DriverCall::ReserveVa, us(5)),
+            (DriverCall::FreeVa, us(5)),
+            (DriverCall::CreatePhysical, us(20)),
+            (DriverCall::ReleasePhysical, us(20)),
+            (DriverCall::Map, us(10)),
+            (DriverCall::Unmap, us(20)),
+            (DriverCall::SetAccess, us(10)),
+            (DriverCall::MemAlloc, us(100)),
+            (DriverCall::MemFree, us(100)),
+            (DriverCall::EventCreate, us(2)),
+            (DriverCall::EventRecord, us(2)),
+            (DriverCall::EventQuery, us(1)),
+            (DriverCall::EventSynchronize, us(5)),
+            (DriverCall::EventDestroy, us(2)),
+            (DriverCall::StreamWaitEvent, us(2)),
+            (DriverCall::DeviceSynchronize, us(10)),
+        ] {
+            l.per_call[call as usize] = Some(d);
+        }
+        l
+    }
+
+    /// Sets the latency of one call kind (builder style).
+    pub fn with(mut self, call: DriverCall, latency: Duration) -> Self {
+        self.per_call[call as usize] = Some(latency);
+        self
+    }
+
+    /// The latency of one call kind, if any.
+    pub fn get(&self, call: DriverCall) -> Option<Duration> {
+        self.per_call[call as usize]
+    }
+}
+
+/// How a [`SimDriver`] is set up. Build it with `SimConfig::default()` and the setters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Number of devices (default 1).
+    pub devices: usize,
+    /// Memory per device in bytes (default 80 GiB).
+    pub capacity: u64,
+    /// Allocation granularity in bytes (default 2 MiB). A power of two; [`SimDriver::new`]
+    /// rounds other values up to one (and uses the default for 0).
+    pub granularity: u64,
+    /// Whether the VMM calls are supported (default true).
+    pub vmm: bool,
+    /// Whether memory is backed by host storage, so [`SimDriver::read`] and
+    /// [`SimDriver::write`] work (default false).
+    pub backing: bool,
+    /// Simulated call latencies (default none).
+    pub latencies: Option<SimLatencies>,
+    /// Bytes used on each device by simulated other processes (default 0): subtracted from
+    /// `mem_info`'s free memory and from what can be committed.
+    pub other_process_bytes: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            devices: 1,
+            capacity: 80 * GIB,
+            granularity: 2 * MIB,
+            vmm: true,
+            backing: false,
+            latencies: None,
+            other_process_bytes: 0,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Sets the number of devices.
+    pub fn devices(mut self, devices: usize) -> Self {
+        self.devices = devices;
+        self
+    }
+    /// Sets the memory per device in bytes.
+    pub fn capacity(mut self, bytes: u64) -> Self {
+        self.capacity = bytes;
+        self
+    }
+    /// Sets the allocation granularity in bytes.
+    pub fn granularity(mut self, bytes: u64) -> Self {
+        self.granularity = bytes;
+        self
+    }
+    /// Enables or disables the VMM calls.
+    pub fn vmm(mut self, vmm: bool) -> Self {
+        self.vmm = vmm;
+        self
+    }
+    /// Enables or disables host backing.
+    pub fn backing(mut self, backing: bool) -> Self {
+        self.backing = backing;
+        self
+    }
+    /// Sets simulated call latencies.
+    pub fn latencies(mut self, latencies: SimLatencies) -> Self {
+        self.latencies = Some(latencies);
+        self
+    }
+    /// Sets the bytes used on each device by simulated other processes.
+    pub fn other_process_bytes(mut self, bytes: u64) -> Self {
+        self.other_process_bytes = bytes;
+        self
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public report types
+// ---------------------------------------------------------------------------------------------
+
+/// One unit of work queued by [`SimDriver::launch`]; ids increase per device from 1.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkId(pub u64);
+
+/// What kind of race a [`Hazard`] records.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HazardKind {
+    /// A range was handed out on one stream while unfinished work on another stream, not
+    /// ordered before the handout stream, still touches its physical memory.
+    ReuseWhileInUse,
+    /// A mapping was unmapped while unfinished work still touches its physical memory.
+    UnmapWhileInUse,
+    /// A physical handle was released while unfinished work still touches it.
+    ReleaseWhileInUse,
+    /// Linear memory was freed while unfinished work still touches it. The simulator's
+    /// `mem_free` synchronises the device first (as `cuMemFree` does), so it never reports this
+    /// kind itself; it exists for wrappers whose frees do not synchronise.
+    FreeWhileInUse,
+}
+
+/// A race detected by the simulator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hazard {
+    /// The device.
+    pub dev: DeviceId,
+    /// What happened.
+    pub kind: HazardKind,
+    /// The start of the range handed out or unmapped (0 for a release, which has no address).
+    pub ptr: u64,
+    /// The size of the range handed out or unmapped (the handle's size for a release).
+    pub size: u64,
+    /// The stream the range was handed out on (`None` unless the kind is `ReuseWhileInUse`).
+    pub stream: Option<StreamId>,
+    /// The released handle (`Some` only for `ReleaseWhileInUse`).
+    pub handle: Option<PhysHandle>,
+    /// The stream of the unfinished work.
+    pub other_stream: StreamId,
+    /// The unfinished work that still touches the memory.
+    pub work: WorkId,
+}
+
+impl fmt::Display for Hazard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} on device {}: [{:#x}, +{:#x})",
+            self.kind, self.dev, self.ptr, self.size
+        )?;
+        if let Some(s) = self.stream {
+            write!(f, " handed out on stream {s}")?;
+        }
+        if let Some(h) = self.handle {
+            write!(f, " handle {}", h.0)?;
+        }
+        write!(
+            f,
+            " while work {} on stream {} is unfinished",
+            self.work.0, self.other_stream
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Internal state
+// ---------------------------------------------------------------------------------------------
+
+/// Disjoint, non-adjacent half-open intervals `start -> end`.
+#[derive(Debug, Default)]
+struct IntervalSet {
+    map: BTreeMap<u64, u64>,
+}
+
+impl IntervalSet {
+    fn with(start: u64, end: u64) -> Self {
+        let mut s = Self::default();
+        s.insert(start, end);
+        s
+    }
+
+    fn insert(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&s, &e)) = self.map.range(..=start).next_back() {
+            if e >= start {
+                start = s;
+                end = end.max(e);
+                self.map.remove(&s);
+            }
+        }
+        while let Some((&s, &e)) = self.map.range(start..=end).next() {
+            end = end.max(e);
+            self.map.remove(&s);
+        }
+        self.map.insert(start, end);
+    }
+
+    fn remove(&mut self, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        let mut hits: Vec<(u64, u64)> = Vec::new();
+        if let Some((&s, &e)) = self.map.range(..start).next_back() {
+            if e > start {
+                hits.push((s, e));
+            }
+        }
+        hits.extend(self.map.range(start..end).map(|(&s, &e)| (s, e)));
+        for (s, e) in hits {
+            self.map.remove(&s);
+            if s < start {
+                self.map.insert(s, start);
+            }
+            if e > end {
+                self.map.insert(end, e);
+            }
+        }
+    }
+
+    fn contains(&self, start: u64, end: u64) -> bool {
+        if start >= end {
+            return true;
+        }
+        match self.map.range(..=start).next_back() {
+            Some((_, &e)) => e >= end,
+            None => false,
+        }
+    }
+
+    /// Carves the first (lowest) `size` bytes aligned to `align` out of the set.
+    fn alloc(&mut self, size: u64, align: u64) -> Option<u64> {
+        let found = self.map.iter().find_map(|(&s, &e)| {
+            let a = round_up(s, align)?;
+            let stop = a.checked_add(size)?;
+            (stop <= e).then_some(a)
+        })?;
+        self.remove(found, found + size);
+        Some(found)
+    }
+}
+
+/// `x` rounded up to a multiple of `align` (> 0), or `None` on overflow.
+fn round_up(x: u64, align: u64) -> Option<u64> {
+    Some(x.checked_add(align - 1)? / align * align)
+}
+
+/// Lazily allocated host storage of one physical handle or linear allocation.
+#[derive(Debug, Default)]
+struct Store {
+    chunks: FxHashMap<u64, Box<[u8]>>,
+}
+
+impl Store {
+    fn read(&self, off: u64, out: &mut [u8]) {
+        let mut done = 0usize;
+        while done < out.len() {
+            let pos = off + done as u64;
+            let within = (pos % CHUNK) as usize;
+            let n = (CHUNK as usize - within).min(out.len() - done);
+            match self.chunks.get(&(pos / CHUNK)) {
+                Some(c) => out[done..done + n].copy_from_slice(&c[within..within + n]),
+                None => out[done..done + n].fill(0),
+            }
+            done += n;
+        }
+    }
+
+    fn write(&mut self, off: u64, data: &[u8]) {
+        let mut done = 0usize;
+        while done < data.len() {
+            let pos = off + done as u64;
+            let within = (pos % CHUNK) as usize;
+            let n = (CHUNK as usize - within).min(data.len() - done);
+            let c = self
+                .chunks
+                .entry(pos / CHUNK)
+                .or_insert_with(|| vec![0u8; CHUNK as usize].into_boxed_slice());
+            c[within..within + n].copy_from_slice(&data[done..done + n]);
+            done += n;
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PhysAlloc {
+    size: u64,
+    map_count: u32,
+    data: Store,
+}
+
+#[derive(Debug)]
+struct Mapping {
+    size: u64,
+    handle: u64,
+}
+
+#[derive(Debug)]
+struct LinearAlloc {
+    id: u64,
+    size: u64,
+    data: Store,
+}
+
+/// Which physical memory a piece lies in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum MemKey {
+    Phys(u64),
+    Linear(u64),
+}
+
+/// A contiguous piece of physical memory.
+#[derive(Copy, Clone, Debug)]
+struct Piece {
+    key: MemKey,
+    off: u64,
+    len: u64,
+}
+
+impl Piece {
+    fn overlaps(&self, o: &Piece) -> bool {
+        self.key == o.key && self.off < o.off + o.len && o.off < self.off + self.len
+    }
+}
+
+/// A position in a stream: the work item `work` and everything before it on `stream`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Pos {
+    stream: u64,
+    work: u64,
+}
+
+#[derive(Debug)]
+struct Work {
+    id: u64,
+    pieces: Vec<Piece>,
+    /// Positions on other streams this work waits for (from `stream_wait_event`).
+    deps: Vec<Pos>,
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    /// Unfinished work, oldest first (ids increase).
+    queue: VecDeque<Work>,
+    /// The last work item ever launched on this stream.
+    last: Option<u64>,
+    /// Waits not yet attached to launched work.
+    pending_waits: Vec<Pos>,
+    /// For each other stream, the last work id known to be ordered before this stream's future
+    /// work.
+    waited: FxHashMap<u64, u64>,
+}
+
+#[derive(Debug)]
+struct DevState {
+    va_free: IntervalSet,
+    /// Reservation start -> size.
+    reservations: BTreeMap<u64, u64>,
+    reserved_bytes: u64,
+    handles: FxHashMap<u64, PhysAlloc>,
+    /// Mapping start -> mapping.
+    mappings: BTreeMap<u64, Mapping>,
+    mapped_bytes: u64,
+    /// Address ranges with access granted.
+    access: IntervalSet,
+    linear_free: IntervalSet,
+    /// Linear allocation base -> allocation.
+    linear: BTreeMap<u64, LinearAlloc>,
+    /// Linear allocation id -> base.
+    linear_ids: FxHashMap<u64, u64>,
+    committed: u64,
+    peak: u64,
+    /// Event id -> captured positions (empty: complete).
+    events: FxHashMap<u64, Vec<Pos>>,
+    streams: FxHashMap<u64, StreamState>,
+    next_work: u64,
+}
+
+impl DevState {
+    fn new(dev: DeviceId) -> Self {
+        let base = REGION_BASE.saturating_add((dev as u64).saturating_mul(DEVICE_STRIDE));
+        let linear = base.saturating_add(REGION_SPAN);
+        DevState {
+            va_free: IntervalSet::with(base, linear),
+            reservations: BTreeMap::new(),
+            reserved_bytes: 0,
+            handles: FxHashMap::default(),
+            mappings: BTreeMap::new(),
+            mapped_bytes: 0,
+            access: IntervalSet::default(),
+            linear_free: IntervalSet::with(linear, linear.saturating_add(REGION_SPAN)),
+            linear: BTreeMap::new(),
+            linear_ids: FxHashMap::default(),
+            committed: 0,
+            peak: 0,
+            events: FxHashMap::default(),
+            streams: FxHashMap::default(),
+            next_work: 1,
+        }
+    }
+
+    fn commit(&mut self, bytes: u64) {
+        self.committed += bytes;
+        self.peak = self.peak.max(self.committed);
+    }
+
+    fn is_complete(&self, p: Pos) -> bool {
+        match self.streams.get(&p.stream).and_then(|s| s.queue.front()) {
+            Some(w) => w.id > p.work,
+            None => true,
+        }
+    }
+
+    /// Completes the work at `p` and everything before it on its stream, dependencies first.
+    /// Returns how many work items completed.
+    fn complete_through(&mut self, p: Pos) -> usize {
+        let mut done = 0;
+        loop {
+            let deps = {
+                let Some(st) = self.streams.get_mut(&p.stream) else {
+                    break;
+                };
+                let Some(front) = st.queue.front_mut() else {
+                    break;
+                };
+                if front.id > p.work {
+                    break;
+                }
+                std::mem::take(&mut front.deps)
+            };
+            if deps.is_empty() {
+                if let Some(st) = self.streams.get_mut(&p.stream) {
+                    st.queue.pop_front();
+                    done += 1;
+                }
+            } else {
+                // Dependencies were launched earlier (smaller ids), so this recursion ends.
+                for d in deps {
+                    done += self.complete_through(d);
+                }
+            }
+        }
+        done
+    }
+
+    fn complete_stream(&mut self, stream: u64) -> usize {
+        match self.streams.get(&stream).and_then(|s| s.queue.back()) {
+            Some(w) => {
+                let work = w.id;
+                self.complete_through(Pos { stream, work })
+            }
+            None => 0,
+        }
+    }
+
+    fn complete_all(&mut self) -> usize {
+        let streams: Vec<u64> = self.streams.keys().copied().collect();
+        streams.into_iter().map(|s| self.complete_stream(s)).sum()
+    }
+
+    /// Translates `[ptr, ptr + len)` into physical pieces; every byte must be allocated (and,
+    /// with `need_access`, access-granted).
+    fn translate(&self, ptr: u64, len: u64, need_access: bool) -> Result<Vec<Piece>, String> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let end = ptr
+            .checked_add(len)
+            .ok_or_else(|| format!("range [{ptr:#x}, +{len:#x}) overflows"))?;
+        if let Some((&base, la)) = self.linear.range(..=ptr).next_back() {
+            let stop = base + la.size;
+            if ptr < stop {
+                if end > stop {
+                    return Err(format!(
+                        "[{ptr:#x}, {end:#x}) runs past the end of linear allocation \
+                         [{base:#x}, {stop:#x})"
+                    ));
+                }
+                return Ok(vec![Piece {
+                    key: MemKey::Linear(la.id),
+                    off: ptr - base,
+                    len,
+                }]);
+            }
+        }
+        let mut pieces = Vec::new();
+        let mut cur = ptr;
+        while cur < end {
+            let Some((&s, m)) = self
+                .mappings
+                .range(..=cur)
+                .next_back()
+                .filter(|(&s, m)| cur < s + m.size)
+            else {
+                return Err(format!("address {cur:#x} is neither mapped nor allocated"));
+            };
+            let stop = end.min(s + m.size);
+            pieces.push(Piece {
+                key: MemKey::Phys(m.handle),
+                off: cur - s,
+                len: stop - cur,
+            });
+            cur = stop;
+        }
+        if need_access && !self.access.contains(ptr, end) {
+            return Err(format!(
+                "[{ptr:#x}, {end:#x}) is mapped but access was not granted (set_access)"
+            ));
+        }
+        Ok(pieces)
+    }
+
+    /// The physical pieces of whatever is allocated in `[ptr, ptr + len)`, ignoring gaps.
+    fn translate_lenient(&self, ptr: u64, len: u64) -> Vec<Piece> {
+        let end = ptr.saturating_add(len);
+        let mut pieces = Vec::new();
+        let mut clip = |s: u64, size: u64, key: MemKey| {
+            let lo = s.max(ptr);
+            let hi = (s + size).min(end);
+            if lo < hi {
+                pieces.push(Piece {
+                    key,
+                    off: lo - s,
+                    len: hi - lo,
+                });
+            }
+        };
+        if let Some((&s, l)) = self.linear.range(..ptr).next_back() {
+            clip(s, l.size, MemKey::Linear(l.id));
+        }
+        for (&s, l) in self.linear.range(ptr..end) {
+            clip(s, l.size, MemKey::Linear(l.id));
+        }
+        if let Some((&s, m)) = self.mappings.range(..ptr).next_back() {
+            clip(s, m.size, MemKey::Phys(m.handle));
+        }
+        for (&s, m) in self.mappings.range(ptr..end) {
+            clip(s, m.size, MemKey::Phys(m.handle));
+        }
+        pieces
+    }
+
+    /// Every unfinished work item (stream, id) that touches any of `pieces`.
+    fn work_touching(&self, pieces: &[Piece]) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (&sid, st) in &self.streams {
+            for w in &st.queue {
+                if w.pieces
+                    .iter()
+                    .any(|a| pieces.iter().any(|b| a.overlaps(b)))
+                {
+                    out.push((sid, w.id));
+                }
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    fn store_mut(&mut self, key: MemKey) -> Option<&mut Store> {
+        match key {
+            MemKey::Phys(h) => self.handles.get_mut(&h).map(|p| &mut p.data),
+            MemKey::Linear(id) => {
+                let base = self.linear_ids.get(&id)?;
+                self.linear.get_mut(base).map(|l| &mut l.data)
+            }
+        }
+    }
+
+    fn store(&self, key: MemKey) -> Option<&Store> {
+        match key {
+            MemKey::Phys(h) => self.handles.get(&h).map(|p| &p.data),
+            MemKey::Linear(id) => {
+                let base = self.linear_ids.get(&id)?;
+                self.linear.get(base).map(|l| &l.data)
+            }
+        }
+    }
+}
+
+struct Device {
+    /// Unfinished work items on this device; read with one relaxed load by `note_handout`.
+    unfinished: AtomicUsize,
+    state: Mutex<DevState>,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    /// Per call kind: countdowns of one-shot failures (fail when one reaches 0).
+    nth: [Vec<u64>; NCALLS],
+    /// Per call kind: countdown to the first of a run of failures (fail while it is 1).
+    from: [Option<u64>; NCALLS],
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulator
+// ---------------------------------------------------------------------------------------------
+
+/// A simulated GPU implementing [`Driver`]: see the [module documentation](self).
+///
+/// `SimDriver` is `Send + Sync`; share it with `Arc` (the trait is implemented for `Arc<D>`).
+pub struct SimDriver {
+    config: SimConfig,
+    devices: Vec<Device>,
+    counters: [AtomicU64; NCALLS],
+    other_process_bytes: AtomicU64,
+    /// Injected per-device budget of committed bytes (`u64::MAX`: none).
+    byte_budget: AtomicU64,
+    faults_armed: AtomicBool,
+    faults: Mutex<Faults>,
+    hazards: Mutex<Vec<Hazard>>,
+    /// Source of handle, event and linear allocation ids (never 0).
+    next_id: AtomicU64,
+}
+
+impl fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for SimDriver {
+    fn default() -> Self {
+        SimDriver::new(SimConfig::default())
+    }
+}
+
+fn err(call: DriverCall, kind: DriverErrorKind, code: i32, msg: impl Into<String>) -> DriverError {
+    DriverError::new(call, kind, code, msg)
+}
+
+fn invalid(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::InvalidValue,
+        CUDA_ERROR_INVALID_VALUE,
+        msg,
+    )
+}
+
+fn invalid_handle(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::InvalidValue,
+        CUDA_ERROR_INVALID_HANDLE,
+        msg,
+    )
+}
+
+fn oom(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::OutOfMemory,
+        CUDA_ERROR_OUT_OF_MEMORY,
+        msg,
+    )
+}
+
+impl SimDriver {
+    /// A simulator with the given configuration.
+    pub fn new(mut config: SimConfig) -> SimDriver {
+        if config.granularity == 0 {
+            config.granularity = SimConfig::default().granularity;
+        }
+        config.granularity = config.granularity.next_power_of_two();
+        let devices = (0..config.devices)
+            .map(|d| Device {
+                unfinished: AtomicUsize::new(0),
+                state: Mutex::new(DevState::new(d)),
+            })
+            .collect();
+        SimDriver {
+            other_process_bytes: AtomicU64::new(config.other_process_bytes),
+            config,
+            devices,
+            counters: std::array::from_fn(|_| AtomicU64::new(0)),
+            byte_budget: AtomicU64::new(u64::MAX),
+            faults_armed: AtomicBool::new(false),
+            faults: Mutex::new(Faults::default()),
+            hazards: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The configuration in effect (granularity normalised).
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Changes the bytes used on each device by simulated other processes.
+    pub fn set_other_process_bytes(&self, bytes: u64) {
+        self.other_process_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Counts the call, spends its latency, and fails it if a fault is injected.
+    fn enter(&self, call: DriverCall) -> DriverResult<()> {
+        self.counters[call as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = self.config.latencies.as_ref().and_then(|l| l.get(call)) {
+            let start = Instant::now();
+            while start.elapsed() < d {
+                std::hint::spin_loop();
+            }
+        }
+        if self.injected(call) {
+            return Err(match call {
+                DriverCall::CreatePhysical | DriverCall::MemAlloc => {
+                    oom(call, "injected fault (out of memory)")
+                }
+                _ => err(
+                    call,
+                    DriverErrorKind::Other,
+                    CUDA_ERROR_UNKNOWN,
+                    "injected fault",
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn injected(&self, call: DriverCall) -> bool {
+        if !self.faults_armed.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut f = self.faults.lock();
+        let i = call as usize;
+        let mut fail = false;
+        f.nth[i].retain_mut(|r| {
+            *r -= 1;
+            if *r == 0 {
+                fail = true;
+                false
+            } else {
+                true
+            }
+        });
+        if let Some(r) = f.from[i].as_mut() {
+            if *r <= 1 {
+                fail = true;
+            } else {
+                *r -= 1;
+            }
+        }
+        fail
+    }
+
+    fn device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
+        self.devices.get(dev).ok_or_else(|| {
+            err(
+                call,
+                DriverErrorKind::InvalidDevice,
+                CUDA_ERROR_INVALID_DEVICE,
+                format!(
+                    "device {dev} does not exist ({} devices)",
+                    self.devices.len()
+                ),
+            )
+        })
+    }
+
+    /// `enter` + `device` + the VMM check.
+    fn vmm_device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        if !self.config.vmm {
+            return Err(err(
+                call,
+                DriverErrorKind::NotSupported,
+                CUDA_ERROR_NOT_SUPPORTED,
+                "virtual memory management is disabled on this simulated device",
+            ));
+        }
+        Ok(d)
+    }
+
+    fn check_commit(&self, call: DriverCall, st: &DevState, size: u64) -> DriverResult<()> {
+        let usable = self
+            .config
+            .capacity
+            .saturating_sub(self.other_process_bytes.load(Ordering::Relaxed));
+        let after = st.committed.saturating_add(size);
+        if after > usable {
+            return Err(oom(
+                call,
+                format!(
+                    "out of memory: {size} bytes requested, {} committed, {usable} usable",
+                    st.committed
+                ),
+            ));
+        }
+        let budget = self.byte_budget.load(Ordering::Relaxed);
+        if after > budget {
+            return Err(oom(
+                call,
+                format!("injected fault: byte budget of {budget} bytes exceeded"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn granularity_check(&self, call: DriverCall, what: &str, v: u64) -> DriverResult<()> {
+        // The granularity is a power of two (normalised in `new`).
+        if v & (self.config.granularity - 1) != 0 {
+            return Err(invalid(
+                call,
+                format!(
+                    "{what} {v:#x} is not a multiple of the granularity {:#x}",
+                    self.config.granularity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn record_hazards(&self, hazards: Vec<Hazard>) {
+        if !hazards.is_empty() {
+            self.hazards.lock().extend(hazards);
+        }
+    }
+
+    /// Applies `f` to a device's state, or returns `default` for an unknown device.
+    fn with_state<T>(&self, dev: DeviceId, default: T, f: impl FnOnce(&DevState) -> T) -> T {
+        match self.devices.get(dev) {
+            Some(d) => f(&d.state.lock()),
+            None => default,
+        }
+    }
+
+    /// Completes work with `f` and updates the device's unfinished counter.
+    fn complete_with(&self, d: &Device, f: impl FnOnce(&mut DevState) -> usize) -> usize {
+        let mut st = d.state.lock();
+        let n = f(&mut st);
+        if n > 0 {
+            d.unfinished.fetch_sub(n, Ordering::Relaxed);
+        }
+        n
+    }
+
+    // --- work model ---------------------------------------------------------------------------
+
+    /// Queues one unit of synthetic work on `stream` touching the address ranges
+    /// `(ptr, len)`. Every byte must be mapped with access granted, or inside a live linear
+    /// allocation (else `InvalidValue`); ranges are translated to physical memory now, so a
+    /// later remap of the same pages elsewhere is still tracked. Empty ranges are ignored.
+    pub fn launch(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+        ranges: &[(u64, u64)],
+    ) -> Result<WorkId, DriverError> {
+        let d = self.device(LAUNCH_CALL, dev)?;
+        let mut st = d.state.lock();
+        let mut pieces = Vec::new();
+        for &(ptr, len) in ranges {
+            let p = st
+                .translate(ptr, len, true)
+                .map_err(|m| invalid(LAUNCH_CALL, format!("launch: {m}")))?;
+            pieces.extend(p);
+        }
+        let id = st.next_work;
+        st.next_work += 1;
+        let ss = st.streams.entry(stream.0).or_default();
+        let deps = std::mem::take(&mut ss.pending_waits);
+        ss.queue.push_back(Work { id, pieces, deps });
+        ss.last = Some(id);
+        d.unfinished.fetch_add(1, Ordering::Relaxed);
+        Ok(WorkId(id))
+    }
+
+    /// Completes the oldest unfinished work item on `stream` (and its dependencies). Returns
+    /// whether there was one.
+    pub fn complete_next(&self, dev: DeviceId, stream: StreamId) -> bool {
+        let Some(d) = self.devices.get(dev) else {
+            return false;
+        };
+        self.complete_with(d, |st| {
+            match st.streams.get(&stream.0).and_then(|s| s.queue.front()) {
+                Some(w) => {
+                    let work = w.id;
+                    st.complete_through(Pos {
+                        stream: stream.0,
+                        work,
+                    })
+                }
+                None => 0,
+            }
+        }) > 0
+    }
+
+    /// Completes all unfinished work on `stream` (and its dependencies).
+    pub fn complete_stream(&self, dev: DeviceId, stream: StreamId) {
+        if let Some(d) = self.devices.get(dev) {
+            self.complete_with(d, |st| st.complete_stream(stream.0));
+        }
+    }
+
+    /// Completes all unfinished work on device `dev`.
+    pub fn complete_all(&self, dev: DeviceId) {
+        if let Some(d) = self.devices.get(dev) {
+            self.complete_with(d, DevState::complete_all);
+        }
+    }
+
+    /// How many work items are unfinished on device `dev`.
+    pub fn unfinished_work(&self, dev: DeviceId) -> usize {
+        self.devices
+            .get(dev)
+            .map_or(0, |d| d.unfinished.load(Ordering::Relaxed))
+    }
+
+    // --- hazards ------------------------------------------------------------------------------
+
+    /// Every hazard recorded so far.
+    pub fn hazards(&self) -> Vec<Hazard> {
+        self.hazards.lock().clone()
+    }
+
+    /// Every hazard recorded so far, clearing the log.
+    pub fn take_hazards(&self) -> Vec<Hazard> {
+        std::mem::take(&mut *self.hazards.lock())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn check_handout(&self, dev: DeviceId, d: &Device, ptr: u64, size: u64, stream: StreamId) {
+        let st = d.state.lock();
+        let pieces = st.translate_lenient(ptr, size);
+        if pieces.is_empty() {
+            return;
+        }
+        let waited = st.streams.get(&stream.0).map(|s| &s.waited);
+        let mut found = Vec::new();
+        for (&sid, ss) in &st.streams {
+            if sid == stream.0 {
+                continue;
+            }
+            let ordered = waited.and_then(|w| w.get(&sid)).copied().unwrap_or(0);
+            for w in ss.queue.iter().filter(|w| w.id > ordered) {
+                if w.pieces
+                    .iter()
+                    .any(|a| pieces.iter().any(|b| a.overlaps(b)))
+                {
+                    found.push(Hazard {
+                        dev,
+                        kind: HazardKind::ReuseWhileInUse,
+                        ptr,
+                        size,
+                        stream: Some(stream),
+                        handle: None,
+                        other_stream: StreamId(sid),
+                        work: WorkId(w.id),
+                    });
+                }
+            }
+        }
+        drop(st);
+        found.sort_by_key(|h| (h.other_stream, h.work));
+        self.record_hazards(found);
+    }
+
+    // --- host backing -------------------------------------------------------------------------
+
+    fn backing_device(&self, dev: DeviceId) -> DriverResult<&Device> {
+        let d = self.device(ACCESS_CALL, dev)?;
+        if !self.config.backing {
+            return Err(err(
+                ACCESS_CALL,
+                DriverErrorKind::NotSupported,
+                CUDA_ERROR_NOT_SUPPORTED,
+                "host backing is disabled (SimConfig::backing)",
+            ));
+        }
+        Ok(d)
+    }
+
+    /// Writes `data` at device address `ptr` through the current mappings (needs
+    /// [`SimConfig::backing`]; every byte must be mapped with access granted, or linear).
+    pub fn write(&self, dev: DeviceId, ptr: u64, data: &[u8]) -> Result<(), DriverError> {
+        let d = self.backing_device(dev)?;
+        let mut st = d.state.lock();
+        let pieces = st
+            .translate(ptr, data.len() as u64, true)
+            .map_err(|m| invalid(ACCESS_CALL, format!("write: {m}")))?;
+        let mut done = 0usize;
+        for p in pieces {
+            let n = p.len as usize;
+            if let Some(s) = st.store_mut(p.key) {
+                s.write(p.off, &data[done..done + n]);
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes at device address `ptr` through the current mappings (needs
+    /// [`SimConfig::backing`]); bytes never written read as zero.
+    pub fn read(&self, dev: DeviceId, ptr: u64, len: usize) -> Result<Vec<u8>, DriverError> {
+        let d = self.backing_device(dev)?;
+        let st = d.state.lock();
+        let pieces = st
+            .translate(ptr, len as u64, true)
+            .map_err(|m| invalid(ACCESS_CALL, format!("read: {m}")))?;
+        let mut out = vec![0u8; len];
+        let mut done = 0usize;
+        for p in pieces {
+            let n = p.len as usize;
+            if let Some(s) = st.store(p.key) {
+                s.read(p.off, &mut out[done..done + n]);
+            }
+            done += n;
+        }
+        Ok(out)
+    }
+
+    // --- fault injection ----------------------------------------------------------------------
+
+    /// Makes the `n`-th next call of kind `call` fail once (`n = 1`: the very next; 0 counts as
+    /// 1). Injected failures have no side effect: `create_physical` and `mem_alloc` fail with
+    /// `OutOfMemory` (code 2), other calls with `Other` (code 999), message "injected fault".
+    pub fn fail_nth(&self, call: DriverCall, n: u64) {
+        self.faults.lock().nth[call as usize].push(n.max(1));
+        self.faults_armed.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes every call of kind `call` fail, from the `n`-th next one on (0 counts as 1), until
+    /// [`SimDriver::clear_faults`].
+    pub fn fail_from(&self, call: DriverCall, n: u64) {
+        self.faults.lock().from[call as usize] = Some(n.max(1));
+        self.faults_armed.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes any `create_physical` or `mem_alloc` that would bring a device's committed bytes
+    /// above `budget` fail with `OutOfMemory`.
+    pub fn fail_after_bytes(&self, budget: u64) {
+        self.byte_budget.store(budget, Ordering::Relaxed);
+    }
+
+    /// Removes every injected fault and the byte budget.
+    pub fn clear_faults(&self) {
+        *self.faults.lock() = Faults::default();
+        self.faults_armed.store(false, Ordering::Relaxed);
+        self.byte_budget.store(u64::MAX, Ordering::Relaxed);
+    }
+
+    // --- counters and gauges ------------------------------------------------------------------
+
+    /// How many calls of kind `call` were made (failed ones included).
+    pub fn calls(&self, call: DriverCall) -> u64 {
+        self.counters[call as usize].load(Ordering::Relaxed)
+    }
+
+    /// The nonzero call counters.
+    pub fn call_counts(&self) -> BTreeMap<DriverCall, u64> {
+        DriverCall::ALL
+            .iter()
+            .map(|&c| (c, self.calls(c)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+
+    /// Sets every call counter to zero.
+    pub fn reset_counters(&self) {
+        for c in &self.counters {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes committed on `dev`: live physical handles plus live linear allocations.
+    pub fn committed_bytes(&self, dev: DeviceId) -> u64 {
+        self.with_state(dev, 0, |s| s.committed)
+    }
+
+    /// The highest [`SimDriver::committed_bytes`] since creation or [`SimDriver::reset_peak`].
+    pub fn peak_committed_bytes(&self, dev: DeviceId) -> u64 {
+        self.with_state(dev, 0, |s| s.peak)
+    }
+
+    /// Resets the peak of committed bytes on `dev` to the current value.
+    pub fn reset_peak(&self, dev: DeviceId) {
+        if let Some(d) = self.devices.get(dev) {
+            let mut st = d.state.lock();
+            st.peak = st.committed;
+        }
+    }
+
+    /// Live physical handles on `dev`.
+    pub fn live_handles(&self, dev: DeviceId) -> usize {
+        self.with_state(dev, 0, |s| s.handles.len())
+    }
+
+    /// Bytes mapped on `dev`.
+    pub fn mapped_bytes(&self, dev: DeviceId) -> u64 {
+        self.with_state(dev, 0, |s| s.mapped_bytes)
+    }
+
+    /// Bytes of virtual address space reserved on `dev`.
+    pub fn reserved_va_bytes(&self, dev: DeviceId) -> u64 {
+        self.with_state(dev, 0, |s| s.reserved_bytes)
+    }
+
+    /// Live linear allocations on `dev`.
+    pub fn live_linear_allocations(&self, dev: DeviceId) -> usize {
+        self.with_state(dev, 0, |s| s.linear.len())
+    }
+
+    /// Live (created, not destroyed) events on `dev`.
+    pub fn live_events(&self, dev: DeviceId) -> usize {
+        self.with_state(dev, 0, |s| s.events.len())
+    }
+}
+
+impl Driver for SimDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> DriverResult<usize> {
+        self.enter(DriverCall::DeviceCount)?;
+        Ok(self.devices.len())
+    }
+
+    fn capabilities(&self, dev: DeviceId) -> DriverResult<DeviceCaps> {
+        let call = DriverCall::Capabilities;
+        self.enter(call)?;
+        self.device(call, dev)?;
+        Ok(DeviceCaps {
+            total_memory: self.config.capacity,
+            vmm: self.config.vmm,
+            granularity: self.config.granularity,
+            name: "cistern-sim".to_string(),
+            uuid: Some(format!("GPU-5157a1d0-0000-4000-8000-{dev:012x}")),
+        })
+    }
+
+    fn mem_info(&self, dev: DeviceId) -> DriverResult<MemInfo> {
+        let call = DriverCall::MemInfo;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let committed = d.state.lock().committed;
+        let total = self.config.capacity;
+        let free = total
+            .saturating_sub(self.other_process_bytes.load(Ordering::Relaxed))
+            .saturating_sub(committed);
+        Ok(MemInfo { free, total })
+    }
+
+    fn reserve_va(&self, dev: DeviceId, size: u64, align: u64) -> DriverResult<u64> {
+        let call = DriverCall::ReserveVa;
+        let d = self.vmm_device(call, dev)?;
+        if size == 0 {
+            return Err(invalid(call, "size is 0"));
+        }
+        self.granularity_check(call, "size", size)?;
+        self.granularity_check(call, "alignment", align)?;
+        let align = align.max(self.config.granularity);
+        let mut st = d.state.lock();
+        let addr = st.va_free.alloc(size, align).ok_or_else(|| {
+            oom(
+                call,
+                format!("no free virtual range of {size:#x} bytes aligned to {align:#x}"),
+            )
+        })?;
+        st.reservations.insert(addr, size);
+        st.reserved_bytes += size;
+        Ok(addr)
+    }
+
+    fn free_va(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::FreeVa;
+        let d = self.vmm_device(call, dev)?;
+        let mut st = d.state.lock();
+        match st.reservations.get(&addr) {
+            Some(&s) if s == size => {}
+            Some(&s) => {
+                return Err(invalid(
+                    call,
+                    format!("reservation at {addr:#x} has size {s:#x}, not {size:#x}"),
+                ))
+            }
+            None => return Err(invalid(call, format!("no reservation starts at {addr:#x}"))),
+        }
+        if let Some((&m, _)) = st.mappings.range(addr..addr + size).next() {
+            return Err(invalid(
+                call,
+                format!("reservation at {addr:#x} still has a mapping at {m:#x}"),
+            ));
+        }
+        st.reservations.remove(&addr);
+        st.reserved_bytes -= size;
+        st.va_free.insert(addr, addr + size);
+        Ok(())
+    }
+
+    fn create_physical(&self, dev: DeviceId, size: u64) -> DriverResult<PhysHandle> {
+        let call = DriverCall::CreatePhysical;
+        let d = self.vmm_device(call, dev)?;
+        if size == 0 {
+            return Err(invalid(call, "size is 0"));
+        }
+        self.granularity_check(call, "size", size)?;
+        let mut st = d.state.lock();
+        self.check_commit(call, &st, size)?;
+        let id = self.new_id();
+        st.handles.insert(
+            id,
+            PhysAlloc {
+                size,
+                map_count: 0,
+                data: Store::default(),
+            },
+        );
+        st.commit(size);
+        Ok(PhysHandle(id))
+    }
+
+    fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()> {
+        let call = DriverCall::ReleasePhysical;
+        let d = self.vmm_device(call, dev)?;
+        let mut st = d.state.lock();
+        let Some(p) = st.handles.get(&handle.0) else {
+            return Err(invalid_handle(
+                call,
+                format!("unknown physical handle {}", handle.0),
+            ));
+        };
+        if p.map_count > 0 {
+            return Err(invalid(
+                call,
+                format!(
+                    "physical handle {} is still mapped {} time(s)",
+                    handle.0, p.map_count
+                ),
+            ));
+        }
+        let size = p.size;
+        let touching = st.work_touching(&[Piece {
+            key: MemKey::Phys(handle.0),
+            off: 0,
+            len: size,
+        }]);
+        st.handles.remove(&handle.0);
+        st.committed -= size;
+        drop(st);
+        self.record_hazards(
+            touching
+                .into_iter()
+                .map(|(sid, w)| Hazard {
+                    dev,
+                    kind: HazardKind::ReleaseWhileInUse,
+                    ptr: 0,
+                    size,
+                    stream: None,
+                    handle: Some(handle),
+                    other_stream: StreamId(sid),
+                    work: WorkId(w),
+                })
+                .collect(),
+        );
+        Ok(())
+    }
+
+    fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let call = DriverCall::Map;
+        let d = self.vmm_device(call, dev)?;
+        self.granularity_check(call, "address", addr)?;
+        let mut st = d.state.lock();
+        let Some(p) = st.handles.get(&handle.0) else {
+            return Err(invalid_handle(
+                call,
+                format!("unknown physical handle {}", handle.0),
+            ));
+        };
+        if p.size != size {
+            return Err(invalid(
+                call,
+                format!(
+                    "size {size:#x} differs from the size {:#x} of handle {}",
+                    p.size, handle.0
+                ),
+            ));
+        }
+        let end = addr
+            .checked_add(size)
+            .ok_or_else(|| invalid(call, "range overflows"))?;
+        let inside = st
+            .reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&s, &len)| end <= s + len);
+        if !inside {
+            return Err(invalid(
+                call,
+                format!("[{addr:#x}, {end:#x}) is not inside one reservation"),
+            ));
+        }
+        let before = st
+            .mappings
+            .range(..addr)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size > addr);
+        if before || st.mappings.range(addr..end).next().is_some() {
+            return Err(invalid(
+                call,
+                format!("[{addr:#x}, {end:#x}) overlaps an existing mapping"),
+            ));
+        }
+        if let Some(p) = st.handles.get_mut(&handle.0) {
+            p.map_count += 1;
+        }
+        st.mappings.insert(
+            addr,
+            Mapping {
+                size,
+                handle: handle.0,
+            },
+        );
+        st.mapped_bytes += size;
+        Ok(())
+    }
+
+    fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::Unmap;
+        let d = self.vmm_device(call, dev)?;
+        let mut st = d.state.lock();
+        let handle = match st.mappings.get(&addr) {
+            Some(m) if m.size == size => m.handle,
+            Some(m) => {
+                return Err(invalid(
+                    call,
+                    format!("mapping at {addr:#x} has size {:#x}, not {size:#x}", m.size),
+                ))
+            }
+            None => return Err(invalid(call, format!("no mapping starts at {addr:#x}"))),
+        };
+        let touching = st.work_touching(&[Piece {
+            key: MemKey::Phys(handle),
+            off: 0,
+            len: size,
+        }]);
+        st.mappings.remove(&addr);
+        st.mapped_bytes -= size;
+        st.access.remove(addr, addr + size);
+        if let Some(p) = st.handles.get_mut(&handle) {
+            p.map_count -= 1;
+        }
+        drop(st);
+        self.record_hazards(
+            touching
+                .into_iter()
+                .map(|(sid, w)| Hazard {
+                    dev,
+                    kind: HazardKind::UnmapWhileInUse,
+                    ptr: addr,
+                    size,
+                    stream: None,
+                    handle: None,
+                    other_stream: StreamId(sid),
+                    work: WorkId(w),
+                })
+                .collect(),
+        );
+        Ok(())
+    }
+
+    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+        let call = DriverCall::SetAccess;
+        let d = self.vmm_device(call, dev)?;
+        if size == 0 {
+            return Err(invalid(call, "size is 0"));
+        }
+        let mut st = d.state.lock();
+        st.translate(addr, size, false)
+            .map_err(|m| invalid(call, m))?;
+        st.access.insert(addr, addr + size);
+        Ok(())
+    }
+
+    fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
+        let call = DriverCall::MemAlloc;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        if size == 0 {
+            return Err(invalid(call, "size is 0"));
+        }
+        let mut st = d.state.lock();
+        self.check_commit(call, &st, size)?;
+        let span = round_up(size, LINEAR_ALIGN).ok_or_else(|| oom(call, "size overflows"))?;
+        let base = st
+            .linear_free
+            .alloc(span, LINEAR_ALIGN)
+            .ok_or_else(|| oom(call, "linear address space exhausted"))?;
+        let id = self.new_id();
+        st.linear.insert(
+            base,
+            LinearAlloc {
+                id,
+                size,
+                data: Store::default(),
+            },
+        );
+        st.linear_ids.insert(id, base);
+        st.commit(size);
+        Ok(base)
+    }
+
+    fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        let call = DriverCall::MemFree;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let mut st = d.state.lock();
+        if !st.linear.contains_key(&ptr) {
+            return Err(invalid(
+                call,
+                format!("{ptr:#x} is not the base of a live mem_alloc allocation"),
+            ));
+        }
+        // Like cuMemFree, synchronise the device first.
+        let n = st.complete_all();
+        if n > 0 {
+            d.unfinished.fetch_sub(n, Ordering::Relaxed);
+        }
+        if let Some(l) = st.linear.remove(&ptr) {
+            st.linear_ids.remove(&l.id);
+            st.committed -= l.size;
+            let span = round_up(l.size, LINEAR_ALIGN).unwrap_or(l.size);
+            st.linear_free.insert(ptr, ptr + span);
+        }
+        Ok(())
+    }
+
+    fn event_create(&self, dev: DeviceId) -> DriverResult<EventId> {
+        let call = DriverCall::EventCreate;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let id = self.new_id();
+        d.state.lock().events.insert(id, Vec::new());
+        Ok(EventId(id))
+    }
+
+    fn event_record(&self, dev: DeviceId, event: EventId, stream: StreamId) -> DriverResult<()> {
+        let call = DriverCall::EventRecord;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let mut st = d.state.lock();
+        if !st.events.contains_key(&event.0) {
+            return Err(invalid_handle(call, format!("unknown event {}", event.0)));
+        }
+        let mut positions = Vec::new();
+        if let Some(ss) = st.streams.get(&stream.0) {
+            if let Some(work) = ss.last {
+                positions.push(Pos {
+                    stream: stream.0,
+                    work,
+                });
+            }
+            positions.extend(ss.pending_waits.iter().copied());
+        }
+        positions.retain(|&p| !st.is_complete(p));
+        st.events.insert(event.0, positions);
+        Ok(())
+    }
+
+    fn event_query(&self, dev: DeviceId, event: EventId) -> DriverResult<bool> {
+        let call = DriverCall::EventQuery;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let st = d.state.lock();
+        let Some(positions) = st.events.get(&event.0) else {
+            return Err(invalid_handle(call, format!("unknown event {}", event.0)));
+        };
+        Ok(positions.iter().all(|&p| st.is_complete(p)))
+    }
+
+    fn event_synchronize(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        let call = DriverCall::EventSynchronize;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let mut st = d.state.lock();
+        let Some(positions) = st.events.get(&event.0).cloned() else {
+            return Err(invalid_handle(call, format!("unknown event {}", event.0)));
+        };
+        let n: usize = positions.into_iter().map(|p| st.complete_through(p)).sum();
+        if n > 0 {
+            d.unfinished.fetch_sub(n, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
+        let call = DriverCall::EventDestroy;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        match d.state.lock().events.remove(&event.0) {
+            Some(_) => Ok(()),
+            None => Err(invalid_handle(call, format!("unknown event {}", event.0))),
+        }
+    }
+
+    fn stream_wait_event(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+        event: EventId,
+    ) -> DriverResult<()> {
+        let call = DriverCall::StreamWaitEvent;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let mut st = d.state.lock();
+        let Some(positions) = st.events.get(&event.0).cloned() else {
+            return Err(invalid_handle(call, format!("unknown event {}", event.0)));
+        };
+        // Everything ordered before the captured positions, through the dependencies of pending
+        // work, becomes ordered before this stream's later work.
+        let mut covered: FxHashMap<u64, u64> = FxHashMap::default();
+        let mut stack = positions.clone();
+        while let Some(p) = stack.pop() {
+            let prev = covered.get(&p.stream).copied().unwrap_or(0);
+            if p.work <= prev {
+                continue;
+            }
+            covered.insert(p.stream, p.work);
+            if let Some(ss) = st.streams.get(&p.stream) {
+                for w in ss.queue.iter().filter(|w| w.id > prev && w.id <= p.work) {
+                    stack.extend(w.deps.iter().copied());
+                }
+            }
+        }
+        let pending: Vec<Pos> = positions
+            .into_iter()
+            .filter(|&p| p.stream != stream.0 && !st.is_complete(p))
+            .collect();
+        let ss = st.streams.entry(stream.0).or_default();
+        for (s, w) in covered {
+            if s != stream.0 {
+                let e = ss.waited.entry(s).or_insert(0);
+                *e = (*e).max(w);
+            }
+        }
+        ss.pending_waits.extend(pending);
+        Ok(())
+    }
+
+    fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
+        let call = DriverCall::DeviceSynchronize;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        self.complete_with(d, DevState::complete_all);
+        Ok(())
+    }
+
+    #[inline]
+    fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {
+        let Some(d) = self.devices.get(dev) else {
+            return;
+        };
+        if d.unfinished.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.check_handout(dev, d, ptr, size, stream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    const G: u64 = 2 * MIB;
+    const S1: StreamId = StreamId(1);
+    const S2: StreamId = StreamId(2);
+
+    fn small() -> SimDriver {
+        SimDriver::new(SimConfig::default().capacity(64 * G))
+    }
+
+    fn backed() -> SimDriver {
+        SimDriver::new(SimConfig::default().capacity(64 * G).backing(true))
+    }
+
+    /// Reserves `pages` granules, maps one handle per granule with access; returns
+    /// (base, handles).
+    fn mapped(sim: &SimDriver, pages: u64) -> (u64, Vec<PhysHandle>) {
+        let base = sim.reserve_va(0, pages * G, 0).unwrap();
+        let hs: Vec<_> = (0..pages)
+            .map(|i| {
+                let h = sim.create_physical(0, G).unwrap();
+                sim.map(0, base + i * G, G, h).unwrap();
+                h
+            })
+            .collect();
+        sim.set_access(0, base, pages * G).unwrap();
+        (base, hs)
+    }
+
+    fn assert_code(r: DriverResult<impl fmt::Debug>, kind: DriverErrorKind, code: i32) {
+        let e = r.expect_err("call should fail");
+        assert_eq!((e.kind, e.code), (kind, code), "{e}");
+    }
+
+    #[test]
+    fn is_send_sync_and_usable_behind_arc() {
+        fn check<T: Send + Sync>() {}
+        check::<SimDriver>();
+        let sim: Arc<dyn Driver> = Arc::new(SimDriver::default());
+        assert_eq!(sim.name(), "sim");
+        assert_eq!(sim.device_count().unwrap(), 1);
+    }
+
+    #[test]
+    fn capabilities_and_invalid_device() {
+        let sim = SimDriver::new(SimConfig::default().devices(2));
+        let c = sim.capabilities(1).unwrap();
+        assert_eq!(c.total_memory, 80 * GIB);
+        assert!(c.vmm);
+        assert_eq!(c.granularity, 2 * MIB);
+        assert_eq!(c.name, "cistern-sim");
+        assert_eq!(
+            c.uuid.as_deref(),
+            Some("GPU-5157a1d0-0000-4000-8000-000000000001")
+        );
+        assert_ne!(sim.capabilities(0).unwrap().uuid, c.uuid);
+        assert_code(sim.capabilities(2), DriverErrorKind::InvalidDevice, 101);
+        assert_code(sim.mem_alloc(2, 512), DriverErrorKind::InvalidDevice, 101);
+        assert_code(sim.reserve_va(7, G, G), DriverErrorKind::InvalidDevice, 101);
+    }
+
+    #[test]
+    fn reservations_do_not_overlap_and_are_reused() {
+        let sim = SimDriver::new(SimConfig::default().devices(2));
+        let mut ranges = Vec::new();
+        for (i, &align) in [0, G, 8 * G, G, 4 * G].iter().enumerate() {
+            let size = (i as u64 + 1) * G;
+            let a = sim.reserve_va(0, size, align).unwrap();
+            assert_ne!(a, 0);
+            assert_eq!(a % align.max(G), 0);
+            ranges.push((a, size));
+        }
+        ranges.push((sim.reserve_va(1, 4 * G, 0).unwrap(), 4 * G));
+        for (i, &(a, sa)) in ranges.iter().enumerate() {
+            for &(b, sb) in &ranges[i + 1..] {
+                assert!(a + sa <= b || b + sb <= a, "{a:#x} and {b:#x} overlap");
+            }
+        }
+        assert_eq!(sim.reserved_va_bytes(0), 15 * G);
+        let (a, s) = ranges[1];
+        sim.free_va(0, a, s).unwrap();
+        assert_eq!(sim.reserve_va(0, s, 0).unwrap(), a, "freed range is reused");
+        // Size and alignment must be granularity multiples; size nonzero.
+        assert_code(
+            sim.reserve_va(0, G + 1, 0),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(sim.reserve_va(0, G, 4096), DriverErrorKind::InvalidValue, 1);
+        assert_code(sim.reserve_va(0, 0, 0), DriverErrorKind::InvalidValue, 1);
+    }
+
+    #[test]
+    fn free_va_must_match_a_whole_unmapped_reservation() {
+        let sim = small();
+        let (base, hs) = mapped(&sim, 2);
+        assert_code(sim.free_va(0, base, G), DriverErrorKind::InvalidValue, 1);
+        assert_code(
+            sim.free_va(0, base + G, G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.free_va(0, base, 2 * G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        sim.unmap(0, base, G).unwrap();
+        sim.unmap(0, base + G, G).unwrap();
+        sim.free_va(0, base, 2 * G).unwrap();
+        assert_eq!(sim.reserved_va_bytes(0), 0);
+        for h in hs {
+            sim.release_physical(0, h).unwrap();
+        }
+        assert_eq!(sim.committed_bytes(0), 0);
+    }
+
+    #[test]
+    fn map_contracts() {
+        let sim = small();
+        let base = sim.reserve_va(0, 4 * G, 0).unwrap();
+        let h = sim.create_physical(0, 2 * G).unwrap();
+        let h1 = sim.create_physical(0, G).unwrap();
+        // Wrong size, misaligned, outside a reservation, straddling its end, unknown handle.
+        assert_code(sim.map(0, base, G, h), DriverErrorKind::InvalidValue, 1);
+        assert_code(
+            sim.map(0, base + 4096, 2 * G, h),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.map(0, base + 8 * G, 2 * G, h),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.map(0, base + 3 * G, 2 * G, h),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.map(0, base, G, PhysHandle(9999)),
+            DriverErrorKind::InvalidValue,
+            400,
+        );
+        sim.map(0, base + G, 2 * G, h).unwrap();
+        assert_eq!(sim.mapped_bytes(0), 2 * G);
+        // Overlap from below and from inside.
+        let h2 = sim.create_physical(0, 2 * G).unwrap();
+        assert_code(
+            sim.map(0, base, 2 * G, h2),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.map(0, base + 2 * G, G, h1),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        sim.release_physical(0, h2).unwrap();
+        sim.map(0, base + 3 * G, G, h1).unwrap();
+        // Releasing a mapped handle fails; an unknown one is an invalid handle.
+        assert_code(sim.release_physical(0, h), DriverErrorKind::InvalidValue, 1);
+        assert_code(
+            sim.release_physical(0, PhysHandle(9999)),
+            DriverErrorKind::InvalidValue,
+            400,
+        );
+        // set_access may span mappings but not holes.
+        assert_code(
+            sim.set_access(0, base, 4 * G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        sim.set_access(0, base + G, 3 * G).unwrap();
+        // unmap must match exactly one mapping.
+        assert_code(sim.unmap(0, base + G, G), DriverErrorKind::InvalidValue, 1);
+        assert_code(
+            sim.unmap(0, base + 2 * G, G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_code(
+            sim.unmap(0, base + G, 3 * G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        sim.unmap(0, base + G, 2 * G).unwrap();
+        sim.unmap(0, base + 3 * G, G).unwrap();
+        assert_code(
+            sim.unmap(0, base + 3 * G, G),
+            DriverErrorKind::InvalidValue,
+            1,
+        );
+        assert_eq!(sim.mapped_bytes(0), 0);
+        sim.release_physical(0, h).unwrap();
+        sim.release_physical(0, h1).unwrap();
+        assert_code(
+            sim.release_physical(0, h1),
+            DriverErrorKind::InvalidValue,
+            400,
+        );
+        sim.free_va(0, base, 4 * G).unwrap();
+        assert_eq!(sim.live_handles(0), 0);
+        assert!(sim.take_hazards().is_empty());
+    }
+
+    #[test]
+    fn capacity_oom_and_other_processes() {
+        let sim = SimDriver::new(
+            SimConfig::default()
+                .capacity(10 * G)
+                .other_process_bytes(3 * G),
+        );
+        let info = sim.mem_info(0).unwrap();
+        assert_eq!((info.free, info.total), (7 * G, 10 * G));
+        let h = sim.create_physical(0, 6 * G).unwrap();
+        assert_code(
+            sim.create_physical(0, 2 * G),
+            DriverErrorKind::OutOfMemory,
+            2,
+        );
+        assert_code(sim.mem_alloc(0, G + 1), DriverErrorKind::OutOfMemory, 2);
+        let p = sim.mem_alloc(0, 1000).unwrap();
+        assert_eq!(p % 512, 0);
+        assert_eq!(sim.committed_bytes(0), 6 * G + 1000);
+        assert_eq!(sim.mem_info(0).unwrap().free, G - 1000);
+        assert_eq!(sim.live_handles(0), 1);
+        assert_eq!(sim.live_linear_allocations(0), 1);
+        sim.set_other_process_bytes(0);
+        sim.create_physical(0, 2 * G).unwrap();
+        assert_eq!(sim.peak_committed_bytes(0), 8 * G + 1000);
+        sim.mem_free(0, p).unwrap();
+        sim.release_physical(0, h).unwrap();
+        assert_eq!(sim.committed_bytes(0), 2 * G);
+        assert_eq!(sim.peak_committed_bytes(0), 8 * G + 1000);
+        sim.reset_peak(0);
+        assert_eq!(sim.peak_committed_bytes(0), 2 * G);
+    }
+
+    #[test]
+    fn linear_allocations() {
+        let sim = small();
+        let a = sim.mem_alloc(0, 1).unwrap();
+        let b = sim.mem_alloc(0, 513).unwrap();
+        let c = sim.mem_alloc(0, 4096).unwrap();
+        assert_ne!(a, 0);
+        assert_eq!((a | b | c) & 511, 0, "512-byte aligned");
+        assert!(a < b && b + 513 <= c);
+        // Linear memory does not collide with VMM reservations.
+        let r = sim.reserve_va(0, G, 0).unwrap();
+        assert!(r + G <= a || c + 4096 <= r);
+        assert_code(sim.mem_alloc(0, 0), DriverErrorKind::InvalidValue, 1);
+        assert_code(sim.mem_free(0, b + 512), DriverErrorKind::InvalidValue, 1);
+        sim.mem_free(0, b).unwrap();
+        assert_code(sim.mem_free(0, b), DriverErrorKind::InvalidValue, 1);
+        assert_eq!(sim.mem_alloc(0, 100).unwrap(), b, "freed range is reused");
+    }
+
+    #[test]
+    fn vmm_disabled_reports_not_supported() {
+        let sim = SimDriver::new(SimConfig::default().vmm(false));
+        assert!(!sim.capabilities(0).unwrap().vmm);
+        assert_code(sim.reserve_va(0, G, 0), DriverErrorKind::NotSupported, 801);
+        assert_code(sim.free_va(0, G, G), DriverErrorKind::NotSupported, 801);
+        assert_code(
+            sim.create_physical(0, G),
+            DriverErrorKind::NotSupported,
+            801,
+        );
+        assert_code(
+            sim.release_physical(0, PhysHandle(1)),
+            DriverErrorKind::NotSupported,
+            801,
+        );
+        assert_code(
+            sim.map(0, G, G, PhysHandle(1)),
+            DriverErrorKind::NotSupported,
+            801,
+        );
+        assert_code(sim.unmap(0, G, G), DriverErrorKind::NotSupported, 801);
+        assert_code(sim.set_access(0, G, G), DriverErrorKind::NotSupported, 801);
+        let p = sim.mem_alloc(0, 4096).unwrap();
+        sim.mem_free(0, p).unwrap();
+    }
+
+    #[test]
+    fn events_complete_when_their_work_completes() {
+        let sim = small();
+        let (base, _) = mapped(&sim, 1);
+        let ev = sim.event_create(0).unwrap();
+        assert!(sim.event_query(0, ev).unwrap(), "never recorded: complete");
+        sim.event_record(0, ev, S1).unwrap();
+        assert!(sim.event_query(0, ev).unwrap(), "idle stream: complete");
+        sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        sim.event_record(0, ev, S1).unwrap();
+        let w3 = sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        assert_eq!(sim.unfinished_work(0), 3);
+        assert!(!sim.event_query(0, ev).unwrap());
+        assert!(sim.complete_next(0, S1));
+        assert!(!sim.event_query(0, ev).unwrap());
+        assert!(sim.complete_next(0, S1));
+        assert!(sim.event_query(0, ev).unwrap());
+        assert_eq!(sim.unfinished_work(0), 1);
+        // event_synchronize completes exactly the captured work.
+        let ev2 = sim.event_create(0).unwrap();
+        sim.event_record(0, ev2, S1).unwrap();
+        sim.launch(0, S1, &[]).unwrap();
+        sim.event_synchronize(0, ev2).unwrap();
+        assert_eq!(
+            sim.unfinished_work(0),
+            1,
+            "work {w3:?} done, the later one not"
+        );
+        assert!(!sim.complete_next(0, S2));
+        sim.device_synchronize(0).unwrap();
+        assert_eq!(sim.unfinished_work(0), 0);
+        // Destroyed or unknown events are invalid handles.
+        assert_eq!(sim.live_events(0), 2);
+        sim.event_destroy(0, ev).unwrap();
+        assert_eq!(sim.live_events(0), 1);
+        assert_code(sim.event_query(0, ev), DriverErrorKind::InvalidValue, 400);
+        assert_code(
+            sim.event_record(0, ev, S1),
+            DriverErrorKind::InvalidValue,
+            400,
+        );
+        assert_code(sim.event_destroy(0, ev), DriverErrorKind::InvalidValue, 400);
+        assert_code(
+            sim.stream_wait_event(0, S2, EventId(12345)),
+            DriverErrorKind::InvalidValue,
+            400,
+        );
+    }
+
+    #[test]
+    fn launch_over_unmapped_or_inaccessible_memory_fails() {
+        let sim = small();
+        let base = sim.reserve_va(0, 2 * G, 0).unwrap();
+        let h = sim.create_physical(0, G).unwrap();
+        assert!(sim.launch(0, S1, &[(base, 1)]).is_err(), "unmapped");
+        sim.map(0, base, G, h).unwrap();
+        assert!(sim.launch(0, S1, &[(base, 1)]).is_err(), "no access");
+        sim.set_access(0, base, G).unwrap();
+        sim.launch(0, S1, &[(base, G)]).unwrap();
+        assert!(sim.launch(0, S1, &[(base, G + 1)]).is_err(), "runs past");
+        let p = sim.mem_alloc(0, 1000).unwrap();
+        sim.launch(0, S1, &[(p, 1000)]).unwrap();
+        assert!(sim.launch(0, S1, &[(p, 1001)]).is_err());
+        assert!(sim.launch(0, S1, &[(0x10, 1)]).is_err());
+        assert_eq!(sim.unfinished_work(0), 2);
+    }
+
+    #[test]
+    fn stream_wait_event_orders_completion() {
+        let sim = small();
+        let (base, _) = mapped(&sim, 2);
+        sim.launch(0, S1, &[(base, 64)]).unwrap();
+        let ev = sim.event_create(0).unwrap();
+        sim.event_record(0, ev, S1).unwrap();
+        sim.launch(0, S1, &[(base, 64)]).unwrap(); // after the record: not a dependency
+        sim.stream_wait_event(0, S2, ev).unwrap();
+        sim.launch(0, S2, &[(base + G, 64)]).unwrap();
+        assert!(!sim.event_query(0, ev).unwrap());
+        // Completing S2's work completes the work it waits for first, and only that.
+        assert!(sim.complete_next(0, S2));
+        assert!(sim.event_query(0, ev).unwrap());
+        assert_eq!(sim.unfinished_work(0), 1);
+        // An event recorded after a wait (with no work in between) covers the waited work.
+        sim.event_record(0, ev, S1).unwrap();
+        let ev2 = sim.event_create(0).unwrap();
+        sim.stream_wait_event(0, S2, ev).unwrap();
+        sim.event_record(0, ev2, S2).unwrap();
+        assert!(!sim.event_query(0, ev2).unwrap());
+        sim.complete_stream(0, S1);
+        assert!(sim.event_query(0, ev2).unwrap());
+        assert_eq!(sim.unfinished_work(0), 0);
+    }
+
+    #[test]
+    fn handout_hazards() {
+        let sim = small();
+        let (base, _) = mapped(&sim, 2);
+        // No unfinished work: nothing.
+        sim.note_handout(0, base, G, S2);
+        let w = sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        // Same stream: never a hazard. Disjoint memory: none.
+        sim.note_handout(0, base, G, S1);
+        sim.note_handout(0, base + 4096, G - 4096, S2);
+        sim.note_handout(0, base + G, G, S2);
+        assert!(sim.hazards().is_empty());
+        // Cross-stream handout of in-use memory.
+        sim.note_handout(0, base + 1024, 512, S2);
+        let hz = sim.take_hazards();
+        assert_eq!(
+            hz,
+            vec![Hazard {
+                dev: 0,
+                kind: HazardKind::ReuseWhileInUse,
+                ptr: base + 1024,
+                size: 512,
+                stream: Some(S2),
+                handle: None,
+                other_stream: S1,
+                work: w,
+            }]
+        );
+        assert!(sim.hazards().is_empty(), "taken");
+        // After completion: none.
+        sim.complete_stream(0, S1);
+        sim.note_handout(0, base, G, S2);
+        assert!(sim.hazards().is_empty());
+    }
+
+    #[test]
+    fn no_handout_hazard_after_stream_wait_event() {
+        let sim = small();
+        let (base, _) = mapped(&sim, 1);
+        sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        let ev = sim.event_create(0).unwrap();
+        sim.event_record(0, ev, S1).unwrap();
+        sim.stream_wait_event(0, S2, ev).unwrap();
+        sim.note_handout(0, base, 4096, S2);
+        assert!(sim.hazards().is_empty());
+        // Work launched after the record is not covered.
+        sim.launch(0, S1, &[(base, 4096)]).unwrap();
+        sim.note_handout(0, base, 4096, S2);
+        assert_eq!(sim.take_hazards().len(), 1);
+        // Transitively: S3 waits on S2 whose pending work waits on S1.
+        let s3 = StreamId(3);
+        let ev1 = sim.event_create(0).unwrap();
+        sim.event_record(0, ev1, S1).unwrap();
+        sim.stream_wait_event(0, S2, ev1).unwrap();
+        sim.launch(0, S2, &[]).unwrap();
+        let ev2 = sim.event_create(0).unwrap();
+        sim.event_record(0, ev2, S2).unwrap();
+        sim.stream_wait_event(0, s3, ev2).unwrap();
+        sim.note_handout(0, base, 4096, s3);
+        assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    }
+
+    #[test]
+    fn handout_hazard_follows_a_remapped_page() {
+        let sim = small();
+        let (base, hs) = mapped(&sim, 1);
+        let w = sim.launch(0, S1, &[(base, G)]).unwrap();
+        sim.unmap(0, base, G).unwrap();
+        let unmap_hz = sim.take_hazards();
+        assert_eq!(unmap_hz.len(), 1);
+        assert_eq!(unmap_hz[0].kind, HazardKind::UnmapWhileInUse);
+        assert_eq!((unmap_hz[0].ptr, unmap_hz[0].work), (base, w));
+        // The same physical page at a new address is still in use by S1's work.
+        let other = sim.reserve_va(0, G, 0).unwrap();
+        sim.map(0, other, G, hs[0]).unwrap();
+        sim.set_access(0, other, G).unwrap();
+        sim.note_handout(0, other + 4096, 4096, S2);
+        let hz = sim.take_hazards();
+        assert_eq!(hz.len(), 1);
+        assert_eq!(
+            (hz[0].kind, hz[0].ptr, hz[0].work),
+            (HazardKind::ReuseWhileInUse, other + 4096, w)
+        );
+        // A different page at the old address is not.
+        let h2 = sim.create_physical(0, G).unwrap();
+        sim.map(0, base, G, h2).unwrap();
+        sim.note_handout(0, base, G, S2);
+        assert!(sim.hazards().is_empty());
+        // Releasing a handle that work still touches.
+        sim.unmap(0, other, G).unwrap();
+        sim.take_hazards();
+        sim.release_physical(0, hs[0]).unwrap();
+        let hz = sim.take_hazards();
+        assert_eq!(hz.len(), 1);
+        assert_eq!(
+            (hz[0].kind, hz[0].handle),
+            (HazardKind::ReleaseWhileInUse, Some(hs[0]))
+        );
+    }
+
+    #[test]
+    fn linear_memory_hazards_and_mem_free_synchronises() {
+        let sim = small();
+        let p = sim.mem_alloc(0, 8192).unwrap();
+        let q = sim.mem_alloc(0, 8192).unwrap();
+        sim.launch(0, S1, &[(p + 100, 10)]).unwrap();
+        sim.launch(0, S2, &[(q, 10)]).unwrap();
+        sim.note_handout(0, p, 8192, S2);
+        assert_eq!(sim.take_hazards().len(), 1);
+        sim.mem_free(0, q).unwrap();
+        assert_eq!(
+            sim.unfinished_work(0),
+            0,
+            "mem_free synchronised the device"
+        );
+        assert!(sim.hazards().is_empty());
+    }
+
+    #[test]
+    fn backing_follows_a_remapped_page() {
+        let sim = backed();
+        let (base, hs) = mapped(&sim, 2);
+        assert_eq!(sim.read(0, base + G - 2, 4).unwrap(), vec![0; 4]);
+        // A write that spans two mappings and a chunk boundary.
+        let data: Vec<u8> = (0..200u8).collect();
+        sim.write(0, base + G - 100, &data).unwrap();
+        assert_eq!(sim.read(0, base + G - 100, 200).unwrap(), data);
+        // Move the second page elsewhere: its data goes with it.
+        sim.unmap(0, base + G, G).unwrap();
+        assert!(sim.read(0, base + G, 1).is_err(), "unmapped");
+        let other = sim.reserve_va(0, G, 0).unwrap();
+        sim.map(0, other, G, hs[1]).unwrap();
+        assert!(sim.read(0, other, 1).is_err(), "no access yet");
+        assert!(sim.write(0, other, &[1]).is_err(), "no access yet");
+        sim.set_access(0, other, G).unwrap();
+        assert_eq!(sim.read(0, other, 100).unwrap(), data[100..]);
+        assert_eq!(sim.read(0, base + G - 100, 100).unwrap(), data[..100]);
+        // Linear memory is backed too.
+        let p = sim.mem_alloc(0, 10).unwrap();
+        sim.write(0, p, b"hello").unwrap();
+        assert_eq!(sim.read(0, p, 10).unwrap(), b"hello\0\0\0\0\0");
+        assert!(sim.read(0, p, 11).is_err());
+        // Without backing: not supported.
+        let plain = small();
+        let (b2, _) = mapped(&plain, 1);
+        assert_code(plain.read(0, b2, 1), DriverErrorKind::NotSupported, 801);
+        assert_code(plain.write(0, b2, &[0]), DriverErrorKind::NotSupported, 801);
+    }
+
+    #[test]
+    fn fail_nth_fails_once_without_side_effects() {
+        let sim = small();
+        sim.fail_nth(DriverCall::CreatePhysical, 2);
+        let h = sim.create_physical(0, G).unwrap();
+        let e = sim.create_physical(0, G).unwrap_err();
+        assert_eq!((e.kind, e.code), (DriverErrorKind::OutOfMemory, 2));
+        assert!(e.message.contains("injected fault"));
+        assert_eq!((sim.live_handles(0), sim.committed_bytes(0)), (1, G));
+        sim.create_physical(0, G).unwrap();
+        // Other calls fail with CUDA_ERROR_UNKNOWN, and nothing changes.
+        let base = sim.reserve_va(0, G, 0).unwrap();
+        sim.fail_nth(DriverCall::Map, 1);
+        let e = sim.map(0, base, G, h).unwrap_err();
+        assert_eq!((e.kind, e.code), (DriverErrorKind::Other, 999));
+        assert!(e.message.contains("injected fault"));
+        assert_eq!(sim.mapped_bytes(0), 0);
+        sim.map(0, base, G, h).unwrap();
+        sim.fail_nth(DriverCall::Unmap, 1);
+        assert!(sim.unmap(0, base, G).is_err());
+        assert_eq!(sim.mapped_bytes(0), G);
+        sim.unmap(0, base, G).unwrap();
+        sim.fail_nth(DriverCall::MemFree, 1);
+        let p = sim.mem_alloc(0, 512).unwrap();
+        sim.launch(0, S1, &[(p, 1)]).unwrap();
+        assert!(sim.mem_free(0, p).is_err());
+        assert_eq!(sim.live_linear_allocations(0), 1);
+        assert_eq!(
+            sim.unfinished_work(0),
+            1,
+            "failed mem_free did not synchronise"
+        );
+        // Counters count failed calls too.
+        assert_eq!(sim.calls(DriverCall::CreatePhysical), 3);
+        assert_eq!(sim.calls(DriverCall::Map), 2);
+        assert_eq!(sim.calls(DriverCall::Unmap), 2);
+        assert_eq!(sim.calls(DriverCall::MemFree), 1);
+        let counts = sim.call_counts();
+        assert_eq!(counts.get(&DriverCall::ReserveVa), Some(&1));
+        assert!(!counts.contains_key(&DriverCall::EventCreate));
+        sim.reset_counters();
+        assert!(sim.call_counts().is_empty());
+    }
+
+    #[test]
+    fn fail_from_fails_until_cleared() {
+        let sim = small();
+        sim.fail_from(DriverCall::EventCreate, 2);
+        sim.event_create(0).unwrap();
+        for _ in 0..3 {
+            let e = sim.event_create(0).unwrap_err();
+            assert_eq!((e.kind, e.code), (DriverErrorKind::Other, 999));
+        }
+        assert_eq!(sim.live_events(0), 1);
+        sim.fail_from(DriverCall::MemAlloc, 1);
+        assert_code(sim.mem_alloc(0, 1), DriverErrorKind::OutOfMemory, 2);
+        assert_eq!(sim.live_linear_allocations(0), 0);
+        sim.clear_faults();
+        sim.event_create(0).unwrap();
+        sim.mem_alloc(0, 1).unwrap();
+        assert_eq!(sim.calls(DriverCall::EventCreate), 5);
+    }
+
+    #[test]
+    fn byte_budget_fails_commits_above_it() {
+        let sim = small();
+        sim.fail_after_bytes(3 * G);
+        sim.create_physical(0, 2 * G).unwrap();
+        let e = sim.create_physical(0, 2 * G).unwrap_err();
+        assert!(e.is_oom() && e.message.contains("injected fault"), "{e}");
+        assert_code(sim.mem_alloc(0, G + 1), DriverErrorKind::OutOfMemory, 2);
+        assert_eq!(sim.committed_bytes(0), 2 * G);
+        sim.create_physical(0, G).unwrap();
+        sim.clear_faults();
+        sim.create_physical(0, 2 * G).unwrap();
+        assert_eq!(sim.committed_bytes(0), 5 * G);
+    }
+
+    #[test]
+    fn latencies_are_spent() {
+        let lat = SimLatencies::none().with(DriverCall::MemInfo, Duration::from_millis(2));
+        let sim = SimDriver::new(SimConfig::default().latencies(lat));
+        let t = Instant::now();
+        sim.mem_info(0).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(2));
+        let r = SimLatencies::realistic();
+        assert!(DriverCall::ALL.iter().all(|&c| r.get(c).is_some()));
+        assert_eq!(
+            r.get(DriverCall::CreatePhysical),
+            Some(Duration::from_micros(20))
+        );
+    }
+
+    #[test]
+    fn granularity_is_normalised() {
+        let sim = SimDriver::new(SimConfig::default().granularity(3 * MIB));
+        assert_eq!(sim.capabilities(0).unwrap().granularity, 4 * MIB);
+        let sim = SimDriver::new(SimConfig::default().granularity(0));
+        assert_eq!(sim.config().granularity, 2 * MIB);
+    }
+
+    #[test]
+    fn threads_create_map_unmap_release_concurrently() {
+        let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(256 * G)));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let sim = Arc::clone(&sim);
+                std::thread::spawn(move || {
+                    let stream = StreamId(t + 1);
+                    let base = sim.reserve_va(0, 8 * G, 0).unwrap();
+                    for i in 0..200u64 {
+                        let n = i % 4 + 1;
+                        let h = sim.create_physical(0, n * G).unwrap();
+                        let addr = base + (i % 2) * 4 * G;
+                        sim.map(0, addr, n * G, h).unwrap();
+                        sim.set_access(0, addr, n * G).unwrap();
+                        sim.launch(0, stream, &[(addr, 4096)]).unwrap();
+                        sim.note_handout(0, addr, 4096, stream);
+                        sim.complete_stream(0, stream);
+                        sim.unmap(0, addr, n * G).unwrap();
+                        sim.release_physical(0, h).unwrap();
+                    }
+                    sim.free_va(0, base, 8 * G).unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(sim.committed_bytes(0), 0);
+        assert_eq!(sim.live_handles(0), 0);
+        assert_eq!(sim.mapped_bytes(0), 0);
+        assert_eq!(sim.reserved_va_bytes(0), 0);
+        assert_eq!(sim.unfinished_work(0), 0);
+        assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+        assert_eq!(sim.calls(DriverCall::CreatePhysical), 800);
+    }
+
+    #[test]
+    fn interval_set() {
+        let mut s = IntervalSet::default();
+        s.insert(10, 20);
+        s.insert(30, 40);
+        s.insert(20, 30);
+        assert_eq!(s.map.len(), 1);
+        assert!(s.contains(10, 40) && !s.contains(9, 11));
+        s.remove(15, 35);
+        assert_eq!(
+            s.map.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(),
+            vec![(10, 15), (35, 40)]
+        );
+        assert_eq!(s.alloc(4, 4), Some(36), "12 + 4 would pass 15");
+        assert_eq!(s.alloc(5, 1), Some(10));
+        assert_eq!(s.alloc(1, 1), Some(35));
+        assert_eq!(s.alloc(10, 1), None);
+    }
+}
