@@ -128,19 +128,18 @@ pub(crate) enum FreeOutcome {
 impl ArenaState {
     /// Updates the inactive-split gauges after heap `kind`'s free totals changed.
     #[inline]
-    fn note_free_change(
-        &mut self,
-        kind: usize,
-        before: (u64, u64),
-        shared: &SharedGauges,
-    ) {
+    fn note_free_change(&mut self, kind: usize, before: (u64, u64), shared: &SharedGauges) {
         let h = &self.kinds[kind].heap;
         let (c, b) = (h.free_count(), h.free_bytes());
         let p = pool_index(kind);
         self.gauges
             .add(Gauge::InactiveSplit, p, c as i64 - before.0 as i64, shared);
-        self.gauges
-            .add(Gauge::InactiveSplitBytes, p, b as i64 - before.1 as i64, shared);
+        self.gauges.add(
+            Gauge::InactiveSplitBytes,
+            p,
+            b as i64 - before.1 as i64,
+            shared,
+        );
     }
 
     #[inline]
@@ -190,7 +189,8 @@ impl ArenaState {
         self.kinds[kind].heap.free(id);
         let p = pool_index(kind);
         self.gauges.add(Gauge::Active, p, -1, shared);
-        self.gauges.add(Gauge::ActiveBytes, p, -(len as i64), shared);
+        self.gauges
+            .add(Gauge::ActiveBytes, p, -(len as i64), shared);
         self.note_free_change(kind, before, shared);
     }
 
@@ -215,7 +215,8 @@ impl ArenaState {
         };
         let p = pool_index(kind);
         self.gauges.add(Gauge::Allocation, p, -1, shared);
-        self.gauges.add(Gauge::AllocatedBytes, p, -(len as i64), shared);
+        self.gauges
+            .add(Gauge::AllocatedBytes, p, -(len as i64), shared);
         self.gauges
             .add(Gauge::RequestedBytes, p, -(requested as i64), shared);
         if let Some(streams) = self.uses.remove(&ptr) {
@@ -356,14 +357,21 @@ impl ArenaState {
                             requested[k] += s.meta.requested as i64;
                             match self.live.get(&s.start) {
                                 Some(r) if r.span == id && r.kind as usize == k => {}
-                                _ => return Err(format!("live span {id} at {:#x} not in the live map", s.start)),
+                                _ => {
+                                    return Err(format!(
+                                        "live span {id} at {:#x} not in the live map",
+                                        s.start
+                                    ))
+                                }
                             }
                         }
                         SpanState::Pending => {
                             pending[k] += 1;
                             pending_bytes[k] += s.len as i64;
                             if !self.pending.iter().any(|p| p.span == id && p.kind == k) {
-                                return Err(format!("pending span {id} is not in the pending list"));
+                                return Err(format!(
+                                    "pending span {id} is not in the pending list"
+                                ));
                             }
                         }
                         _ => {}

@@ -134,9 +134,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
             ))
         }
     };
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("`{text}` is not a size: expected a number with an optional unit, e.g. 512MiB"))?;
+    let value: f64 = num.parse().map_err(|_| {
+        format!("`{text}` is not a size: expected a number with an optional unit, e.g. 512MiB")
+    })?;
     let bytes = value * mult;
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("`{text}` is out of range"));
@@ -148,7 +148,10 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
     match v.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),
         "false" | "0" | "no" | "off" => Ok(false),
-        other => Err(err(key, format!("`{other}` is not a boolean: use true or false"))),
+        other => Err(err(
+            key,
+            format!("`{other}` is not a boolean: use true or false"),
+        )),
     }
 }
 
@@ -199,7 +202,10 @@ impl Config {
             }
             "memory_fraction" => {
                 let f: f64 = value.parse().map_err(|_| {
-                    err(key, format!("`{value}` is not a number: use a fraction in [0, 1]"))
+                    err(
+                        key,
+                        format!("`{value}` is not a number: use a fraction in [0, 1]"),
+                    )
                 })?;
                 self.memory_fraction = f;
             }
@@ -227,7 +233,10 @@ impl Config {
                 format!("{} is outside [0, 1]", self.memory_fraction),
             ));
         }
-        if self.small_size < 512 || self.small_size % 512 != 0 || self.small_size > 64 << 20 {
+        if self.small_size < 512
+            || !self.small_size.is_multiple_of(512)
+            || self.small_size > 64 << 20
+        {
             return Err(err(
                 "small_size",
                 format!(

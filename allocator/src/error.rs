@@ -180,14 +180,26 @@ impl fmt::Display for OomReport {
             if !list.is_empty() {
                 writeln!(f, "  top {title} by live bytes:")?;
                 for a in list {
-                    writeln!(f, "    {:>12}  {:>6} blocks  {}", mib(a.bytes), a.blocks, a.name)?;
+                    writeln!(
+                        f,
+                        "    {:>12}  {:>6} blocks  {}",
+                        mib(a.bytes),
+                        a.blocks,
+                        a.name
+                    )?;
                 }
             }
         }
         if !self.other_processes.is_empty() {
             writeln!(f, "  other processes on this device:")?;
             for p in &self.other_processes {
-                writeln!(f, "    pid {:>7}  {:>12}  {}", p.pid, mib(p.bytes), p.command)?;
+                writeln!(
+                    f,
+                    "    pid {:>7}  {:>12}  {}",
+                    p.pid,
+                    mib(p.bytes),
+                    p.command
+                )?;
             }
         }
         Ok(())

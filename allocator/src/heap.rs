@@ -232,7 +232,7 @@ impl Heap {
     /// Adds a segment `[start, start + len)` as one span in `state` (`Free` or `Hole`); returns
     /// the segment's first span, which stays its first span for as long as the segment exists.
     pub fn add_segment(&mut self, seg: u32, start: u64, len: u64, state: SpanState) -> SpanId {
-        debug_assert!(len > 0 && len % ALIGN == 0 && start % ALIGN == 0);
+        debug_assert!(len > 0 && len.is_multiple_of(ALIGN) && start.is_multiple_of(ALIGN));
         let id = self.new_span(Span {
             start,
             len,
@@ -464,7 +464,11 @@ impl Heap {
         debug_assert_eq!(s.state, SpanState::Hole);
         debug_assert!(s.start <= lo && lo < hi && hi <= s.end());
         let (start, end) = (s.start, s.end());
-        let mid = if lo > start { self.split_at(id, lo) } else { id };
+        let mid = if lo > start {
+            self.split_at(id, lo)
+        } else {
+            id
+        };
         if hi < end {
             self.split_at(mid, hi);
         }
@@ -527,10 +531,8 @@ impl Heap {
                             return Err(format!("free span {id} is not in its class list"));
                         }
                     }
-                    SpanState::Hole => {
-                        if prev_state == SpanState::Hole {
-                            return Err(format!("hole {id} follows a hole"));
-                        }
+                    SpanState::Hole if prev_state == SpanState::Hole => {
+                        return Err(format!("hole {id} follows a hole"));
                     }
                     _ => {}
                 }
@@ -706,7 +708,7 @@ mod tests {
                 any::<usize>().prop_map(Op::Carve),
             ], 1..200)
         ) {
-            let base = 0x4000_0000u64;
+            let base = 0x1000_0000u64;
             let len = 64 * MIB;
             let (mut h, first) = heap_with(len);
             let seg = [(first, base, len)];

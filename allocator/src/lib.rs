@@ -3,9 +3,11 @@
 //! See the README for the ideas the pool rests on, and [`driver`] for the seam between the pool
 //! and a device.
 #![deny(missing_docs)]
+// Gauges are indexed [gauge][pool] in several parallel arrays; index loops read best there.
+#![allow(clippy::needless_range_loop)]
 
-pub mod driver;
 pub mod config;
+pub mod driver;
 pub mod error;
 pub mod heap;
 pub mod stats;

@@ -164,14 +164,10 @@ pub struct Arena<D: Driver> {
 impl<D: Driver> Arena<D> {
     fn free_ptr(&self, ptr: u64) -> Result<()> {
         let c = &*self.core;
-        let outcome = self.state.lock().free(
-            ptr,
-            self.stream,
-            c.dev,
-            &*c.driver,
-            &c.events,
-            &c.shared,
-        );
+        let outcome =
+            self.state
+                .lock()
+                .free(ptr, self.stream, c.dev, &*c.driver, &c.events, &c.shared);
         match outcome {
             FreeOutcome::Unknown => return Err(c.invalid_free(ptr, "unknown or already freed")),
             FreeOutcome::Pending => {
@@ -279,12 +275,15 @@ thread_local! {
     static ARENA_CACHE: RefCell<Vec<CacheEntry>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Segment base -> (end, owning arena).
+type RangeIndex<D> = BTreeMap<u64, (u64, Weak<Arena<D>>)>;
+
 /// The pool of one device: an arena per stream, plus the state that all of them share.
 pub struct DevicePool<D: Driver> {
     core: Arc<DeviceCore<D>>,
     arenas: RwLock<FxHashMap<StreamId, Arc<Arena<D>>>>,
     /// Segment base -> (end, owning arena), to find a pointer's arena without its stream.
-    ranges: RwLock<BTreeMap<u64, (u64, Weak<Arena<D>>)>>,
+    ranges: RwLock<RangeIndex<D>>,
     state: Mutex<DeviceState>,
 }
 
@@ -444,9 +443,8 @@ impl<D: Driver> DevicePool<D> {
         if size == 0 {
             return Ok((0, None));
         }
-        let rounded = round_size(size).ok_or_else(|| {
-            Error::InvalidArgument(format!("size {size} is too large to round"))
-        })?;
+        let rounded = round_size(size)
+            .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
         let kind = self.kind_of(rounded);
         if let Some(Some(ptr)) =
             self.with_cached(stream, |a| self.fast_alloc(a, kind, rounded, size))
@@ -485,7 +483,13 @@ impl<D: Driver> DevicePool<D> {
     }
 
     #[cold]
-    fn alloc_slow(&self, arena: &Arc<Arena<D>>, kind: usize, rounded: u64, size: u64) -> Result<u64> {
+    fn alloc_slow(
+        &self,
+        arena: &Arc<Arena<D>>,
+        kind: usize,
+        rounded: u64,
+        size: u64,
+    ) -> Result<u64> {
         let mut retried = false;
         loop {
             match self.grow(arena, kind, rounded, size, retried)? {
@@ -625,8 +629,8 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Grow> {
         let c = &*self.core;
         let g = c.granularity;
-        let extent = c.caps.total_memory.div_ceil(g) * g;
-        if rounded > extent {
+        let extent = vmm_extent(c.caps.total_memory, g, kind);
+        if rounded > c.caps.total_memory {
             return Err(self.oom_locked(
                 dev,
                 Some(a),
@@ -652,7 +656,17 @@ impl<D: Driver> DevicePool<D> {
                 s
             }
         };
-        let (lo, missing) = choose_window(a, kind, seg_idx, rounded, g);
+        let Some((lo, missing)) = choose_window(a, kind, seg_idx, rounded, g) else {
+            return Err(self.oom_locked(
+                dev,
+                Some(a),
+                arena.stream,
+                size,
+                rounded,
+                false,
+                "no free virtual range of this stream's segment is large enough",
+            ));
+        };
         let hi = lo + rounded;
         let need = missing.len();
 
@@ -670,7 +684,14 @@ impl<D: Driver> DevicePool<D> {
                         continue;
                     }
                     let mut o = other.state.lock();
-                    let got = self.steal_pages(&mut o, other.stream, None, need - handles.len(), dev, kind);
+                    let got = self.steal_pages(
+                        &mut o,
+                        other.stream,
+                        None,
+                        need - handles.len(),
+                        dev,
+                        kind,
+                    );
                     c.counters
                         .num_cross_stream_pages
                         .fetch_add(got.len() as u64, Relaxed);
@@ -1010,7 +1031,15 @@ impl<D: Driver> DevicePool<D> {
             } else {
                 "the device has no free memory"
             };
-            return Err(self.oom_locked(dev, Some(&a), arena.stream, size, rounded, limit_hit, why));
+            return Err(self.oom_locked(
+                dev,
+                Some(&a),
+                arena.stream,
+                size,
+                rounded,
+                limit_hit,
+                why,
+            ));
         };
         c.counters.num_device_alloc.fetch_add(1, Relaxed);
         dev.add_reserved(kind, seg_size as i64);
@@ -1195,8 +1224,8 @@ impl<D: Driver> DevicePool<D> {
                     live += hs.gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
                 }
                 _ => {
-                    live += arena.state.lock().gauges.cur
-                        [crate::stats::Gauge::ActiveBytes as usize][0]
+                    live +=
+                        arena.state.lock().gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
                 }
             }
         }
@@ -1424,8 +1453,14 @@ impl<D: Driver> DevicePool<D> {
                     }
                     let ranges = self.ranges.read();
                     match ranges.get(&seg.base) {
-                        Some((end, w)) if *end == seg.base + seg.len && w.as_ptr() == Arc::as_ptr(&arena) => {}
-                        _ => return Err(format!("segment {:#x} missing from the range index", seg.base)),
+                        Some((end, w))
+                            if *end == seg.base + seg.len && w.as_ptr() == Arc::as_ptr(&arena) => {}
+                        _ => {
+                            return Err(format!(
+                                "segment {:#x} missing from the range index",
+                                seg.base
+                            ))
+                        }
                     }
                 }
             }
@@ -1443,7 +1478,10 @@ impl<D: Driver> DevicePool<D> {
             return Err("reserved all != small + large".into());
         }
         if reserved > dev.limit {
-            return Err(format!("reserved {reserved} exceeds the limit {}", dev.limit));
+            return Err(format!(
+                "reserved {reserved} exceeds the limit {}",
+                dev.limit
+            ));
         }
         Ok(())
     }
@@ -1513,11 +1551,17 @@ impl<D: Driver> Drop for DevicePool<D> {
 /// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
 /// run of free space and holes that needs the fewest newly mapped pages (ties: the smallest
 /// run). Returns the window's start and its unmapped pages.
-fn choose_window(a: &ArenaState, kind: usize, seg_idx: u32, size: u64, g: u64) -> (u64, Vec<u64>) {
+fn choose_window(
+    a: &ArenaState,
+    kind: usize,
+    seg_idx: u32,
+    size: u64,
+    g: u64,
+) -> Option<(u64, Vec<u64>)> {
     let kh = &a.kinds[kind];
     let seg = kh.segment(seg_idx);
     let Backing::Vmm { pages } = &seg.backing else {
-        return (seg.base, Vec::new());
+        return None;
     };
     let missing_in = |lo: u64| -> Vec<u64> {
         let first = (lo - seg.base) / g;
@@ -1562,11 +1606,24 @@ fn choose_window(a: &ArenaState, kind: usize, seg_idx: u32, size: u64, g: u64) -
     if let Some(rs) = run_start {
         consider(rs, last_end, &mut best);
     }
-    match best {
-        Some((_, _, lo)) => (lo, missing_in(lo)),
-        // Cannot happen while the request fits the extent and the segment ends in a run; fall
-        // back to the segment's end region anyway.
-        None => (seg.base, missing_in(seg.base)),
+    best.map(|(_, _, lo)| (lo, missing_in(lo)))
+}
+
+/// The virtual extent reserved for one heap of one stream.
+///
+/// # Note [Virtual extents]
+///
+/// Address space is cheap but not free (a reservation costs page-table setup, and 47 bits go
+/// only so far when many streams allocate), so each stream's large heap reserves twice the
+/// device's memory, which leaves room to place any request that fits in physical memory next to
+/// live blocks scattered through the range; the small heap (blocks of at most 64 MiB) reserves
+/// the device's memory.
+fn vmm_extent(total: u64, g: u64, kind: usize) -> u64 {
+    let t = total.div_ceil(g) * g;
+    if kind == LARGE {
+        t.saturating_mul(2)
+    } else {
+        t
     }
 }
 
@@ -1622,7 +1679,11 @@ impl std::fmt::Display for DeviceReport {
             self.device,
             self.name,
             self.driver,
-            if self.vmm { "VMM" } else { "cuMemAlloc segments" },
+            if self.vmm {
+                "VMM"
+            } else {
+                "cuMemAlloc segments"
+            },
             b(self.granularity)
         )?;
         writeln!(
@@ -1774,7 +1835,11 @@ impl<D: Driver> Pool<D> {
         if let Some(p) = slot.get() {
             return Ok(p);
         }
-        let p = Arc::new(DevicePool::new(self.driver.clone(), dev, self.config.clone())?);
+        let p = Arc::new(DevicePool::new(
+            self.driver.clone(),
+            dev,
+            self.config.clone(),
+        )?);
         Ok(slot.get_or_init(|| p))
     }
 

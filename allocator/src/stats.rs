@@ -224,7 +224,11 @@ mod tests {
         let mut max = 0;
         let mut cur = 0;
         for i in 0..1000i64 {
-            let d = if i % 3 == 0 { -(i % 7) * 512 } else { (i % 11) * 512 };
+            let d = if i % 3 == 0 {
+                -(i % 7) * 512
+            } else {
+                (i % 11) * 512
+            };
             if cur + d < 0 {
                 continue;
             }
@@ -245,14 +249,21 @@ mod tests {
         let mut max = 0;
         for i in 0..10_000i64 {
             let d = ((i * 7919) % 13 - 6) * 4096;
-            let (x, y) = if i % 2 == 0 { (&mut a, &b) } else { (&mut b, &a) };
+            let (x, y) = if i % 2 == 0 {
+                (&mut a, &b)
+            } else {
+                (&mut b, &a)
+            };
             if x.cur[1][0] + d < 0 {
                 continue;
             }
             x.add(Gauge::AllocatedBytes, 1, d, &shared);
             max = max.max(x.cur[1][0] + y.cur[1][0]);
             let p = shared.peak(1, 0);
-            assert!(p <= max + SLACK_BYTES && p >= max - SLACK_BYTES, "{p} vs {max}");
+            assert!(
+                p <= max + SLACK_BYTES && p >= max - SLACK_BYTES,
+                "{p} vs {max}"
+            );
         }
         a.publish_all(&shared);
         b.publish_all(&shared);

@@ -1,0 +1,59 @@
+use std::sync::Arc;
+
+use cistern::{Config, Pool, SimConfig, SimDriver, StreamId};
+
+const MIB: u64 = 1 << 20;
+
+fn pool(cap: u64) -> (Arc<SimDriver>, Pool<Arc<SimDriver>>) {
+    let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(cap)));
+    let pool = Pool::new(sim.clone(), Config::default()).unwrap();
+    (sim, pool)
+}
+
+#[test]
+fn alloc_free_reuse() {
+    let (sim, pool) = pool(1 << 30);
+    let s = StreamId(0);
+    let a = pool.alloc_raw(0, 3 * MIB, s).unwrap();
+    pool.check_invariants().unwrap();
+    let b = pool.alloc_raw(0, 1000, s).unwrap();
+    pool.check_invariants().unwrap();
+    assert_eq!(a % 512, 0);
+    assert_eq!(b % 512, 0);
+    pool.free_raw(a, s).unwrap();
+    pool.check_invariants().unwrap();
+    let calls = sim.calls(cistern::driver::DriverCall::CreatePhysical);
+    let a2 = pool.alloc_raw(0, 3 * MIB, s).unwrap();
+    assert_eq!(a2, a);
+    assert_eq!(
+        sim.calls(cistern::driver::DriverCall::CreatePhysical),
+        calls
+    );
+    pool.free_raw(a2, s).unwrap();
+    pool.free_raw(b, s).unwrap();
+    pool.check_invariants().unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.get("allocated_bytes.all.current"), 0);
+    assert_eq!(st.get("allocated_bytes.all.peak"), (3 * MIB + 1024) as i64);
+    pool.empty_cache();
+    pool.check_invariants().unwrap();
+    assert_eq!(sim.committed_bytes(0), 0);
+    drop(pool);
+    assert_eq!(sim.reserved_va_bytes(0), 0);
+}
+
+#[test]
+fn oom_and_recover() {
+    let (_sim, pool) = pool(1 << 30);
+    let s = StreamId(0);
+    let a = pool.alloc_raw(0, 600 * MIB, s).unwrap();
+    let e = pool.alloc_raw(0, 600 * MIB, s).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    println!("{e}");
+    pool.check_invariants().unwrap();
+    pool.free_raw(a, s).unwrap();
+    let b = pool.alloc_raw(0, 600 * MIB, StreamId(7)).unwrap();
+    pool.check_invariants().unwrap();
+    pool.free_raw(b, StreamId(7)).unwrap();
+    pool.check_invariants().unwrap();
+}
