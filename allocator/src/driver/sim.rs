@@ -373,7 +373,8 @@ impl IntervalSet {
     }
 }
 
-/// `x` rounded up to a multiple of `align` (> 0), or `None` on overflow.
+/// `x` rounded up to a multiple of `align`, or `None` on overflow. Callers pass `align > 0`
+/// (the granularity, or `LINEAR_ALIGN`).
 fn round_up(x: u64, align: u64) -> Option<u64> {
     Some(x.checked_add(align - 1)? / align * align)
 }
@@ -1142,6 +1143,7 @@ impl SimDriver {
         let pieces = st
             .translate(ptr, data.len() as u64, true)
             .map_err(|m| invalid(ACCESS_CALL, format!("write: {m}")))?;
+        // The pieces tile `[ptr, ptr + data.len())` in order, so the slices below stay in bounds.
         let mut done = 0usize;
         for p in pieces {
             let n = p.len as usize;
@@ -1162,6 +1164,7 @@ impl SimDriver {
             .translate(ptr, len as u64, true)
             .map_err(|m| invalid(ACCESS_CALL, format!("read: {m}")))?;
         let mut out = vec![0u8; len];
+        // The pieces tile `[ptr, ptr + len)` in order, so the slices below stay in bounds.
         let mut done = 0usize;
         for p in pieces {
             let n = p.len as usize;
