@@ -40,6 +40,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -372,7 +373,8 @@ impl IntervalSet {
     }
 }
 
-/// `x` rounded up to a multiple of `align` (> 0), or `None` on overflow.
+/// `x` rounded up to a multiple of `align`, or `None` on overflow. Callers pass `align > 0`
+/// (the granularity, or `LINEAR_ALIGN`).
 fn round_up(x: u64, align: u64) -> Option<u64> {
     Some(x.checked_add(align - 1)? / align * align)
 }
@@ -462,12 +464,23 @@ struct Pos {
     work: u64,
 }
 
+/// Adds `p` to `set`, keeping one position (the latest) per stream: streams are FIFO, so the
+/// latest position covers the earlier ones.
+fn merge_pos(set: &mut Vec<Pos>, p: Pos) {
+    match set.iter_mut().find(|q| q.stream == p.stream) {
+        Some(q) => q.work = q.work.max(p.work),
+        None => set.push(p),
+    }
+}
+
 #[derive(Debug)]
 struct Work {
     id: u64,
     pieces: Vec<Piece>,
     /// Positions on other streams this work waits for (from `stream_wait_event`).
     deps: Vec<Pos>,
+    /// Its stream's `waited` map when it was launched: what is ordered before it.
+    ordered_after: Arc<FxHashMap<u64, u64>>,
 }
 
 #[derive(Debug, Default)]
@@ -479,8 +492,8 @@ struct StreamState {
     /// Waits not yet attached to launched work.
     pending_waits: Vec<Pos>,
     /// For each other stream, the last work id known to be ordered before this stream's future
-    /// work.
-    waited: FxHashMap<u64, u64>,
+    /// work (transitively). Shared copy-on-write with the work launched since it last changed.
+    waited: Arc<FxHashMap<u64, u64>>,
 }
 
 #[derive(Debug)]
@@ -536,6 +549,13 @@ impl DevState {
         self.peak = self.peak.max(self.committed);
     }
 
+    /// The unfinished work item at `p`, if any.
+    fn work_item(&self, p: Pos) -> Option<&Work> {
+        let q = &self.streams.get(&p.stream)?.queue;
+        let i = q.binary_search_by_key(&p.work, |w| w.id).ok()?;
+        q.get(i)
+    }
+
     fn is_complete(&self, p: Pos) -> bool {
         match self.streams.get(&p.stream).and_then(|s| s.queue.front()) {
             Some(w) => w.id > p.work,
@@ -545,31 +565,30 @@ impl DevState {
 
     /// Completes the work at `p` and everything before it on its stream, dependencies first.
     /// Returns how many work items completed.
-    fn complete_through(&mut self, p: Pos) -> usize {
+    fn complete_through(&mut self, target: Pos) -> usize {
+        // An explicit stack instead of recursion: wait chains can be long. Each position stays
+        // on the stack until its stream has completed through it; dependencies are pushed above
+        // it and so complete first. Dependencies were captured before their dependent work was
+        // launched, so they have smaller ids and this terminates.
         let mut done = 0;
-        loop {
-            let deps = {
-                let Some(st) = self.streams.get_mut(&p.stream) else {
-                    break;
-                };
-                let Some(front) = st.queue.front_mut() else {
-                    break;
-                };
-                if front.id > p.work {
-                    break;
-                }
-                std::mem::take(&mut front.deps)
+        let mut stack = vec![target];
+        while let Some(&p) = stack.last() {
+            let front = self
+                .streams
+                .get_mut(&p.stream)
+                .and_then(|st| st.queue.front_mut())
+                .filter(|w| w.id <= p.work);
+            let Some(front) = front else {
+                stack.pop();
+                continue;
             };
-            if deps.is_empty() {
+            if front.deps.is_empty() {
                 if let Some(st) = self.streams.get_mut(&p.stream) {
                     st.queue.pop_front();
                     done += 1;
                 }
             } else {
-                // Dependencies were launched earlier (smaller ids), so this recursion ends.
-                for d in deps {
-                    done += self.complete_through(d);
-                }
+                stack.append(&mut front.deps);
             }
         }
         done
@@ -998,7 +1017,13 @@ impl SimDriver {
         st.next_work += 1;
         let ss = st.streams.entry(stream.0).or_default();
         let deps = std::mem::take(&mut ss.pending_waits);
-        ss.queue.push_back(Work { id, pieces, deps });
+        let ordered_after = Arc::clone(&ss.waited);
+        ss.queue.push_back(Work {
+            id,
+            pieces,
+            deps,
+            ordered_after,
+        });
         ss.last = Some(id);
         d.unfinished.fetch_add(1, Ordering::Relaxed);
         Ok(WorkId(id))
@@ -1118,6 +1143,7 @@ impl SimDriver {
         let pieces = st
             .translate(ptr, data.len() as u64, true)
             .map_err(|m| invalid(ACCESS_CALL, format!("write: {m}")))?;
+        // The pieces tile `[ptr, ptr + data.len())` in order, so the slices below stay in bounds.
         let mut done = 0usize;
         for p in pieces {
             let n = p.len as usize;
@@ -1138,6 +1164,7 @@ impl SimDriver {
             .translate(ptr, len as u64, true)
             .map_err(|m| invalid(ACCESS_CALL, format!("read: {m}")))?;
         let mut out = vec![0u8; len];
+        // The pieces tile `[ptr, ptr + len)` in order, so the slices below stay in bounds.
         let mut done = 0usize;
         for p in pieces {
             let n = p.len as usize;
@@ -1590,7 +1617,9 @@ impl Driver for SimDriver {
                     work,
                 });
             }
-            positions.extend(ss.pending_waits.iter().copied());
+            for &p in &ss.pending_waits {
+                merge_pos(&mut positions, p);
+            }
         }
         positions.retain(|&p| !st.is_complete(p));
         st.events.insert(event.0, positions);
@@ -1646,19 +1675,16 @@ impl Driver for SimDriver {
         let Some(positions) = st.events.get(&event.0).cloned() else {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
         };
-        // Everything ordered before the captured positions, through the dependencies of pending
-        // work, becomes ordered before this stream's later work.
-        let mut covered: FxHashMap<u64, u64> = FxHashMap::default();
-        let mut stack = positions.clone();
-        while let Some(p) = stack.pop() {
-            let prev = covered.get(&p.stream).copied().unwrap_or(0);
-            if p.work <= prev {
-                continue;
-            }
-            covered.insert(p.stream, p.work);
-            if let Some(ss) = st.streams.get(&p.stream) {
-                for w in ss.queue.iter().filter(|w| w.id > prev && w.id <= p.work) {
-                    stack.extend(w.deps.iter().copied());
+        // Everything ordered before the captured positions becomes ordered before this stream's
+        // later work: each position covers its stream up to it, and what its work item was
+        // ordered after when launched (a completed item needs nothing: its dependencies are
+        // complete too).
+        let mut covered: Vec<Pos> = Vec::new();
+        for &p in &positions {
+            merge_pos(&mut covered, p);
+            if let Some(w) = st.work_item(p) {
+                for (&stream, &work) in w.ordered_after.iter() {
+                    merge_pos(&mut covered, Pos { stream, work });
                 }
             }
         }
@@ -1667,13 +1693,19 @@ impl Driver for SimDriver {
             .filter(|&p| p.stream != stream.0 && !st.is_complete(p))
             .collect();
         let ss = st.streams.entry(stream.0).or_default();
-        for (s, w) in covered {
-            if s != stream.0 {
-                let e = ss.waited.entry(s).or_insert(0);
-                *e = (*e).max(w);
+        let news: Vec<Pos> = covered
+            .into_iter()
+            .filter(|p| p.stream != stream.0 && ss.waited.get(&p.stream) < Some(&p.work))
+            .collect();
+        if !news.is_empty() {
+            let waited = Arc::make_mut(&mut ss.waited);
+            for p in news {
+                waited.insert(p.stream, p.work);
             }
         }
-        ss.pending_waits.extend(pending);
+        for p in pending {
+            merge_pos(&mut ss.pending_waits, p);
+        }
         Ok(())
     }
 
@@ -1700,7 +1732,6 @@ impl Driver for SimDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     const G: u64 = 2 * MIB;
     const S1: StreamId = StreamId(1);
@@ -2078,6 +2109,29 @@ mod tests {
         sim.complete_stream(0, S1);
         assert!(sim.event_query(0, ev2).unwrap());
         assert_eq!(sim.unfinished_work(0), 0);
+    }
+
+    #[test]
+    fn long_wait_chains_complete_without_recursion() {
+        let sim = small();
+        let ev = sim.event_create(0).unwrap();
+        let n = 50_000u64;
+        // Ping-pong: each launch waits on the previous stream's last work.
+        for i in 0..n {
+            let (from, to) = if i % 2 == 0 { (S1, S2) } else { (S2, S1) };
+            sim.launch(0, from, &[]).unwrap();
+            sim.event_record(0, ev, from).unwrap();
+            sim.stream_wait_event(0, to, ev).unwrap();
+        }
+        let last = sim.launch(0, S1, &[]).unwrap();
+        assert_eq!(sim.unfinished_work(0), n as usize + 1);
+        sim.event_record(0, ev, S1).unwrap();
+        sim.event_synchronize(0, ev).unwrap();
+        assert_eq!(
+            sim.unfinished_work(0),
+            0,
+            "{last:?} pulled in the whole chain"
+        );
     }
 
     #[test]
