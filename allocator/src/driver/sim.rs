@@ -10,7 +10,8 @@
 //! # Model
 //!
 //! * Each device has its own disjoint address regions: VMM reservations come from
-//!   `0x7000_0000_0000 + dev * 2^41` (1 TiB), linear allocations from the next TiB. Freed ranges
+//!   `0x7000_0000_0000 + dev * 2^45` (16 TiB, room for dozens of streams' reservations of an
+//!   80 GiB device), linear allocations from the next 16 TiB. Freed ranges
 //!   are reused (first fit). `0` is never handed out.
 //! * Physical handles and linear allocations count against the device's capacity (minus the
 //!   memory of simulated other processes). Nothing is backed by host memory unless
@@ -77,9 +78,9 @@ const MIB: u64 = 1 << 20;
 /// Base of device 0's VMM region.
 const REGION_BASE: u64 = 0x7000_0000_0000;
 /// Distance between two devices' regions.
-const DEVICE_STRIDE: u64 = 1 << 41;
+const DEVICE_STRIDE: u64 = 1 << 45;
 /// Size of each of a device's two regions (VMM, then linear).
-const REGION_SPAN: u64 = 1 << 40;
+const REGION_SPAN: u64 = 1 << 44;
 /// Alignment of linear allocations (`cuMemAlloc` aligns to at least 256 B).
 const LINEAR_ALIGN: u64 = 512;
 /// Host backing is allocated in chunks of this many bytes.
