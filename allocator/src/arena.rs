@@ -129,17 +129,17 @@ impl ArenaState {
     /// Updates the inactive-split gauges after heap `kind`'s free totals changed.
     #[inline]
     fn note_free_change(&mut self, kind: usize, before: (u64, u64), shared: &SharedGauges) {
-        let h = &self.kinds[kind].heap;
-        let (c, b) = (h.free_count(), h.free_bytes());
-        let p = pool_index(kind);
-        self.gauges
-            .add(Gauge::InactiveSplit, p, c as i64 - before.0 as i64, shared);
-        self.gauges.add(
-            Gauge::InactiveSplitBytes,
-            p,
+        let (c, b) = self.free_totals(kind);
+        let d = [
+            0,
+            0,
+            0,
+            0,
+            c as i64 - before.0 as i64,
             b as i64 - before.1 as i64,
-            shared,
-        );
+            0,
+        ];
+        self.gauges.apply(pool_index(kind), &d, shared);
     }
 
     #[inline]
@@ -170,28 +170,42 @@ impl ArenaState {
                 span: id,
             },
         );
-        let p = pool_index(kind);
-        let g = &mut self.gauges;
-        g.add(Gauge::Allocation, p, 1, shared);
-        g.add(Gauge::AllocatedBytes, p, size as i64, shared);
-        g.add(Gauge::Active, p, 1, shared);
-        g.add(Gauge::ActiveBytes, p, size as i64, shared);
-        g.add(Gauge::RequestedBytes, p, requested as i64, shared);
-        self.note_free_change(kind, before, shared);
+        let (fc, fb) = self.free_totals(kind);
+        let d = [
+            1,
+            size as i64,
+            1,
+            size as i64,
+            fc as i64 - before.0 as i64,
+            fb as i64 - before.1 as i64,
+            requested as i64,
+        ];
+        self.gauges.apply(pool_index(kind), &d, shared);
         Some((ptr, id))
     }
 
-    /// Returns a live or pending span to its heap's free space.
+    /// Returns a live or pending span to its heap's free space. `live` also ends its life as
+    /// an allocation (`requested` bytes asked for), for a span that was not pending.
     #[inline]
-    fn release_span(&mut self, kind: usize, id: SpanId, shared: &SharedGauges) {
+    fn release_span(&mut self, kind: usize, id: SpanId, live: Option<u64>, shared: &SharedGauges) {
         let before = self.free_totals(kind);
-        let len = self.kinds[kind].heap.span(id).len;
+        let len = self.kinds[kind].heap.span(id).len as i64;
         self.kinds[kind].heap.free(id);
-        let p = pool_index(kind);
-        self.gauges.add(Gauge::Active, p, -1, shared);
-        self.gauges
-            .add(Gauge::ActiveBytes, p, -(len as i64), shared);
-        self.note_free_change(kind, before, shared);
+        let (fc, fb) = self.free_totals(kind);
+        let (n, bytes, req) = match live {
+            Some(r) => (1, len, r as i64),
+            None => (0, 0, 0),
+        };
+        let d = [
+            -n,
+            -bytes,
+            -1,
+            -len,
+            fc as i64 - before.0 as i64,
+            fb as i64 - before.1 as i64,
+            -req,
+        ];
+        self.gauges.apply(pool_index(kind), &d, shared);
     }
 
     /// Frees the live block at `ptr`. Blocks used by other streams become pending: an event is
@@ -213,12 +227,6 @@ impl ArenaState {
             let s = self.kinds[kind].heap.span(r.span);
             (s.len, s.meta.requested)
         };
-        let p = pool_index(kind);
-        self.gauges.add(Gauge::Allocation, p, -1, shared);
-        self.gauges
-            .add(Gauge::AllocatedBytes, p, -(len as i64), shared);
-        self.gauges
-            .add(Gauge::RequestedBytes, p, -(requested as i64), shared);
         if let Some(streams) = self.uses.remove(&ptr) {
             let mut evs = Vec::with_capacity(streams.len());
             let mut ok = true;
@@ -241,6 +249,8 @@ impl ArenaState {
                 let _ = driver.device_synchronize(dev);
             }
             if !evs.is_empty() {
+                let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
+                self.gauges.apply(pool_index(kind), &d, shared);
                 self.kinds[kind].heap.set_pending(r.span);
                 self.pending.push(Pending {
                     kind,
@@ -250,7 +260,7 @@ impl ArenaState {
                 return FreeOutcome::Pending;
             }
         }
-        self.release_span(kind, r.span, shared);
+        self.release_span(kind, r.span, Some(requested), shared);
         FreeOutcome::Freed
     }
 
@@ -281,7 +291,7 @@ impl ArenaState {
                 for ev in p.events {
                     events.put(ev);
                 }
-                self.release_span(p.kind, p.span, shared);
+                self.release_span(p.kind, p.span, None, shared);
                 freed += 1;
             } else {
                 i += 1;

@@ -1357,8 +1357,8 @@ impl<D: Driver> DevicePool<D> {
             for g in 0..GAUGES {
                 for p in 0..3 {
                     cur[g][p] += a.gauges.cur[g][p];
-                    inc[g][p] += a.gauges.inc[g][p];
-                    dec[g][p] += a.gauges.dec[g][p];
+                    inc[g][p] += a.gauges.increases(g, p);
+                    dec[g][p] += a.gauges.decreases(g, p);
                 }
             }
         }

@@ -59,10 +59,9 @@ pub const SLACK_BYTES: i64 = 8 << 20;
 pub const SLACK_COUNT: i64 = 256;
 
 const fn slack(g: usize) -> i64 {
-    if g % 2 == 1 {
-        SLACK_BYTES
-    } else {
-        SLACK_COUNT
+    match g {
+        0 | 2 | 4 => SLACK_COUNT,
+        _ => SLACK_BYTES,
     }
 }
 
@@ -96,57 +95,95 @@ impl SharedGauges {
 }
 
 /// One arena's share of the gauges. Only touched under the arena's lock.
+///
+/// Hot-path cost matters here (two updates per allocate/free pair), so the publish test is
+/// precomputed as a band `[lo, hi]` around the last published value: the current value leaving
+/// the band (a possible new peak, or a drift beyond the slack) triggers a publish.
 #[derive(Debug, Clone, Default)]
 pub struct LocalGauges {
-    /// This arena's current share.
+    /// This arena's current share, `[gauge][pool]` with pool 0 = all, 1 small, 2 large.
     pub cur: [[i64; 3]; GAUGES],
-    /// Cumulative increases.
-    pub inc: [[i64; 3]; GAUGES],
-    /// Cumulative decreases.
-    pub dec: [[i64; 3]; GAUGES],
+    inc: [[i64; 3]; GAUGES],
     published: [[i64; 3]; GAUGES],
-    headroom: [[i64; 3]; GAUGES],
+    hi: [[i64; 3]; GAUGES],
+    lo: [[i64; 3]; GAUGES],
 }
 
 impl LocalGauges {
     /// Adds `delta` to gauge `g` in pool `p` (1 small, 2 large) and in `all`.
     #[inline]
     pub fn add(&mut self, g: Gauge, p: usize, delta: i64, shared: &SharedGauges) {
-        if delta == 0 {
-            return;
+        let mut d = [0i64; GAUGES];
+        d[g as usize] = delta;
+        self.apply(p, &d, shared);
+    }
+
+    /// Adds `deltas[g]` to every gauge `g` in pool `p` (1 small, 2 large) and in `all`: the one
+    /// call an allocation or a free makes.
+    #[inline(always)]
+    pub fn apply(&mut self, p: usize, deltas: &[i64; GAUGES], shared: &SharedGauges) {
+        let mut out = false;
+        for g in 0..GAUGES {
+            let d = deltas[g];
+            let c = self.cur[g][p] + d;
+            let a = self.cur[g][0] + d;
+            self.cur[g][p] = c;
+            self.cur[g][0] = a;
+            self.inc[g][p] += d.max(0);
+            self.inc[g][0] += d.max(0);
+            out |= (c > self.hi[g][p])
+                | (c < self.lo[g][p])
+                | (a > self.hi[g][0])
+                | (a < self.lo[g][0]);
         }
-        let g = g as usize;
-        for q in [0, p] {
-            self.cur[g][q] += delta;
-            if delta > 0 {
-                self.inc[g][q] += delta;
-            } else {
-                self.dec[g][q] -= delta;
-            }
-            let unpublished = self.cur[g][q] - self.published[g][q];
-            if unpublished > self.headroom[g][q] || unpublished.abs() >= slack(g) {
-                self.publish(g, q, shared);
-            }
+        if out {
+            self.publish_out_of_band(shared);
         }
     }
 
     #[cold]
+    #[inline(never)]
+    fn publish_out_of_band(&mut self, shared: &SharedGauges) {
+        for g in 0..GAUGES {
+            for q in 0..3 {
+                let c = self.cur[g][q];
+                if c > self.hi[g][q] || c < self.lo[g][q] {
+                    self.publish(g, q, shared);
+                }
+            }
+        }
+    }
+
+    /// Cumulative increases of gauge `g` in pool `p` (0: all).
+    pub fn increases(&self, g: usize, p: usize) -> i64 {
+        self.inc[g][p]
+    }
+
+    /// Cumulative decreases of gauge `g` in pool `p` (0: all).
+    pub fn decreases(&self, g: usize, p: usize) -> i64 {
+        self.inc[g][p] - self.cur[g][p]
+    }
+
     fn publish(&mut self, g: usize, q: usize, shared: &SharedGauges) {
         let delta = self.cur[g][q] - self.published[g][q];
         let sum = shared.sum[g][q].fetch_add(delta, Relaxed) + delta;
-        self.published[g][q] = self.cur[g][q];
+        let pubd = self.cur[g][q];
+        self.published[g][q] = pubd;
         let peak = shared.peak[g][q].fetch_max(sum, Relaxed).max(sum);
-        self.headroom[g][q] = peak - sum;
+        let s = slack(g);
+        self.hi[g][q] = pubd + (peak - sum).min(s - 1);
+        self.lo[g][q] = pubd - (s - 1);
     }
 
-    /// Publishes every unpublished change (before a peak reset).
+    /// Publishes every unpublished change (before a peak reset); afterwards any increase
+    /// publishes again, so the next peak is seen.
     pub fn publish_all(&mut self, shared: &SharedGauges) {
         for g in 0..GAUGES {
             for q in 0..3 {
                 if self.cur[g][q] != self.published[g][q] {
                     self.publish(g, q, shared);
                 }
-                self.headroom[g][q] = 0;
+                self.hi[g][q] = self.published[g][q];
             }
         }
     }
