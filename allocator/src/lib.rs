@@ -10,6 +10,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod heap;
+pub mod open;
 pub mod stats;
 
 mod arena;
@@ -20,6 +21,7 @@ pub use driver::cuda::CudaDriver;
 pub use driver::sim::{SimConfig, SimDriver};
 pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
+pub use open::{open_driver, DriverChoice};
 pub use pool::{Buffer, DevicePool, DeviceReport, Pool, PoolReport};
 pub use stats::Stats;
 

@@ -670,10 +670,40 @@ impl<D: Driver> DevicePool<D> {
         let hi = lo + rounded;
         let need = missing.len();
 
+        // Can it succeed at all? Count the cached pages and the headroom under the limit
+        // before moving anything, so that a hopeless request changes nothing.
+        let cached = if need > 0 {
+            let mut n = count_free_pages(a, Some((kind, lo, hi)), g);
+            for other in self.all_arenas() {
+                if !Arc::ptr_eq(&other, arena) {
+                    n += count_free_pages(&other.state.lock(), None, g);
+                }
+            }
+            n
+        } else {
+            0
+        };
+        let headroom = (dev
+            .limit
+            .saturating_sub(dev.reserved[0].current.max(0) as u64)
+            / g) as usize;
+        if cached + headroom < need {
+            if !retried && self.any_pending(arena, a) {
+                return Ok(Grow::Retry);
+            }
+            let limit_hit = dev.limit < c.caps.total_memory;
+            let why = if limit_hit {
+                "the per-process limit would be exceeded"
+            } else {
+                "the device has too little memory for it"
+            };
+            return Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, limit_hit, why));
+        }
+
         // Gather physical pages: stitch cached ones first, then create new ones.
         let mut handles: Vec<PhysHandle> = Vec::with_capacity(need);
         let mut moved = 0u64;
-        if need > 0 {
+        if need > 0 && cached > 0 {
             let stream = arena.stream;
             let got = self.steal_pages(a, stream, Some((kind, lo, hi)), need, dev, kind);
             moved += got.len() as u64;
@@ -709,7 +739,8 @@ impl<D: Driver> DevicePool<D> {
         }
         let mut limit_hit = false;
         let mut driver_err = None;
-        while handles.len() < need {
+        let mut created = Vec::new();
+        while handles.len() + created.len() < need {
             if dev.reserved[0].current as u64 + g > dev.limit {
                 limit_hit = true;
                 break;
@@ -719,7 +750,7 @@ impl<D: Driver> DevicePool<D> {
                     c.counters.num_device_alloc.fetch_add(1, Relaxed);
                     dev.add_reserved(kind, g as i64);
                     dev.add_segments(kind, 1);
-                    handles.push(h);
+                    created.push(h);
                 }
                 Err(e) => {
                     if !e.is_oom() {
@@ -730,6 +761,15 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         }
+        if handles.len() + created.len() < need {
+            // Short after all (the driver ran out, e.g. another process took memory): give
+            // back what this request created, so a failed request leaves reserved memory as
+            // it was; stolen pages are kept, mapped in the window, as cache.
+            for h in created.drain(..) {
+                self.release_handle(dev, kind, h);
+            }
+        }
+        handles.extend(created);
 
         // Map what we have into the window's holes (even when short: it stays as cache).
         let short = handles.len() < need;
@@ -740,12 +780,7 @@ impl<D: Driver> DevicePool<D> {
             return Err(e.into());
         }
         if short {
-            let pending = !a.pending.is_empty()
-                || self
-                    .all_arenas()
-                    .iter()
-                    .any(|o| !Arc::ptr_eq(o, arena) && !o.state.lock().pending.is_empty());
-            if !retried && pending {
+            if !retried && self.any_pending(arena, a) {
                 return Ok(Grow::Retry);
             }
             let why = if limit_hit {
@@ -764,6 +799,15 @@ impl<D: Driver> DevicePool<D> {
                 "internal error: window {lo:#x}+{rounded} mapped but not allocatable"
             ))),
         }
+    }
+
+    /// Whether any arena has frees waiting on events (`a` is `arena`'s locked state).
+    fn any_pending(&self, arena: &Arc<Arena<D>>, a: &ArenaState) -> bool {
+        !a.pending.is_empty()
+            || self
+                .all_arenas()
+                .iter()
+                .any(|o| !Arc::ptr_eq(o, arena) && !o.state.lock().pending.is_empty())
     }
 
     /// Maps `handles` at the first `handles.len()` pages of `missing` and turns those pages
@@ -872,39 +916,7 @@ impl<D: Driver> DevicePool<D> {
             let Some(seg_idx) = a.kinds[kind].vmm_seg else {
                 continue;
             };
-            // Runs of whole free pages: (span, lo, hi).
-            let mut runs = Vec::new();
-            let mut avail = 0usize;
-            {
-                let kh = &a.kinds[kind];
-                let seg = kh.segment(seg_idx);
-                for (id, s) in kh.heap.segment_spans(seg.first) {
-                    if s.state != SpanState::Free {
-                        continue;
-                    }
-                    let mut lo = s.start.div_ceil(g) * g;
-                    let mut hi = s.end() / g * g;
-                    if let Some((k, xlo, xhi)) = exclude {
-                        if k == kind && lo < xhi && xlo < hi {
-                            // Keep the pages that overlap the window; take those outside.
-                            let xlo_p = xlo / g * g;
-                            let xhi_p = xhi.div_ceil(g) * g;
-                            if xlo_p - lo.min(xlo_p) >= hi.saturating_sub(xhi_p) {
-                                hi = hi.min(xlo_p);
-                            } else {
-                                lo = lo.max(xhi_p);
-                            }
-                        }
-                    }
-                    if hi > lo {
-                        avail += ((hi - lo) / g) as usize;
-                        runs.push((id, lo, hi));
-                    }
-                    if avail >= want - out.len() {
-                        break;
-                    }
-                }
-            }
+            let runs = free_page_runs(a, kind, exclude, g, want - out.len());
             for (id, lo, hi) in runs {
                 if out.len() >= want {
                     break;
@@ -1607,6 +1619,59 @@ fn choose_window(
         consider(rs, last_end, &mut best);
     }
     best.map(|(_, _, lo)| (lo, missing_in(lo)))
+}
+
+/// Runs of whole free pages in heap `kind`'s VMM segment, as `(span, lo, hi)`, leaving out the
+/// pages that overlap `exclude` (`(kind, lo, hi)`), until `want` pages are found.
+fn free_page_runs(
+    a: &ArenaState,
+    kind: usize,
+    exclude: Option<(usize, u64, u64)>,
+    g: u64,
+    want: usize,
+) -> Vec<(crate::heap::SpanId, u64, u64)> {
+    let mut runs = Vec::new();
+    let Some(seg_idx) = a.kinds[kind].vmm_seg else {
+        return runs;
+    };
+    let kh = &a.kinds[kind];
+    let seg = kh.segment(seg_idx);
+    let mut avail = 0usize;
+    for (id, s) in kh.heap.segment_spans(seg.first) {
+        if avail >= want {
+            break;
+        }
+        if s.state != SpanState::Free {
+            continue;
+        }
+        let mut lo = s.start.div_ceil(g) * g;
+        let mut hi = s.end() / g * g;
+        if let Some((k, xlo, xhi)) = exclude {
+            if k == kind && lo < xhi && xlo < hi {
+                // Keep the pages that overlap the window; take the larger side outside it.
+                let xlo_p = xlo / g * g;
+                let xhi_p = xhi.div_ceil(g) * g;
+                if xlo_p.saturating_sub(lo) >= hi.saturating_sub(xhi_p) {
+                    hi = hi.min(xlo_p);
+                } else {
+                    lo = lo.max(xhi_p);
+                }
+            }
+        }
+        if hi > lo {
+            avail += ((hi - lo) / g) as usize;
+            runs.push((id, lo, hi));
+        }
+    }
+    runs
+}
+
+/// Whole free pages an arena could give up (both heaps), leaving out `exclude`.
+fn count_free_pages(a: &ArenaState, exclude: Option<(usize, u64, u64)>, g: u64) -> usize {
+    (0..2)
+        .flat_map(|k| free_page_runs(a, k, exclude, g, usize::MAX))
+        .map(|(_, lo, hi)| ((hi - lo) / g) as usize)
+        .sum()
 }
 
 /// The virtual extent reserved for one heap of one stream.

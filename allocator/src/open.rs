@@ -1,0 +1,130 @@
+//! Choosing a driver at run time: `CISTERN_DRIVER=cuda|sim|auto`.
+//!
+//! Programs that do not care which backend they run on (the C ABI, the CLI, examples) open the
+//! driver through here. `cuda` requires a CUDA driver; `sim` uses the simulated GPU, sized by
+//! `CISTERN_SIM` (the same `key:value` syntax as `CISTERN_CONF`: `capacity`, `devices`,
+//! `granularity`, `vmm`); `auto` (the default) uses CUDA when a driver is present and otherwise
+//! says so and fails, naming the fix, unless the caller asked for a fallback.
+
+use std::sync::Arc;
+
+use crate::config::parse_size;
+use crate::driver::cuda::CudaDriver;
+use crate::driver::sim::{SimConfig, SimDriver};
+use crate::driver::Driver;
+use crate::error::{Error, Result};
+
+/// Which backend to use.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum DriverChoice {
+    /// The CUDA driver (`libcuda.so`).
+    Cuda,
+    /// The simulated GPU.
+    Sim,
+    /// CUDA when present.
+    Auto,
+}
+
+/// Reads `CISTERN_DRIVER` (unset: `Auto`).
+pub fn choice_from_env() -> Result<DriverChoice> {
+    match std::env::var("CISTERN_DRIVER").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(DriverChoice::Auto),
+        Ok("cuda") => Ok(DriverChoice::Cuda),
+        Ok("sim") => Ok(DriverChoice::Sim),
+        Ok(other) => Err(Error::InvalidArgument(format!(
+            "CISTERN_DRIVER=`{other}` is not a driver: use cuda, sim or auto"
+        ))),
+    }
+}
+
+/// Reads the simulator's settings from `CISTERN_SIM` (`capacity:80GiB,devices:1,...`).
+pub fn sim_config_from_env() -> Result<SimConfig> {
+    let text = std::env::var("CISTERN_SIM").unwrap_or_default();
+    sim_config_from_str(&text)
+}
+
+/// Parses the simulator's settings (`capacity`, `devices`, `granularity`, `vmm`).
+pub fn sim_config_from_str(text: &str) -> Result<SimConfig> {
+    let mut c = SimConfig::default();
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let bad = |m: String| Error::InvalidArgument(format!("CISTERN_SIM: `{entry}`: {m}"));
+        let (k, v) = entry
+            .split_once(':')
+            .ok_or_else(|| bad("expected `key:value`".into()))?;
+        match k.trim() {
+            "capacity" => c.capacity = parse_size(v).map_err(bad)?,
+            "granularity" => c.granularity = parse_size(v).map_err(bad)?,
+            "devices" => {
+                c.devices = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad("devices must be a whole number".into()))?
+            }
+            "vmm" => {
+                c.vmm = match v.trim() {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad("vmm must be true or false".into())),
+                }
+            }
+            _ => {
+                return Err(bad(
+                    "unknown key; valid keys are capacity, devices, granularity, vmm".into(),
+                ))
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// Opens the driver `choice` names. With `Auto` and `fallback_to_sim`, a missing CUDA driver
+/// gives the simulator (and `true` in the second field, so the caller can say so).
+pub fn open_driver(choice: DriverChoice, fallback_to_sim: bool) -> Result<(Arc<dyn Driver>, bool)> {
+    match choice {
+        DriverChoice::Sim => Ok((Arc::new(SimDriver::new(sim_config_from_env()?)), false)),
+        DriverChoice::Cuda => Ok((Arc::new(CudaDriver::new()?), false)),
+        DriverChoice::Auto => match CudaDriver::new() {
+            Ok(d) => Ok((Arc::new(d), false)),
+            Err(e) if fallback_to_sim => {
+                let _ = e;
+                Ok((Arc::new(SimDriver::new(sim_config_from_env()?)), true))
+            }
+            Err(e) => Err(e.into()),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sim_settings_parse_and_reject() {
+        let c = sim_config_from_str("capacity:8GiB, devices:2,vmm:false").unwrap();
+        assert_eq!(c.capacity, 8 << 30);
+        assert_eq!(c.devices, 2);
+        assert!(!c.vmm);
+        let e = sim_config_from_str("capacty:1GiB").unwrap_err().to_string();
+        assert!(e.contains("valid keys"), "{e}");
+        assert!(sim_config_from_str("devices:two").is_err());
+    }
+
+    #[test]
+    fn sim_and_auto_open() {
+        let (d, fell_back) = open_driver(DriverChoice::Sim, false).unwrap();
+        assert_eq!(d.name(), "sim");
+        assert!(!fell_back);
+        // On a machine without libcuda, Auto without fallback names the fix; with fallback it
+        // gives the simulator.
+        if CudaDriver::new().is_err() {
+            let e = open_driver(DriverChoice::Auto, false)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("CISTERN_DRIVER=sim"), "{e}");
+            let (d, fell_back) = open_driver(DriverChoice::Auto, true).unwrap();
+            assert_eq!(d.name(), "sim");
+            assert!(fell_back);
+        }
+    }
+}
