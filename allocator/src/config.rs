@@ -322,6 +322,16 @@ mod tests {
     }
 
     #[test]
+    fn readme_documents_every_key() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+            .expect("README.md at the workspace root");
+        for (key, default, _) in KEYS {
+            let row = format!("| `{key}` | `{default}` |");
+            assert!(readme.contains(&row), "README lacks the row for {key}: {row}");
+        }
+    }
+
+    #[test]
     fn limit_takes_the_lower() {
         let c = Config::parse("memory_limit:10GiB,memory_fraction:0.5").unwrap();
         assert_eq!(c.limit_for(80 << 30), 10 << 30);
