@@ -1,7 +1,7 @@
 //! cistern: a stream-ordered, VMM-backed caching allocator for CUDA device memory.
 //!
-//! See the README for the ideas the pool rests on, and [`driver`] for the seam between the pool
-//! and a device.
+//! See the README for the ideas the pool rests on, [`driver`] for the seam between the pool
+//! and a device, and [`interop`] for using pooled buffers as cudarc device memory.
 #![deny(missing_docs)]
 // Gauges are indexed [gauge][pool] in several parallel arrays; index loops read best there.
 #![allow(clippy::needless_range_loop)]
@@ -10,6 +10,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod heap;
+pub mod interop;
 pub mod open;
 pub mod stats;
 
