@@ -327,7 +327,10 @@ mod tests {
             .expect("README.md at the workspace root");
         for (key, default, _) in KEYS {
             let row = format!("| `{key}` | `{default}` |");
-            assert!(readme.contains(&row), "README lacks the row for {key}: {row}");
+            assert!(
+                readme.contains(&row),
+                "README lacks the row for {key}: {row}"
+            );
         }
     }
 
