@@ -108,6 +108,8 @@ pub struct Heap {
     sl_bitmap: [u32; FL],
     free_count: u64,
     free_bytes: u64,
+    /// Hole spans by start address (slow-path bookkeeping: growth looks for windows here).
+    holes: std::collections::BTreeMap<u64, SpanId>,
 }
 
 impl Default for Heap {
@@ -140,6 +142,7 @@ impl Heap {
             sl_bitmap: [0; FL],
             free_count: 0,
             free_bytes: 0,
+            holes: std::collections::BTreeMap::new(),
         }
     }
 
@@ -246,6 +249,8 @@ impl Heap {
         });
         if state == SpanState::Free {
             self.insert_free(id);
+        } else {
+            self.holes.insert(start, id);
         }
         id
     }
@@ -255,8 +260,12 @@ impl Heap {
         let mut id = first;
         while id != NIL {
             let next = self.spans[id as usize].next;
-            if self.spans[id as usize].state == SpanState::Free {
-                self.remove_free(id);
+            match self.spans[id as usize].state {
+                SpanState::Free => self.remove_free(id),
+                SpanState::Hole => {
+                    self.holes.remove(&self.spans[id as usize].start);
+                }
+                _ => {}
             }
             self.release(id);
             id = next;
@@ -441,20 +450,47 @@ impl Heap {
             self.insert_free(upper);
         }
         self.spans[mid as usize].state = SpanState::Hole;
+        self.holes.insert(lo, mid);
         self.merge_holes(mid)
     }
 
     fn merge_holes(&mut self, id: SpanId) -> SpanId {
         let next = self.spans[id as usize].next;
         if next != NIL && self.spans[next as usize].state == SpanState::Hole {
+            self.holes.remove(&self.spans[next as usize].start);
             self.absorb_next(id);
         }
         let prev = self.spans[id as usize].prev;
         if prev != NIL && self.spans[prev as usize].state == SpanState::Hole {
+            self.holes.remove(&self.spans[id as usize].start);
             self.absorb_next(prev);
             return prev;
         }
         id
+    }
+
+    /// Hole spans in address order.
+    pub fn holes(&self) -> impl Iterator<Item = SpanId> + '_ {
+        self.holes.values().copied()
+    }
+
+    /// Free spans of at least `len` bytes (every one of them; in no particular order).
+    pub fn free_spans_at_least(&self, len: u64) -> impl Iterator<Item = SpanId> + '_ {
+        let (fl0, sl0) = mapping(len);
+        (fl0 * SL + sl0..FL * SL)
+            .filter(move |&idx| self.sl_bitmap[idx / SL] & (1 << (idx % SL)) != 0)
+            .flat_map(move |idx| {
+                let mut id = self.heads[idx];
+                std::iter::from_fn(move || {
+                    if id == NIL {
+                        return None;
+                    }
+                    let cur = id;
+                    id = self.spans[cur as usize].fnext;
+                    Some(cur)
+                })
+            })
+            .filter(move |&id| self.spans[id as usize].len >= len)
     }
 
     /// Turns `[lo, hi)`, inside the hole `id`, into free space (its pages were just mapped), and
@@ -467,10 +503,12 @@ impl Heap {
         let mid = if lo > start {
             self.split_at(id, lo)
         } else {
+            self.holes.remove(&start);
             id
         };
         if hi < end {
-            self.split_at(mid, hi);
+            let upper = self.split_at(mid, hi);
+            self.holes.insert(hi, upper);
         }
         // Treat the middle as a block being freed: it coalesces with free neighbours.
         self.spans[mid as usize].state = SpanState::Pending;
@@ -531,6 +569,9 @@ impl Heap {
                             return Err(format!("free span {id} is not in its class list"));
                         }
                     }
+                    SpanState::Hole if self.holes.get(&s.start) != Some(&id) => {
+                        return Err(format!("hole {id} at {:#x} is not indexed", s.start));
+                    }
                     SpanState::Hole if prev_state == SpanState::Hole => {
                         return Err(format!("hole {id} follows a hole"));
                     }
@@ -581,6 +622,17 @@ impl Heap {
             return Err(format!(
                 "{listed} spans listed free, {} counted",
                 self.free_count
+            ));
+        }
+        let holes_linked = segments
+            .iter()
+            .flat_map(|&(first, _, _)| self.segment_spans(first))
+            .filter(|(_, s)| s.state == SpanState::Hole)
+            .count();
+        if holes_linked != self.holes.len() {
+            return Err(format!(
+                "{} holes indexed, {holes_linked} linked",
+                self.holes.len()
             ));
         }
         if live_spans + self.vacant.len() != self.spans.len() {

@@ -1584,7 +1584,6 @@ fn choose_window(
             .collect()
     };
     let mut best: Option<(usize, u64, u64)> = None; // (missing, run len, lo)
-    let mut run_start: Option<u64> = None;
     let consider = |start: u64, end: u64, best: &mut Option<(usize, u64, u64)>| {
         let len = end - start;
         if len < size {
@@ -1599,24 +1598,29 @@ fn choose_window(
             *best = Some((missing, len, start));
         }
     };
-    let mut last_end = seg.base;
-    for (_, s) in kh.heap.segment_spans(seg.first) {
-        match s.state {
-            SpanState::Free | SpanState::Hole => {
-                if run_start.is_none() {
-                    run_start = Some(s.start);
-                }
-            }
-            _ => {
-                if let Some(rs) = run_start.take() {
-                    consider(rs, s.start, &mut best);
-                }
-            }
+    // Free spans coalesce, and none alone is large enough (the fast path looked), so a window
+    // that fits always contains a hole: build the run of free space and holes around each hole.
+    let heap = &kh.heap;
+    let open = |st: SpanState| matches!(st, SpanState::Free | SpanState::Hole);
+    let mut covered_until = 0u64;
+    for hole in heap.holes() {
+        let h = heap.span(hole);
+        if h.seg != seg_idx || h.start < covered_until {
+            continue;
         }
-        last_end = s.end();
-    }
-    if let Some(rs) = run_start {
-        consider(rs, last_end, &mut best);
+        let (mut start, mut end) = (h.start, h.end());
+        let mut p = h.prev;
+        while p != crate::heap::NIL && open(heap.span(p).state) {
+            start = heap.span(p).start;
+            p = heap.span(p).prev;
+        }
+        let mut n = h.next;
+        while n != crate::heap::NIL && open(heap.span(n).state) {
+            end = heap.span(n).end();
+            n = heap.span(n).next;
+        }
+        covered_until = end;
+        consider(start, end, &mut best);
     }
     best.map(|(_, _, lo)| (lo, missing_in(lo)))
 }
@@ -1635,13 +1639,14 @@ fn free_page_runs(
         return runs;
     };
     let kh = &a.kinds[kind];
-    let seg = kh.segment(seg_idx);
     let mut avail = 0usize;
-    for (id, s) in kh.heap.segment_spans(seg.first) {
+    // Only free spans of at least a page can hold a whole page.
+    for id in kh.heap.free_spans_at_least(g) {
+        let s = kh.heap.span(id);
         if avail >= want {
             break;
         }
-        if s.state != SpanState::Free {
+        if s.seg != seg_idx {
             continue;
         }
         let mut lo = s.start.div_ceil(g) * g;
