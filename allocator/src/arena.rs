@@ -162,7 +162,7 @@ impl ArenaState {
         let h = &mut self.kinds[kind].heap;
         let id = h.take(id, size);
         let ptr = h.span(id).start;
-        h.meta_mut(id).requested = requested;
+        h.set_requested(id, requested);
         self.live.insert(
             ptr,
             LiveRef {
@@ -225,7 +225,7 @@ impl ArenaState {
         let kind = r.kind as usize;
         let (len, requested) = {
             let s = self.kinds[kind].heap.span(r.span);
-            (s.len, s.meta.requested)
+            (s.len, s.requested)
         };
         if let Some(streams) = self.uses.remove(&ptr) {
             let mut evs = Vec::with_capacity(streams.len());
@@ -364,7 +364,7 @@ impl ArenaState {
                         SpanState::Live => {
                             live_count[k] += 1;
                             live_bytes[k] += s.len as i64;
-                            requested[k] += s.meta.requested as i64;
+                            requested[k] += s.requested as i64;
                             match self.live.get(&s.start) {
                                 Some(r) if r.span == id && r.kind as usize == k => {}
                                 _ => {

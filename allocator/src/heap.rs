@@ -53,12 +53,10 @@ pub enum SpanState {
     Vacant,
 }
 
-/// Per-block metadata that travels with a live span. The provenance layer fills `tag`, `site`,
-/// `thread` and `time_ns`; the pool fills `requested`.
+/// Provenance of a live block, kept beside its span (a parallel table, so that the spans the hot
+/// path walks stay small). The provenance layer fills it; the pool clears it on free.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlockMeta {
-    /// The size the user asked for (before rounding).
-    pub requested: u64,
     /// Interned tag id (0: none).
     pub tag: u32,
     /// Interned call-site id (0: not sampled).
@@ -86,8 +84,8 @@ pub struct Span {
     pub next: SpanId,
     fprev: SpanId,
     fnext: SpanId,
-    /// Metadata of a live or pending block.
-    pub meta: BlockMeta,
+    /// The size the user asked for (before rounding), for a live or pending block.
+    pub requested: u64,
 }
 
 impl Span {
@@ -102,6 +100,8 @@ impl Span {
 #[derive(Debug)]
 pub struct Heap {
     spans: Vec<Span>,
+    /// Provenance by span id; empty until someone records provenance.
+    meta: Vec<BlockMeta>,
     vacant: Vec<SpanId>,
     heads: Vec<SpanId>,
     fl_bitmap: u64,
@@ -136,6 +136,7 @@ impl Heap {
     pub fn new() -> Heap {
         Heap {
             spans: Vec::new(),
+            meta: Vec::new(),
             vacant: Vec::new(),
             heads: vec![NIL; FL * SL],
             fl_bitmap: 0,
@@ -152,10 +153,26 @@ impl Heap {
         &self.spans[id as usize]
     }
 
-    /// The span `id`, mutably (only its metadata should be changed through this).
+    /// Sets the requested size of the live span `id`.
     #[inline]
+    pub fn set_requested(&mut self, id: SpanId, requested: u64) {
+        self.spans[id as usize].requested = requested;
+    }
+
+    /// The provenance of span `id`.
+    #[inline]
+    pub fn meta(&self, id: SpanId) -> BlockMeta {
+        self.meta.get(id as usize).copied().unwrap_or_default()
+    }
+
+    /// The provenance of span `id`, mutably (grows the table on first use).
     pub fn meta_mut(&mut self, id: SpanId) -> &mut BlockMeta {
-        &mut self.spans[id as usize].meta
+        let i = id as usize;
+        if self.meta.len() <= i {
+            self.meta
+                .resize(self.spans.len().max(i + 1), BlockMeta::default());
+        }
+        &mut self.meta[i]
     }
 
     /// Number of free spans.
@@ -245,7 +262,7 @@ impl Heap {
             next: NIL,
             fprev: NIL,
             fnext: NIL,
-            meta: BlockMeta::default(),
+            requested: 0,
         });
         if state == SpanState::Free {
             self.insert_free(id);
@@ -341,7 +358,7 @@ impl Heap {
                 next,
                 fprev: NIL,
                 fnext: NIL,
-                meta: BlockMeta::default(),
+                requested: 0,
             });
             if next != NIL {
                 self.spans[next as usize].prev = rest;
@@ -369,7 +386,10 @@ impl Heap {
             self.spans[id as usize].state,
             SpanState::Live | SpanState::Pending
         ));
-        self.spans[id as usize].meta = BlockMeta::default();
+        self.spans[id as usize].requested = 0;
+        if let Some(m) = self.meta.get_mut(id as usize) {
+            *m = BlockMeta::default();
+        }
         let next = self.spans[id as usize].next;
         if next != NIL && self.spans[next as usize].state == SpanState::Free {
             self.remove_free(next);
@@ -419,7 +439,7 @@ impl Heap {
             next,
             fprev: NIL,
             fnext: NIL,
-            meta: BlockMeta::default(),
+            requested: 0,
         });
         if next != NIL {
             self.spans[next as usize].prev = upper;

@@ -1505,7 +1505,7 @@ impl<D: Driver> DevicePool<D> {
             let a = arena.state.lock();
             for (&ptr, r) in &a.live {
                 let s = a.kinds[r.kind as usize].heap.span(r.span);
-                out.push((ptr, s.len, s.meta.requested, arena.stream));
+                out.push((ptr, s.len, s.requested, arena.stream));
             }
         }
         out.sort_unstable();
