@@ -48,6 +48,12 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          small blocks do not pin pages of large ones). A multiple of 512 B, at most 64 MiB.",
     ),
     (
+        "record",
+        "none",
+        "Record every allocation and free of this process to a cistern trace file at this path \
+         (device N>0 writes PATH.devN), for `cistern replay`. `none` records nothing.",
+    ),
+    (
         "strict",
         "false",
         "Abort the process with a message on an invalid free (unknown pointer, double free) \
@@ -70,6 +76,8 @@ pub struct Config {
     pub small_size: u64,
     /// Abort on invalid frees.
     pub strict: bool,
+    /// Record a trace to this path.
+    pub record: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -81,6 +89,7 @@ impl Default for Config {
             release_threshold: None,
             small_size: 1 << 20,
             strict: false,
+            record: None,
         }
     }
 }
@@ -214,6 +223,16 @@ impl Config {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;
             }
             "strict" => self.strict = parse_bool(key, value)?,
+            "record" => {
+                let v = value.trim();
+                self.record = if v.eq_ignore_ascii_case("none") {
+                    None
+                } else if v.is_empty() {
+                    return Err(err(key, "expected a file path (or `none`)"));
+                } else {
+                    Some(v.into())
+                };
+            }
             _ => {
                 let valid: Vec<&str> = KEYS.iter().map(|k| k.0).collect();
                 return Err(err(

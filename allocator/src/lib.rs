@@ -12,6 +12,7 @@ pub mod error;
 pub mod heap;
 pub mod interop;
 pub mod open;
+pub mod record;
 pub mod stats;
 
 mod arena;

@@ -120,6 +120,7 @@ pub(crate) struct DeviceCore<D: Driver> {
     events: EventCache,
     counters: Counters,
     closed: AtomicBool,
+    recorder: Option<crate::record::Recorder>,
 }
 
 impl<D: Driver> DeviceCore<D> {
@@ -174,6 +175,9 @@ impl<D: Driver> Arena<D> {
                 c.counters.num_pending_frees.fetch_add(1, Relaxed);
             }
             FreeOutcome::Freed => {}
+        }
+        if let Some(r) = &c.recorder {
+            r.free(ptr);
         }
         if c.closed.load(Relaxed) {
             self.teardown();
@@ -312,6 +316,16 @@ impl<D: Driver> DevicePool<D> {
         }
         let vmm = config.vmm && caps.vmm;
         let limit = config.limit_for(caps.total_memory);
+        let recorder = match &config.record {
+            Some(path) => Some(crate::record::Recorder::create(path, dev).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "{}: record: cannot create {}: {e}",
+                    crate::config::ENV_VAR,
+                    crate::record::Recorder::path_for(path, dev).display()
+                ))
+            })?),
+            None => None,
+        };
         Ok(DevicePool {
             core: Arc::new(DeviceCore {
                 uid: NEXT_UID.fetch_add(1, Relaxed),
@@ -325,6 +339,7 @@ impl<D: Driver> DevicePool<D> {
                 events: EventCache::default(),
                 counters: Counters::default(),
                 closed: AtomicBool::new(false),
+                recorder,
             }),
             arenas: RwLock::new(FxHashMap::default()),
             ranges: RwLock::new(BTreeMap::new()),
@@ -449,9 +464,7 @@ impl<D: Driver> DevicePool<D> {
         if let Some(Some(ptr)) =
             self.with_cached(stream, |a| self.fast_alloc(a, kind, rounded, size))
         {
-            self.core
-                .driver
-                .note_handout(self.core.dev, ptr, rounded, stream);
+            self.handed_out(ptr, rounded, size, stream);
             return Ok((ptr, None));
         }
         let arena = self.arena_cached(stream);
@@ -459,10 +472,18 @@ impl<D: Driver> DevicePool<D> {
             Some(p) => p,
             None => self.alloc_slow(&arena, kind, rounded, size)?,
         };
-        self.core
-            .driver
-            .note_handout(self.core.dev, ptr, rounded, stream);
+        self.handed_out(ptr, rounded, size, stream);
         Ok((ptr, Some(arena)))
+    }
+
+    /// What every successful allocation does last: the hazard hook and the recorder.
+    #[inline]
+    fn handed_out(&self, ptr: u64, rounded: u64, size: u64, stream: StreamId) {
+        let c = &*self.core;
+        c.driver.note_handout(c.dev, ptr, rounded, stream);
+        if let Some(r) = &c.recorder {
+            r.alloc(ptr, size, stream);
+        }
     }
 
     /// Allocates a [`Buffer`] that frees itself on drop.
@@ -484,6 +505,20 @@ impl<D: Driver> DevicePool<D> {
 
     #[cold]
     fn alloc_slow(
+        &self,
+        arena: &Arc<Arena<D>>,
+        kind: usize,
+        rounded: u64,
+        size: u64,
+    ) -> Result<u64> {
+        let r = self.grow_with_retry(arena, kind, rounded, size);
+        if let Some(rec) = &self.core.recorder {
+            rec.reserved(self.state.lock().reserved[0].current.max(0) as u64);
+        }
+        r
+    }
+
+    fn grow_with_retry(
         &self,
         arena: &Arc<Arena<D>>,
         kind: usize,
@@ -521,9 +556,17 @@ impl<D: Driver> DevicePool<D> {
                 .free(ptr, a.stream, c.dev, &*c.driver, &c.events, &c.shared)
         });
         match hit {
-            Some(FreeOutcome::Freed) => return Ok(()),
+            Some(FreeOutcome::Freed) => {
+                if let Some(r) = &c.recorder {
+                    r.free(ptr);
+                }
+                return Ok(());
+            }
             Some(FreeOutcome::Pending) => {
                 c.counters.num_pending_frees.fetch_add(1, Relaxed);
+                if let Some(r) = &c.recorder {
+                    r.free(ptr);
+                }
                 return Ok(());
             }
             _ => {}
@@ -1256,6 +1299,9 @@ impl<D: Driver> DevicePool<D> {
                 .process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
         self.release_cached(&mut dev, None, 0);
+        if let Some(rec) = &c.recorder {
+            rec.reserved(dev.reserved[0].current.max(0) as u64);
+        }
     }
 
     /// Releases cached memory above `release_threshold` (all of it when none is set... no:

@@ -57,3 +57,26 @@ fn oom_and_recover() {
     pool.free_raw(b, StreamId(7)).unwrap();
     pool.check_invariants().unwrap();
 }
+
+#[test]
+fn records_a_replayable_trace() {
+    let dir = std::env::temp_dir().join(format!("cistern-smoke-rec-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.trace");
+    let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(1 << 30)));
+    let cfg = Config::parse(&format!("record:{}", path.display())).unwrap();
+    let pool = Pool::new(sim, cfg).unwrap();
+    let a = pool.alloc_raw(0, 3 * MIB, StreamId(0)).unwrap();
+    let b = pool.try_alloc(0, 700, StreamId(5)).unwrap();
+    pool.free_raw(a, StreamId(0)).unwrap();
+    drop(b);
+    drop(pool);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let ops: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("a ") || l.starts_with("f "))
+        .collect();
+    assert_eq!(ops, ["a 1 3145728 0", "a 2 700 5", "f 1", "f 2"], "{text}");
+    assert!(text.lines().any(|l| l.starts_with("r ")), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
