@@ -1595,6 +1595,9 @@ impl<D: Driver> DevicePool<D> {
 impl<D: Driver> Drop for DevicePool<D> {
     fn drop(&mut self) {
         self.core.closed.store(true, Relaxed);
+        if let Some(r) = &self.core.recorder {
+            r.flush();
+        }
         for arena in self.all_arenas() {
             arena.teardown();
         }

@@ -36,6 +36,7 @@ struct State {
     start: Instant,
     last_t: u64,
     last_reserved: Option<u64>,
+    since_flush: u32,
 }
 
 impl Recorder {
@@ -67,6 +68,7 @@ impl Recorder {
                 start: Instant::now(),
                 last_t: 0,
                 last_reserved: None,
+                since_flush: 0,
             }),
         })
     }
@@ -82,6 +84,14 @@ impl Recorder {
         }
         let r = r.and_then(|()| f(out, stamp));
         st.last_t = stamp;
+        st.since_flush += 1;
+        // Flush now and then, so a killed process leaves most of its trace behind.
+        let r = if st.since_flush >= 4096 {
+            st.since_flush = 0;
+            r.and_then(|()| out.flush())
+        } else {
+            r
+        };
         if let Err(e) = r {
             crate::log_rate_limited(&format!(
                 "cistern: recording to {} stopped: {e}",
