@@ -184,12 +184,14 @@ pub fn parse(text: &str) -> Result<OwnTrace, OwnError> {
                 let r = nums(1, "<bytes>")?[0];
                 out.recorded_reserved.push((ops.len(), r));
             }
-            other => return Err(err(
-                line_no,
-                format!(
+            other => {
+                return Err(err(
+                    line_no,
+                    format!(
                     "expected an op `a`, `f`, `i`, `t`, `r`, `name` or `device`, found {other:?}"
                 ),
-            )),
+                ))
+            }
         }
     }
     // An `r` after the last op applies to no op; keep only points inside the sequence.
