@@ -1,0 +1,224 @@
+//! Turning address-keyed allocation events (profiler traces, RMM logs) into id-keyed
+//! [`AllocSequence`]s: addresses are reused, ids are not.
+//!
+//! The rules are those of [`Snapshot::reconstruct`](crate::Snapshot::reconstruct): a free of an
+//! address the window never allocated stands for a block that was live before the window opened
+//! and becomes an `Alloc` at the start; an alloc over a live address frees the older block first;
+//! a second free of the same block is ignored. Each workaround is reported as an [`AddrAnomaly`].
+
+use std::collections::{HashMap, HashSet};
+
+use crate::sequence::{AllocSequence, Op};
+
+/// Something in an address-keyed event stream that does not fit itself; worked around.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddrAnomaly {
+    /// An allocation at an address that was still live; the older block is freed first.
+    AllocOverLive {
+        /// Index of the event in the reader's event order.
+        event: usize,
+        /// The address.
+        addr: u64,
+    },
+    /// A free of an address the window already saw freed and not allocated again; ignored.
+    DoubleFree {
+        /// Index of the event.
+        event: usize,
+        /// The address.
+        addr: u64,
+    },
+    /// The free's size differs from its allocation's size (the allocation's is used).
+    FreeSizeMismatch {
+        /// Index of the event.
+        event: usize,
+        /// The address.
+        addr: u64,
+        /// Size at allocation.
+        alloc_size: u64,
+        /// Size at free.
+        free_size: u64,
+    },
+}
+
+/// The result of [`AddrSequencer::finish`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddrSequence {
+    /// The replayable sequence; initial allocations come first.
+    pub sequence: AllocSequence,
+    /// For each op, the event it came from (`None` for initial allocations).
+    pub op_events: Vec<Option<usize>>,
+    /// How many initial allocations came from frees of blocks never allocated in the window.
+    pub initial_from_frees: usize,
+    /// Inconsistencies found and worked around.
+    pub anomalies: Vec<AddrAnomaly>,
+}
+
+enum Step {
+    Alloc { key: usize, size: u64, stream: u64 },
+    Free { key: usize },
+}
+
+/// Collects address-keyed events in order and assigns ids.
+#[derive(Default)]
+pub(crate) struct AddrSequencer {
+    next_key: usize,
+    steps: Vec<(usize, Step)>,
+    live: HashMap<u64, (usize, u64)>,
+    seen: HashSet<u64>,
+    /// (key, size, stream) of blocks live before the window, in discovery order.
+    initial: Vec<(usize, u64, u64)>,
+    anomalies: Vec<AddrAnomaly>,
+}
+
+impl AddrSequencer {
+    fn key(&mut self) -> usize {
+        let k = self.next_key;
+        self.next_key += 1;
+        k
+    }
+
+    /// Bytes currently live according to the events so far (initial blocks included).
+    pub(crate) fn initial_bytes(&self) -> u64 {
+        self.initial
+            .iter()
+            .map(|&(_, s, _)| s)
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Add a block that was live before the window and is never freed in it.
+    pub(crate) fn add_initial(&mut self, size: u64, stream: u64) {
+        let key = self.key();
+        self.initial.push((key, size, stream));
+    }
+
+    pub(crate) fn alloc(&mut self, event: usize, addr: u64, size: u64, stream: u64) {
+        if let Some((key, _)) = self.live.remove(&addr) {
+            self.anomalies
+                .push(AddrAnomaly::AllocOverLive { event, addr });
+            self.steps.push((event, Step::Free { key }));
+        }
+        let key = self.key();
+        self.live.insert(addr, (key, size));
+        self.seen.insert(addr);
+        self.steps.push((event, Step::Alloc { key, size, stream }));
+    }
+
+    pub(crate) fn free(&mut self, event: usize, addr: u64, size: u64, stream: u64) {
+        if let Some((key, alloc_size)) = self.live.remove(&addr) {
+            if alloc_size != size {
+                self.anomalies.push(AddrAnomaly::FreeSizeMismatch {
+                    event,
+                    addr,
+                    alloc_size,
+                    free_size: size,
+                });
+            }
+            self.steps.push((event, Step::Free { key }));
+        } else if self.seen.insert(addr) {
+            let key = self.key();
+            self.initial.push((key, size, stream));
+            self.steps.push((event, Step::Free { key }));
+        } else {
+            self.anomalies.push(AddrAnomaly::DoubleFree { event, addr });
+        }
+    }
+
+    pub(crate) fn finish(self, initial_from_frees: usize) -> AddrSequence {
+        let mut id_of = vec![0u64; self.next_key];
+        let n = self.initial.len() + self.steps.len();
+        let mut ops = Vec::with_capacity(n);
+        let mut op_events = Vec::with_capacity(n);
+        let mut next_id = 0u64;
+        for &(key, size, stream) in &self.initial {
+            id_of[key] = next_id;
+            ops.push(Op::Alloc {
+                id: next_id,
+                size,
+                stream,
+            });
+            op_events.push(None);
+            next_id += 1;
+        }
+        for (event, step) in self.steps {
+            ops.push(match step {
+                Step::Alloc { key, size, stream } => {
+                    id_of[key] = next_id;
+                    next_id += 1;
+                    Op::Alloc {
+                        id: id_of[key],
+                        size,
+                        stream,
+                    }
+                }
+                Step::Free { key } => Op::Free { id: id_of[key] },
+            });
+            op_events.push(Some(event));
+        }
+        let initially_live = self.initial.len();
+        // Keys are fresh per alloc and only live keys are freed, so the replay cannot fail
+        // except by overflowing u64 live bytes; report a zero peak then rather than panic.
+        let peak_live_requested = crate::sequence::replay(&ops)
+            .map(|s| s.peak_live)
+            .unwrap_or(0);
+        AddrSequence {
+            sequence: AllocSequence {
+                ops,
+                peak_live_requested,
+                initially_live,
+            },
+            op_events,
+            initial_from_frees,
+            anomalies: self.anomalies,
+        }
+    }
+
+    /// How many initial blocks came from frees so far.
+    pub(crate) fn initial_count(&self) -> usize {
+        self.initial.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_become_ids() {
+        let mut s = AddrSequencer::default();
+        s.free(0, 0x10, 8, 0); // live before the window
+        s.alloc(1, 0x10, 4, 1);
+        s.alloc(2, 0x10, 4, 1); // over live
+        s.free(3, 0x10, 5, 1); // size mismatch
+        s.free(4, 0x10, 4, 1); // double free
+        let n = s.initial_count();
+        let r = s.finish(n);
+        assert_eq!(
+            r.sequence.ops,
+            vec![
+                Op::Alloc {
+                    id: 0,
+                    size: 8,
+                    stream: 0
+                },
+                Op::Free { id: 0 },
+                Op::Alloc {
+                    id: 1,
+                    size: 4,
+                    stream: 1
+                },
+                Op::Free { id: 1 },
+                Op::Alloc {
+                    id: 2,
+                    size: 4,
+                    stream: 1
+                },
+                Op::Free { id: 2 },
+            ]
+        );
+        assert_eq!(r.sequence.initially_live, 1);
+        assert_eq!(r.initial_from_frees, 1);
+        assert_eq!(r.anomalies.len(), 3);
+        assert_eq!(r.op_events[0], None);
+        assert!(r.sequence.replay().is_ok());
+    }
+}
