@@ -78,5 +78,11 @@ fn records_a_replayable_trace() {
         .collect();
     assert_eq!(ops, ["a 1 3145728 0", "a 2 700 5", "f 1", "f 2"], "{text}");
     assert!(text.lines().any(|l| l.starts_with("r ")), "{text}");
+    // The trace crate reads it back as a valid sequence with cistern's reserved curve.
+    let traces = cistern_trace::load::load(&path).unwrap();
+    assert_eq!(traces.len(), 1);
+    assert_eq!(traces[0].sequence.ops.len(), 4);
+    assert_eq!(traces[0].sequence.peak_live_requested, 3 * MIB + 700);
+    assert!(traces[0].recorded_peak_reserved.unwrap() >= 4 * MIB);
     std::fs::remove_dir_all(&dir).unwrap();
 }
