@@ -670,6 +670,43 @@ impl<D: Driver> DevicePool<D> {
         let hi = lo + rounded;
         let need = missing.len();
 
+        // A request that cannot be met even by stitching every cached page and growing up to
+        // the limit (or the device's free memory) fails before anything moves: gathering pages
+        // first would leave the failed request's pages mapped as cache, so a request above the
+        // limit would grab the whole limit and change the counters (ACCEPTANCE B8). Live bytes
+        // can never be stitched, so `reserved - live` bounds what stitching can find.
+        if need > 0 {
+            let need_bytes = need as u64 * g;
+            let reserved = dev.reserved[0].current.max(0) as u64;
+            let live = self.bytes_with(Some((arena, &*a)), crate::stats::Gauge::AllocatedBytes);
+            let reclaimable = reserved.saturating_sub(live);
+            let by_limit = dev
+                .limit
+                .saturating_sub(reserved)
+                .saturating_add(reclaimable);
+            let by_device = c
+                .driver
+                .mem_info(c.dev)
+                .map_or(u64::MAX, |i| i.free.saturating_add(reclaimable));
+            if need_bytes > by_limit || need_bytes > by_device {
+                let limit_hit = need_bytes > by_limit;
+                let why = if limit_hit {
+                    "the per-process limit would be exceeded"
+                } else {
+                    "the device has no free memory"
+                };
+                return Err(self.oom_locked(
+                    dev,
+                    Some(a),
+                    arena.stream,
+                    size,
+                    rounded,
+                    limit_hit,
+                    why,
+                ));
+            }
+        }
+
         // Gather physical pages: stitch cached ones first, then create new ones.
         let mut handles: Vec<PhysHandle> = Vec::with_capacity(need);
         let mut moved = 0u64;
@@ -1192,7 +1229,10 @@ impl<D: Driver> DevicePool<D> {
             return;
         };
         let reserved = dev.reserved[0].current as u64;
-        let live = self.live_bytes_with(held.as_ref().map(|(a, s)| (*a, &**s)));
+        let live = self.bytes_with(
+            held.as_ref().map(|(a, s)| (*a, &**s)),
+            crate::stats::Gauge::ActiveBytes,
+        );
         let cached = reserved.saturating_sub(live);
         if cached <= threshold {
             return;
@@ -1216,17 +1256,18 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    fn live_bytes_with(&self, held: Option<(&Arc<Arena<D>>, &ArenaState)>) -> u64 {
+    /// The device-wide current value of a byte gauge; `held` is an arena whose lock the caller
+    /// holds.
+    fn bytes_with(
+        &self,
+        held: Option<(&Arc<Arena<D>>, &ArenaState)>,
+        gauge: crate::stats::Gauge,
+    ) -> u64 {
         let mut live = 0i64;
         for arena in self.all_arenas() {
             match held {
-                Some((h, hs)) if Arc::ptr_eq(h, &arena) => {
-                    live += hs.gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
-                }
-                _ => {
-                    live +=
-                        arena.state.lock().gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
-                }
+                Some((h, hs)) if Arc::ptr_eq(h, &arena) => live += hs.gauges.cur[gauge as usize][0],
+                _ => live += arena.state.lock().gauges.cur[gauge as usize][0],
             }
         }
         live.max(0) as u64
