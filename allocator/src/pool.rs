@@ -246,6 +246,9 @@ struct DeviceState {
     segments: [ExactGauge; 3],
     limit: u64,
     fraction: f64,
+    /// Reserved bytes right after the limit was last lowered (and cached memory released):
+    /// live blocks may keep reserved above a lowered limit, never above this.
+    over_limit: u64,
 }
 
 impl DeviceState {
@@ -333,6 +336,7 @@ impl<D: Driver> DevicePool<D> {
                 segments: Default::default(),
                 limit,
                 fraction: config.memory_fraction,
+                over_limit: 0,
             }),
         })
     }
@@ -1306,6 +1310,21 @@ impl<D: Driver> DevicePool<D> {
         let mut dev = self.state.lock();
         dev.limit = cfg.limit_for(self.core.caps.total_memory);
         dev.fraction = fraction;
+        // A limit lowered below what is reserved: give cached memory back down to the limit.
+        // What live blocks keep above it stays (it can only shrink from here: growth stops at
+        // the limit), and the invariant checker allows exactly that much.
+        let mut over = (dev.reserved[0].current.max(0) as u64).saturating_sub(dev.limit);
+        if over > 0 {
+            for arena in self.all_arenas() {
+                if over == 0 {
+                    break;
+                }
+                let mut st = arena.state.lock();
+                over =
+                    over.saturating_sub(self.release_arena(&mut dev, arena.stream, &mut st, over));
+            }
+        }
+        dev.over_limit = dev.reserved[0].current.max(0) as u64;
         Ok(())
     }
 
@@ -1518,7 +1537,7 @@ impl<D: Driver> DevicePool<D> {
         if dev.reserved[0].current != dev.reserved[1].current + dev.reserved[2].current {
             return Err("reserved all != small + large".into());
         }
-        if reserved > dev.limit {
+        if reserved > dev.limit.max(dev.over_limit) {
             return Err(format!(
                 "reserved {reserved} exceeds the limit {}",
                 dev.limit
