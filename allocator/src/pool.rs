@@ -246,6 +246,9 @@ struct DeviceState {
     segments: [ExactGauge; 3],
     limit: u64,
     fraction: f64,
+    /// Physical handles (with their heap kind) whose release failed: unmapped, still reserved.
+    /// Growth maps them again before creating new pages; `empty_cache` retries releasing them.
+    lost: Vec<(usize, PhysHandle)>,
     /// Reserved bytes right after the limit was last lowered (and cached memory released):
     /// live blocks may keep reserved above a lowered limit, never above this.
     over_limit: u64,
@@ -337,6 +340,7 @@ impl<D: Driver> DevicePool<D> {
                 limit,
                 fraction: config.memory_fraction,
                 over_limit: 0,
+                lost: Vec::new(),
             }),
         })
     }
@@ -748,6 +752,17 @@ impl<D: Driver> DevicePool<D> {
                 c.counters.num_stitched_pages.fetch_add(moved, Relaxed);
             }
         }
+        // Handles whose release failed earlier are good memory: use them before new ones.
+        while handles.len() < need {
+            let Some((k, h)) = dev.lost.pop() else { break };
+            if k != kind {
+                dev.add_reserved(k, -(g as i64));
+                dev.add_segments(k, -1);
+                dev.add_reserved(kind, g as i64);
+                dev.add_segments(kind, 1);
+            }
+            handles.push(h);
+        }
         let mut limit_hit = false;
         let mut driver_err = None;
         while handles.len() < need {
@@ -886,8 +901,9 @@ impl<D: Driver> DevicePool<D> {
             }
             Err(_) => {
                 // The handle is lost to us; it stays counted as reserved so the numbers keep
-                // matching the driver's.
+                // matching the driver's (and the invariant checker knows why).
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                dev.lost.push((kind, h));
             }
         }
     }
@@ -1289,6 +1305,9 @@ impl<D: Driver> DevicePool<D> {
                 .process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
         self.release_cached(&mut dev, None, 0);
+        for (kind, h) in std::mem::take(&mut dev.lost) {
+            self.release_handle(&mut dev, kind, h);
+        }
     }
 
     /// Releases cached memory above `release_threshold` (all of it when none is set... no:
@@ -1526,12 +1545,14 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         let reserved = dev.reserved[0].current as u64;
-        let expect = mapped * c.granularity + linear[0] + linear[1];
+        let lost = dev.lost.len() as u64 * c.granularity;
+        let expect = mapped * c.granularity + linear[0] + linear[1] + lost;
         if reserved != expect {
             return Err(format!(
-                "reserved_bytes is {reserved}, but {mapped} pages are mapped and {} B of \
-                 segments allocated ({expect} B)",
-                linear[0] + linear[1]
+                "reserved_bytes is {reserved}, but {mapped} pages are mapped, {} B of \
+                 segments allocated and {} B of handles lost ({expect} B)",
+                linear[0] + linear[1],
+                lost
             ));
         }
         if dev.reserved[0].current != dev.reserved[1].current + dev.reserved[2].current {
@@ -1602,6 +1623,9 @@ impl<D: Driver> Drop for DevicePool<D> {
         }
         self.arenas.write().clear();
         let c = &*self.core;
+        for (_, h) in std::mem::take(&mut self.state.lock().lost) {
+            let _ = c.driver.release_physical(c.dev, h);
+        }
         for ev in c.events.drain() {
             let _ = c.driver.event_destroy(c.dev, ev);
         }
