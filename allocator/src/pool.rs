@@ -1299,10 +1299,9 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let mut dev = self.state.lock();
         for arena in self.all_arenas() {
-            arena
-                .state
-                .lock()
-                .process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
+            let mut a = arena.state.lock();
+            a.retry_device_sync(c.dev, &*c.driver);
+            a.process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
         self.release_cached(&mut dev, None, 0);
         for (kind, h) in std::mem::take(&mut dev.lost) {
