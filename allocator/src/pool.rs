@@ -249,6 +249,10 @@ struct DeviceState {
     /// Physical handles (with their heap kind) whose release failed: unmapped, still reserved.
     /// Growth maps them again before creating new pages; `empty_cache` retries releasing them.
     lost: Vec<(usize, PhysHandle)>,
+    /// Handles mapped at an address (kind, handle, address) whose access could not be granted
+    /// and which could not be unmapped either: still reserved, outside every heap's page
+    /// table. `empty_cache` retries the unmap and the release.
+    stuck: Vec<(usize, PhysHandle, u64)>,
     /// Reserved bytes right after the limit was last lowered (and cached memory released):
     /// live blocks may keep reserved above a lowered limit, never above this.
     over_limit: u64,
@@ -341,6 +345,7 @@ impl<D: Driver> DevicePool<D> {
                 fraction: config.memory_fraction,
                 over_limit: 0,
                 lost: Vec::new(),
+                stuck: Vec::new(),
             }),
         })
     }
@@ -664,6 +669,16 @@ impl<D: Driver> DevicePool<D> {
                 s
             }
         };
+        // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
+        // window there tries to map over it; its handle is then reused like any lost one.
+        for (k, h, addr) in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, addr, g).is_ok() {
+                dev.lost.push((k, h));
+            } else {
+                c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                dev.stuck.push((k, h, addr));
+            }
+        }
         let Some((lo, missing)) = choose_window(a, kind, seg_idx, rounded, g) else {
             return Err(self.oom_locked(
                 dev,
@@ -842,9 +857,10 @@ impl<D: Driver> DevicePool<D> {
         let mut result = Ok(());
         let mut rest = handles.into_iter();
         for (&page, h) in missing.iter().zip(rest.by_ref()) {
+            let mut stuck = false;
             let r = d.map(c.dev, page, g, h).and_then(|()| {
                 d.set_access(c.dev, page, g).inspect_err(|_| {
-                    let _ = d.unmap(c.dev, page, g);
+                    stuck = d.unmap(c.dev, page, g).is_err();
                 })
             });
             match r {
@@ -858,7 +874,12 @@ impl<D: Driver> DevicePool<D> {
                 }
                 Err(e) => {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                    self.release_handle(dev, kind, h);
+                    if stuck {
+                        // Still mapped: releasing it now would fail and lose the mapping.
+                        dev.stuck.push((kind, h, page));
+                    } else {
+                        self.release_handle(dev, kind, h);
+                    }
                     result = Err(e);
                     break;
                 }
@@ -1307,6 +1328,13 @@ impl<D: Driver> DevicePool<D> {
         for (kind, h) in std::mem::take(&mut dev.lost) {
             self.release_handle(&mut dev, kind, h);
         }
+        for (kind, h, addr) in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, addr, c.granularity).is_ok() {
+                self.release_handle(&mut dev, kind, h);
+            } else {
+                dev.stuck.push((kind, h, addr));
+            }
+        }
     }
 
     /// Releases cached memory above `release_threshold` (all of it when none is set... no:
@@ -1544,7 +1572,7 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         let reserved = dev.reserved[0].current as u64;
-        let lost = dev.lost.len() as u64 * c.granularity;
+        let lost = (dev.lost.len() + dev.stuck.len()) as u64 * c.granularity;
         let expect = mapped * c.granularity + linear[0] + linear[1] + lost;
         if reserved != expect {
             return Err(format!(
@@ -1617,14 +1645,26 @@ impl<D: Driver> DevicePool<D> {
 impl<D: Driver> Drop for DevicePool<D> {
     fn drop(&mut self) {
         self.core.closed.store(true, Relaxed);
+        let c = &*self.core;
+        let (lost, stuck) = {
+            let mut dev = self.state.lock();
+            (
+                std::mem::take(&mut dev.lost),
+                std::mem::take(&mut dev.stuck),
+            )
+        };
+        for (_, h) in lost {
+            let _ = c.driver.release_physical(c.dev, h);
+        }
+        // Before the arenas free their address ranges, which must hold no mapping.
+        for (_, h, addr) in stuck {
+            let _ = c.driver.unmap(c.dev, addr, c.granularity);
+            let _ = c.driver.release_physical(c.dev, h);
+        }
         for arena in self.all_arenas() {
             arena.teardown();
         }
         self.arenas.write().clear();
-        let c = &*self.core;
-        for (_, h) in std::mem::take(&mut self.state.lock().lost) {
-            let _ = c.driver.release_physical(c.dev, h);
-        }
         for ev in c.events.drain() {
             let _ = c.driver.event_destroy(c.dev, ev);
         }
