@@ -295,3 +295,26 @@ fn free_without_events_or_sync_does_not_reuse_early() {
         assert_no_leak(&sim, pool);
     }
 }
+
+/// Access cannot be granted to a freshly mapped page and the page cannot be unmapped either:
+/// the pool must keep track of the mapping, unmap and release it later, and leak nothing.
+#[test]
+fn set_access_and_unmap_fail_together() {
+    let (sim, pool) = pool(CAP, true);
+    let x = alloc(&pool, 1, 0);
+    free(&pool, x, 0);
+    sim.fail_nth(DriverCall::SetAccess, 1);
+    sim.fail_nth(DriverCall::Unmap, 2);
+    // Stream 1 stitches stream 0's page (unmap 1), maps it, access fails, unmap 2 fails.
+    let r = pool.alloc_raw(0, 1, StreamId(1));
+    assert!(matches!(r, Err(Error::Driver(_))), "{r:?}");
+    check(&pool);
+    sim.clear_faults();
+    let y = alloc(&pool, 1, 1);
+    free(&pool, y, 1);
+    assert_eq!(
+        stat(&pool, "reserved_bytes.all.current") as u64,
+        sim.committed_bytes(0)
+    );
+    assert_no_leak(&sim, pool);
+}
