@@ -94,6 +94,9 @@ pub(crate) struct Pending {
     pub kind: usize,
     pub span: SpanId,
     pub events: Vec<EventId>,
+    /// Some stream's use could not be captured by an event and the device could not be
+    /// synchronised: the block waits for a successful device synchronisation.
+    pub needs_device_sync: bool,
 }
 
 /// Where a live block is: heap kind and span.
@@ -243,12 +246,11 @@ impl ArenaState {
                     Err(_) => ok = false,
                 }
             }
-            if !ok {
-                // An event could not be recorded (a destroyed stream, a driver fault): wait for
-                // the whole device instead, so the block is still never reused too early.
-                let _ = driver.device_synchronize(dev);
-            }
-            if !evs.is_empty() {
+            // An event could not be recorded (a destroyed stream, a driver fault): wait for
+            // the whole device instead, so the block is still never reused too early. If even
+            // that fails, the block stays pending until a device synchronisation succeeds.
+            let needs_device_sync = !ok && driver.device_synchronize(dev).is_err();
+            if !evs.is_empty() || needs_device_sync {
                 let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
                 self.gauges.apply(pool_index(kind), &d, shared);
                 self.kinds[kind].heap.set_pending(r.span);
@@ -256,6 +258,7 @@ impl ArenaState {
                     kind,
                     span: r.span,
                     events: evs,
+                    needs_device_sync,
                 });
                 return FreeOutcome::Pending;
             }
@@ -277,6 +280,14 @@ impl ArenaState {
         let mut freed = 0;
         let mut i = 0;
         while i < self.pending.len() {
+            if self.pending[i].needs_device_sync {
+                // Only a blocking wait may synchronise the device (never the hot path).
+                if !wait || driver.device_synchronize(dev).is_err() {
+                    i += 1;
+                    continue;
+                }
+                self.pending[i].needs_device_sync = false;
+            }
             let done = self.pending[i].events.iter().all(|&ev| {
                 if wait {
                     driver.event_synchronize(dev, ev).is_ok()
@@ -298,6 +309,21 @@ impl ArenaState {
             }
         }
         freed
+    }
+
+    /// Retries the device synchronisation that blocks pending frees whose uses no event could
+    /// capture (slow paths only: it blocks the host). Returns whether none is left waiting.
+    pub fn retry_device_sync<D: Driver + ?Sized>(&mut self, dev: usize, driver: &D) -> bool {
+        if !self.pending.iter().any(|p| p.needs_device_sync) {
+            return true;
+        }
+        if driver.device_synchronize(dev).is_err() {
+            return false;
+        }
+        for p in &mut self.pending {
+            p.needs_device_sync = false;
+        }
+        true
     }
 
     /// Turns `[lo, hi)` inside free span `id` of heap `kind` into a hole, keeping the gauges.

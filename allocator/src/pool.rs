@@ -250,6 +250,16 @@ struct DeviceState {
     segments: [ExactGauge; 3],
     limit: u64,
     fraction: f64,
+    /// Physical handles (with their heap kind) whose release failed: unmapped, still reserved.
+    /// Growth maps them again before creating new pages; `empty_cache` retries releasing them.
+    lost: Vec<(usize, PhysHandle)>,
+    /// Handles mapped at an address (kind, handle, address) whose access could not be granted
+    /// and which could not be unmapped either: still reserved, outside every heap's page
+    /// table. `empty_cache` retries the unmap and the release.
+    stuck: Vec<(usize, PhysHandle, u64)>,
+    /// Reserved bytes right after the limit was last lowered (and cached memory released):
+    /// live blocks may keep reserved above a lowered limit, never above this.
+    over_limit: u64,
 }
 
 impl DeviceState {
@@ -348,6 +358,9 @@ impl<D: Driver> DevicePool<D> {
                 segments: Default::default(),
                 limit,
                 fraction: config.memory_fraction,
+                over_limit: 0,
+                lost: Vec::new(),
+                stuck: Vec::new(),
             }),
         })
     }
@@ -699,6 +712,16 @@ impl<D: Driver> DevicePool<D> {
                 s
             }
         };
+        // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
+        // window there tries to map over it; its handle is then reused like any lost one.
+        for (k, h, addr) in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, addr, g).is_ok() {
+                dev.lost.push((k, h));
+            } else {
+                c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                dev.stuck.push((k, h, addr));
+            }
+        }
         let Some((lo, missing)) = choose_window(a, kind, seg_idx, rounded, g) else {
             return Err(self.oom_locked(
                 dev,
@@ -713,10 +736,13 @@ impl<D: Driver> DevicePool<D> {
         let hi = lo + rounded;
         let need = missing.len();
 
-        // Can it succeed at all? Count the cached pages and the headroom under the limit
-        // before moving anything, so that a hopeless request changes nothing.
+        // Can it succeed at all? Count the cached pages (whole free pages anywhere but in the
+        // window, and handles whose release failed earlier) and the room under the limit and
+        // on the device before moving anything: gathering pages first would leave a failed
+        // request's pages mapped as cache, so a request above the limit would grab the whole
+        // limit and change the counters (ACCEPTANCE B8).
         let cached = if need > 0 {
-            let mut n = count_free_pages(a, Some((kind, lo, hi)), g);
+            let mut n = count_free_pages(a, Some((kind, lo, hi)), g) + dev.lost.len();
             for other in self.all_arenas() {
                 if !Arc::ptr_eq(&other, arena) {
                     n += count_free_pages(&other.state.lock(), None, g);
@@ -726,19 +752,26 @@ impl<D: Driver> DevicePool<D> {
         } else {
             0
         };
-        let headroom = (dev
+        let by_limit = (dev
             .limit
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
             / g) as usize;
-        if cached + headroom < need {
+        let by_device = if need > cached {
+            c.driver
+                .mem_info(c.dev)
+                .map_or(usize::MAX, |i| (i.free / g) as usize)
+        } else {
+            usize::MAX
+        };
+        if cached + by_limit.min(by_device) < need {
             if !retried && self.any_pending(arena, a) {
                 return Ok(Grow::Retry);
             }
-            let limit_hit = dev.limit < c.caps.total_memory;
+            let limit_hit = cached + by_limit < need;
             let why = if limit_hit {
                 "the per-process limit would be exceeded"
             } else {
-                "the device has too little memory for it"
+                "the device has too little free memory for it"
             };
             return Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, limit_hit, why));
         }
@@ -779,6 +812,17 @@ impl<D: Driver> DevicePool<D> {
                 c.counters.num_stitches.fetch_add(1, Relaxed);
                 c.counters.num_stitched_pages.fetch_add(moved, Relaxed);
             }
+        }
+        // Handles whose release failed earlier are good memory: use them before new ones.
+        while handles.len() < need {
+            let Some((k, h)) = dev.lost.pop() else { break };
+            if k != kind {
+                dev.add_reserved(k, -(g as i64));
+                dev.add_segments(k, -1);
+                dev.add_reserved(kind, g as i64);
+                dev.add_segments(kind, 1);
+            }
+            handles.push(h);
         }
         let mut limit_hit = false;
         let mut driver_err = None;
@@ -873,9 +917,10 @@ impl<D: Driver> DevicePool<D> {
         let mut result = Ok(());
         let mut rest = handles.into_iter();
         for (&page, h) in missing.iter().zip(rest.by_ref()) {
+            let mut stuck = false;
             let r = d.map(c.dev, page, g, h).and_then(|()| {
                 d.set_access(c.dev, page, g).inspect_err(|_| {
-                    let _ = d.unmap(c.dev, page, g);
+                    stuck = d.unmap(c.dev, page, g).is_err();
                 })
             });
             match r {
@@ -889,7 +934,12 @@ impl<D: Driver> DevicePool<D> {
                 }
                 Err(e) => {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                    self.release_handle(dev, kind, h);
+                    if stuck {
+                        // Still mapped: releasing it now would fail and lose the mapping.
+                        dev.stuck.push((kind, h, page));
+                    } else {
+                        self.release_handle(dev, kind, h);
+                    }
                     result = Err(e);
                     break;
                 }
@@ -932,8 +982,9 @@ impl<D: Driver> DevicePool<D> {
             }
             Err(_) => {
                 // The handle is lost to us; it stays counted as reserved so the numbers keep
-                // matching the driver's.
+                // matching the driver's (and the invariant checker knows why).
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                dev.lost.push((kind, h));
             }
         }
     }
@@ -1247,7 +1298,10 @@ impl<D: Driver> DevicePool<D> {
             return;
         };
         let reserved = dev.reserved[0].current as u64;
-        let live = self.live_bytes_with(held.as_ref().map(|(a, s)| (*a, &**s)));
+        let live = self.bytes_with(
+            held.as_ref().map(|(a, s)| (*a, &**s)),
+            crate::stats::Gauge::ActiveBytes,
+        );
         let cached = reserved.saturating_sub(live);
         if cached <= threshold {
             return;
@@ -1271,17 +1325,18 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    fn live_bytes_with(&self, held: Option<(&Arc<Arena<D>>, &ArenaState)>) -> u64 {
+    /// The device-wide current value of a byte gauge; `held` is an arena whose lock the caller
+    /// holds.
+    fn bytes_with(
+        &self,
+        held: Option<(&Arc<Arena<D>>, &ArenaState)>,
+        gauge: crate::stats::Gauge,
+    ) -> u64 {
         let mut live = 0i64;
         for arena in self.all_arenas() {
             match held {
-                Some((h, hs)) if Arc::ptr_eq(h, &arena) => {
-                    live += hs.gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
-                }
-                _ => {
-                    live +=
-                        arena.state.lock().gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0]
-                }
+                Some((h, hs)) if Arc::ptr_eq(h, &arena) => live += hs.gauges.cur[gauge as usize][0],
+                _ => live += arena.state.lock().gauges.cur[gauge as usize][0],
             }
         }
         live.max(0) as u64
@@ -1293,12 +1348,21 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let mut dev = self.state.lock();
         for arena in self.all_arenas() {
-            arena
-                .state
-                .lock()
-                .process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
+            let mut a = arena.state.lock();
+            a.retry_device_sync(c.dev, &*c.driver);
+            a.process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
         self.release_cached(&mut dev, None, 0);
+        for (kind, h) in std::mem::take(&mut dev.lost) {
+            self.release_handle(&mut dev, kind, h);
+        }
+        for (kind, h, addr) in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, addr, c.granularity).is_ok() {
+                self.release_handle(&mut dev, kind, h);
+            } else {
+                dev.stuck.push((kind, h, addr));
+            }
+        }
         if let Some(rec) = &c.recorder {
             rec.reserved(dev.reserved[0].current.max(0) as u64);
         }
@@ -1323,6 +1387,21 @@ impl<D: Driver> DevicePool<D> {
         let mut dev = self.state.lock();
         dev.limit = cfg.limit_for(self.core.caps.total_memory);
         dev.fraction = fraction;
+        // A limit lowered below what is reserved: give cached memory back down to the limit.
+        // What live blocks keep above it stays (it can only shrink from here: growth stops at
+        // the limit), and the invariant checker allows exactly that much.
+        let mut over = (dev.reserved[0].current.max(0) as u64).saturating_sub(dev.limit);
+        if over > 0 {
+            for arena in self.all_arenas() {
+                if over == 0 {
+                    break;
+                }
+                let mut st = arena.state.lock();
+                over =
+                    over.saturating_sub(self.release_arena(&mut dev, arena.stream, &mut st, over));
+            }
+        }
+        dev.over_limit = dev.reserved[0].current.max(0) as u64;
         Ok(())
     }
 
@@ -1524,18 +1603,20 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         let reserved = dev.reserved[0].current as u64;
-        let expect = mapped * c.granularity + linear[0] + linear[1];
+        let lost = (dev.lost.len() + dev.stuck.len()) as u64 * c.granularity;
+        let expect = mapped * c.granularity + linear[0] + linear[1] + lost;
         if reserved != expect {
             return Err(format!(
-                "reserved_bytes is {reserved}, but {mapped} pages are mapped and {} B of \
-                 segments allocated ({expect} B)",
-                linear[0] + linear[1]
+                "reserved_bytes is {reserved}, but {mapped} pages are mapped, {} B of \
+                 segments allocated and {} B of handles lost ({expect} B)",
+                linear[0] + linear[1],
+                lost
             ));
         }
         if dev.reserved[0].current != dev.reserved[1].current + dev.reserved[2].current {
             return Err("reserved all != small + large".into());
         }
-        if reserved > dev.limit {
+        if reserved > dev.limit.max(dev.over_limit) {
             return Err(format!(
                 "reserved {reserved} exceeds the limit {}",
                 dev.limit
@@ -1595,14 +1676,29 @@ impl<D: Driver> DevicePool<D> {
 impl<D: Driver> Drop for DevicePool<D> {
     fn drop(&mut self) {
         self.core.closed.store(true, Relaxed);
-        if let Some(r) = &self.core.recorder {
+        let c = &*self.core;
+        if let Some(r) = &c.recorder {
             r.flush();
+        }
+        let (lost, stuck) = {
+            let mut dev = self.state.lock();
+            (
+                std::mem::take(&mut dev.lost),
+                std::mem::take(&mut dev.stuck),
+            )
+        };
+        for (_, h) in lost {
+            let _ = c.driver.release_physical(c.dev, h);
+        }
+        // Before the arenas free their address ranges, which must hold no mapping.
+        for (_, h, addr) in stuck {
+            let _ = c.driver.unmap(c.dev, addr, c.granularity);
+            let _ = c.driver.release_physical(c.dev, h);
         }
         for arena in self.all_arenas() {
             arena.teardown();
         }
         self.arenas.write().clear();
-        let c = &*self.core;
         for ev in c.events.drain() {
             let _ = c.driver.event_destroy(c.dev, ev);
         }

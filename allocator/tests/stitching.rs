@@ -1,0 +1,160 @@
+//! Page stitching: a large request is served from free pages scattered through the pool
+//! (holes between live blocks, other streams' caches) instead of new driver memory, and pages
+//! leave another stream only after that stream's work on them has finished.
+
+mod common;
+
+use cistern::driver::DriverCall;
+use cistern::StreamId;
+use common::*;
+
+const A: u64 = 1;
+const B: u64 = 2;
+
+/// 40 × (20 MiB + 2 MiB) on stream A, then every other 20 MiB block freed: 400 MiB of free
+/// pages in 20 MiB holes, none of them contiguous with another. Returns the live blocks.
+fn swiss_cheese(pool: &SimPool) -> Vec<u64> {
+    let mut big = Vec::new();
+    let mut keep = Vec::new();
+    for _ in 0..40 {
+        big.push(alloc(pool, 20 * MIB, A));
+        keep.push(alloc(pool, 2 * MIB, A));
+    }
+    for (i, p) in big.into_iter().enumerate() {
+        if i % 2 == 0 {
+            free(pool, p, A);
+        } else {
+            keep.push(p);
+        }
+    }
+    assert_disjoint(pool);
+    keep
+}
+
+#[test]
+fn stitching_avoids_new_driver_memory() {
+    let (sim, pool) = pool(GIB, true);
+    let keep = swiss_cheese(&pool);
+    let largest = pool.report().devices[0].largest_free;
+    assert!(
+        largest < 300 * MIB,
+        "a 300 MiB range was free already ({largest} B)"
+    );
+    let created = sim.calls(DriverCall::CreatePhysical);
+    let committed = sim.committed_bytes(0);
+    assert_eq!(committed, 880 * MIB);
+    let p = alloc(&pool, 300 * MIB, A);
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        created,
+        "new pages were created"
+    );
+    assert_eq!(sim.committed_bytes(0), committed);
+    assert!(
+        stat(&pool, "num_stitched_pages") >= 150,
+        "{}",
+        stat(&pool, "num_stitched_pages")
+    );
+    assert!(stat(&pool, "num_stitches") >= 1);
+    // The stitched range is one usable block.
+    sim.launch(0, StreamId(A), &[(p, 300 * MIB)]).unwrap();
+    sim.complete_all(0);
+    assert_disjoint(&pool);
+    free(&pool, p, A);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty());
+    assert_no_leak(&sim, pool);
+}
+
+/// Without VMM the same workload must go back to the driver (free segments, allocate a new
+/// one) or fail.
+#[test]
+fn segments_need_the_driver_for_the_same_workload() {
+    let (sim, pool) = pool(GIB, false);
+    let keep = swiss_cheese(&pool);
+    let allocs = sim.calls(DriverCall::MemAlloc);
+    match pool.alloc_raw(0, 300 * MIB, StreamId(A)) {
+        Ok(p) => {
+            check(&pool);
+            assert!(sim.calls(DriverCall::MemAlloc) > allocs, "no new segment");
+            assert!(
+                sim.calls(DriverCall::MemFree) > 0,
+                "no segment was given back first"
+            );
+            free(&pool, p, A);
+        }
+        Err(e) => assert!(e.is_oom(), "{e}"),
+    }
+    assert_eq!(stat(&pool, "num_stitched_pages"), 0);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert_no_leak(&sim, pool);
+}
+
+/// Pages freed on stream A go to stream B only after A's work on them has completed: the pool
+/// waits for A (no hazard, no unmap under running work) and the allocation still succeeds.
+#[test]
+fn cross_stream_stitching_waits_for_the_donor() {
+    let (sim, pool) = pool(GIB, true);
+    let keep = swiss_cheese(&pool);
+    // Work on A over two of the holes' former blocks, queued before they were freed: the
+    // holes are reusable by A at once but by B only after this work.
+    let x = alloc(&pool, 20 * MIB, A);
+    sim.launch(0, StreamId(A), &[(x, 20 * MIB)]).unwrap();
+    free(&pool, x, A);
+    let syncs = stat(&pool, "num_stream_syncs");
+    let created = sim.calls(DriverCall::CreatePhysical);
+    let p = alloc(&pool, 300 * MIB, B);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_eq!(
+        sim.unfinished_work(0),
+        0,
+        "A's work must be complete before its pages move"
+    );
+    assert!(stat(&pool, "num_stream_syncs") > syncs);
+    assert!(stat(&pool, "num_cross_stream_pages") >= 150);
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        created,
+        "new pages were created"
+    );
+    sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
+    sim.complete_all(0);
+    free(&pool, p, B);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+/// Stitched pages keep their data with them: a page cached on A and mapped into B's range
+/// holds what was written through A's address (the simulator's host backing follows the
+/// physical page).
+#[test]
+fn stitched_pages_carry_their_contents() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default()
+            .capacity(256 * MIB)
+            .backing(true),
+        true,
+        "",
+    );
+    let x = alloc(&pool, 200 * MIB, A);
+    for off in (0..200 * MIB).step_by(PAGE as usize) {
+        sim.write(0, x + off, &[0x5A]).unwrap();
+    }
+    free(&pool, x, A);
+    let y = alloc(&pool, 200 * MIB, B);
+    assert!(stat(&pool, "num_cross_stream_pages") >= 100);
+    let marked = (0..200 * MIB)
+        .step_by(PAGE as usize)
+        .filter(|off| sim.read(0, y + off, 1).unwrap() == [0x5A])
+        .count();
+    assert!(marked == 100, "only {marked} of B's pages came from A");
+    free(&pool, y, B);
+    assert_no_leak(&sim, pool);
+}
