@@ -27,7 +27,7 @@ pub const TRACE_FILE: &str = "pytorch_snapshots/cs336-wedsonlin__gpt-medium_trai
 
 /// The most live bytes one thread's live set may hold; larger sampled sets are scaled down.
 ///
-/// The simulated device never backs memory, but its VMM region is 1 TiB and each stream's arena
+/// The simulated device never backs memory, but its VMM region is 16 TiB and each stream's arena
 /// reserves three times the device capacity of address space ([`crate::DEVICE_CAPACITY`] is
 /// 160 GiB, so two streams reserve 960 GiB). Two threads of 48 GiB live sets leave the pool
 /// 64 GiB of headroom for page rounding. The host reference gets the same (scaled) sizes; it
@@ -37,23 +37,33 @@ pub const MAX_LIVE_BYTES_PER_THREAD: u64 = 48 * GIB;
 /// Length of each thread's precomputed index sequence (a power of two; the loop wraps around).
 pub const ORDER_LEN: usize = 1 << 16;
 
-/// The two kinds of size mix.
+/// The cases: a size mix and an order of replacement.
+///
+/// `Small` and `Trace` replace a uniformly random live block each pair: every pair touches
+/// metadata of a random block, so beyond the caches' size the cost is memory latency, for any
+/// allocator (mimalloc's pair grows about as much as cistern's from 1k to 100k live blocks).
+/// `SmallFifo` replaces the oldest block each pair (the queue order of activations, KV caches
+/// and staging buffers): it isolates the algorithm's own dependence on the number of live
+/// blocks from cache misses, which is what the flatness target is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CaseKind {
-    /// Every block is [`SMALL_SIZE`] bytes.
+    /// Every block is [`SMALL_SIZE`] bytes; random victims.
     Small,
-    /// Block sizes sampled from the `Op::Alloc` sizes of [`TRACE_FILE`].
+    /// Every block is [`SMALL_SIZE`] bytes; the oldest block is replaced.
+    SmallFifo,
+    /// Block sizes sampled from the `Op::Alloc` sizes of [`TRACE_FILE`]; random victims.
     Trace,
 }
 
 impl CaseKind {
-    /// Both kinds, in report order.
-    pub const ALL: [CaseKind; 2] = [CaseKind::Small, CaseKind::Trace];
+    /// Every kind, in report order.
+    pub const ALL: [CaseKind; 3] = [CaseKind::Small, CaseKind::SmallFifo, CaseKind::Trace];
 
     /// The name used in reports and benchmark ids.
     pub fn name(self) -> &'static str {
         match self {
             CaseKind::Small => "small_4KiB",
+            CaseKind::SmallFifo => "small_4KiB_fifo",
             CaseKind::Trace => "trace_mix",
         }
     }
@@ -209,6 +219,11 @@ impl Workload {
         let seed = seed_of(lane);
         match kind {
             CaseKind::Small => Ok(Workload::uniform(SMALL_SIZE, live_blocks, seed)),
+            CaseKind::SmallFifo => Ok(Workload {
+                sizes: vec![SMALL_SIZE; live_blocks],
+                order: fifo_order(live_blocks),
+                scale: 1.0,
+            }),
             CaseKind::Trace => Ok(Workload::sampled(&trace_mix()?.sizes, live_blocks, seed)),
         }
     }
@@ -231,6 +246,11 @@ impl Workload {
 }
 
 /// [`ORDER_LEN`] slot indices below `live_blocks`, from `seed`.
+/// Slots in allocation order, oldest first, over and over.
+fn fifo_order(live_blocks: usize) -> Vec<u32> {
+    (0..ORDER_LEN).map(|i| (i % live_blocks) as u32).collect()
+}
+
 fn order(live_blocks: usize, seed: u64) -> Vec<u32> {
     assert!(
         live_blocks > 0 && live_blocks <= u32::MAX as usize,
