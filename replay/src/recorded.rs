@@ -8,6 +8,30 @@ use cistern_trace::snapshot::{Action, Reconstruction, Snapshot};
 use crate::engine::{frag, Point, ReplayResult, SeriesBuilder};
 use crate::model::RECORDED;
 
+/// PyTorch's reserved bytes after each operation of `recon.sequence` (which must be
+/// `snapshot.reconstruct(device)`): the level of the last segment event at or before the
+/// operation's trace event; the window's starting level for the reconstructed initial
+/// allocations.
+pub fn reserved_per_op(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> Vec<u64> {
+    let curve = snapshot.reserved_curve(device);
+    let mut reserved = curve.start;
+    let mut next_point = 0;
+    (0..recon.sequence.ops.len())
+        .map(|i| {
+            if let Some(Some(ev)) = recon.op_events.get(i) {
+                while let Some(&(pe, r)) = curve.points.get(next_point) {
+                    if pe > *ev {
+                        break;
+                    }
+                    reserved = r;
+                    next_point += 1;
+                }
+            }
+            reserved
+        })
+        .collect()
+}
+
 /// The `pytorch-recorded` row of `device`'s window, aligned with `recon`'s operations (which
 /// must be `snapshot.reconstruct(device)`).
 ///
@@ -33,18 +57,11 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
     }
     let live = recon.sequence.live_curve();
     let mut series = SeriesBuilder::new(live.len());
-    let mut reserved = curve.start;
-    let mut next_point = 0;
-    for (i, &l) in live.iter().enumerate() {
-        if let Some(Some(ev)) = recon.op_events.get(i) {
-            while let Some(&(pe, r)) = curve.points.get(next_point) {
-                if pe > *ev {
-                    break;
-                }
-                reserved = r;
-                next_point += 1;
-            }
-        }
+    for (i, (&l, reserved)) in live
+        .iter()
+        .zip(reserved_per_op(snapshot, device, recon))
+        .enumerate()
+    {
         series.push(Point {
             op: i,
             reserved,
