@@ -89,6 +89,16 @@ pub struct ReplayResult {
     pub series: Vec<Point>,
 }
 
+/// One trace's results, serialized as the CLI's `--json` document for a trace:
+/// `{"trace": ..., "results": [...]}`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TraceReport {
+    /// The trace's name (file name or workload name).
+    pub trace: String,
+    /// One row per allocator, in the order asked.
+    pub results: Vec<ReplayResult>,
+}
+
 /// `1 - live / reserved`, or 0 when nothing was reserved.
 pub fn frag(peak_live: u64, peak_reserved: u64) -> f64 {
     if peak_reserved == 0 {

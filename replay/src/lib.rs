@@ -6,7 +6,8 @@
 //! * [`pytorch`]: PyTorch's caching allocator reimplemented from its rules (`pytorch`,
 //!   `pytorch-expandable`).
 //! * [`engine`]: [`replay`], [`min_capacity`], [`evaluate`] and the [`ReplayResult`] metrics.
-//! * [`recorded`]: the `pytorch-recorded` row from a snapshot's own segment events.
+//! * [`recorded`]: the `pytorch-recorded` row from a snapshot's own segment events, and
+//!   [`evaluate_snapshot`], which puts it beside the models.
 //!
 //! ```
 //! use cistern_replay::{evaluate, EvalOptions};
@@ -30,8 +31,8 @@ pub mod recorded;
 
 pub use engine::{
     evaluate, frag, min_capacity, min_capacity_with, replay, run, EvalOptions, OomAt, Point,
-    ReplayResult,
+    ReplayResult, TraceReport,
 };
 pub use model::{make, AllocatorModel, Oom, ALLOCATORS, RECORDED};
 pub use pytorch::{PytorchConfig, PytorchModel};
-pub use recorded::recorded;
+pub use recorded::{default_allocators, evaluate_snapshot, recorded};

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use cistern_trace::snapshot::{Action, Reconstruction, Snapshot};
 
-use crate::engine::{frag, Point, ReplayResult, SeriesBuilder};
+use crate::engine::{evaluate, frag, EvalOptions, Point, ReplayResult, SeriesBuilder};
 use crate::model::RECORDED;
 
 /// PyTorch's reserved bytes after each operation of `recon.sequence` (which must be
@@ -92,4 +92,39 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
         note: (!notes.is_empty()).then(|| notes.join("; ")),
         series: series.finish(),
     }
+}
+
+/// Evaluates `device`'s window of `snapshot` on each of `allocators`, in order; the name
+/// [`RECORDED`] (`pytorch-recorded`) stands for the [`recorded`] row, the others are models
+/// replayed by [`evaluate`] on the reconstructed sequence.
+pub fn evaluate_snapshot(
+    snapshot: &Snapshot,
+    device: usize,
+    allocators: &[&str],
+    opts: EvalOptions,
+) -> Result<Vec<ReplayResult>, String> {
+    let recon = snapshot.reconstruct(device);
+    allocators
+        .iter()
+        .map(|&name| {
+            if name == RECORDED {
+                Ok(recorded(snapshot, device, &recon))
+            } else {
+                evaluate(&recon.sequence, &[name], opts)?
+                    .pop()
+                    .ok_or_else(|| format!("{name}: no result"))
+            }
+        })
+        .collect()
+}
+
+/// The rows a report shows by default: `pytorch-recorded` first for snapshots, then every
+/// model of [`crate::ALLOCATORS`].
+pub fn default_allocators(is_snapshot: bool) -> Vec<&'static str> {
+    let mut v = Vec::with_capacity(crate::ALLOCATORS.len() + 1);
+    if is_snapshot {
+        v.push(RECORDED);
+    }
+    v.extend_from_slice(crate::ALLOCATORS);
+    v
 }

@@ -113,6 +113,13 @@ fn json_has_the_documented_keys() {
     assert_eq!(v["allocator"], "pytorch");
     assert_eq!(v["driver_calls"]["mem_alloc"], 3);
     assert!(v.get("series").is_none());
+    let doc = cistern_replay::TraceReport {
+        trace: "sample".into(),
+        results: vec![r],
+    };
+    let v = serde_json::to_value(&doc).unwrap();
+    assert_eq!(v["trace"], "sample");
+    assert_eq!(v["results"][0]["allocator"], "pytorch");
 }
 
 #[test]

@@ -200,3 +200,21 @@ fn empty_start_traces_match_after_every_op() {
     }
     eprintln!("{checked} traces start from an empty allocator and match op by op");
 }
+
+/// `evaluate_snapshot` puts the recorded row beside the models, in the order asked.
+#[test]
+fn evaluate_snapshot_rows_in_order() {
+    let Some(dir) = traces_dir() else { return };
+    let snap = Snapshot::read(dir.join("cs336-silmont2000__small_mem_snapshot.pickle"))
+        .expect("dev trace");
+    let opts = cistern_replay::EvalOptions {
+        min_capacity: false,
+        ..Default::default()
+    };
+    let names = cistern_replay::default_allocators(true);
+    let rows = cistern_replay::evaluate_snapshot(&snap, 0, &names, opts).expect("evaluates");
+    let got: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
+    assert_eq!(got, names);
+    assert_eq!(rows[0].peak_reserved, 3606 << 20);
+    assert_eq!(rows[0].driver_calls.get("mem_alloc"), Some(&9));
+}
