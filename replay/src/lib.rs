@@ -6,7 +6,7 @@
 //! * [`pytorch`]: PyTorch's caching allocator reimplemented from its rules (`pytorch`,
 //!   `pytorch-expandable`).
 //! * [`engine`]: [`replay`], [`min_capacity`], [`evaluate`] and the [`ReplayResult`] metrics.
-//! * [`recorded`]: the `pytorch-recorded` row from a snapshot's own segment events, and
+//! * [`recorded`](mod@recorded): the `pytorch-recorded` row from a snapshot's own segment events, and
 //!   [`evaluate_snapshot`], which puts it beside the models.
 //!
 //! ```

@@ -68,7 +68,7 @@ pub const ALLOCATORS: &[&str] = &[
 ];
 
 /// Name of the row built from a snapshot's own `segment_*` events (not a model; see
-/// [`crate::recorded`]).
+/// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";
 
 /// Builds the model `name` on a simulated device of `capacity` bytes.

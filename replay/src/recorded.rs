@@ -95,7 +95,7 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
 }
 
 /// Evaluates `device`'s window of `snapshot` on each of `allocators`, in order; the name
-/// [`RECORDED`] (`pytorch-recorded`) stands for the [`recorded`] row, the others are models
+/// [`RECORDED`] (`pytorch-recorded`) stands for the [`recorded()`] row, the others are models
 /// replayed by [`evaluate`] on the reconstructed sequence.
 pub fn evaluate_snapshot(
     snapshot: &Snapshot,
