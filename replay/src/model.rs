@@ -72,7 +72,32 @@ pub const ALLOCATORS: &[&str] = &[
 pub const RECORDED: &str = "pytorch-recorded";
 
 /// Builds the model `name` on a simulated device of `capacity` bytes.
+///
+/// The PyTorch models accept PyTorch's `max_split_size_mb` setting as a suffix, in
+/// `PYTORCH_CUDA_ALLOC_CONF` syntax: `pytorch:max_split_size_mb:256`.
 pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String> {
+    if let Some((base, conf)) = name.split_once(':') {
+        if base == "pytorch" || base == "pytorch-expandable" {
+            let mb = conf
+                .strip_prefix("max_split_size_mb:")
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&mb| mb > 20)
+                .ok_or_else(|| {
+                    format!(
+                        "`{name}`: expected `{base}:max_split_size_mb:N` with N > 20 \
+                         (PyTorch's own lower bound)"
+                    )
+                })?;
+            return Ok(Box::new(PytorchModel::new(
+                name,
+                PytorchConfig {
+                    max_split_size: mb << 20,
+                    expandable_segments: base == "pytorch-expandable",
+                },
+                capacity,
+            )));
+        }
+    }
     Ok(match name {
         "cistern" => Box::new(CisternModel::new(name, Config::default(), capacity)?),
         "cistern-novmm" => Box::new(CisternModel::new(
@@ -103,7 +128,8 @@ pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String
         }
         other => {
             return Err(format!(
-                "unknown allocator `{other}`; valid names: {}",
+                "unknown allocator `{other}`; valid names: {} (and \
+                 pytorch:max_split_size_mb:N)",
                 ALLOCATORS.join(", ")
             ))
         }

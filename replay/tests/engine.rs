@@ -91,6 +91,8 @@ fn unknown_names_list_the_valid_ones() {
     for n in ALLOCATORS {
         assert!(e.contains(n), "{e}");
     }
+    let e = make("pytorch:max_split_size_mb:8", 1 << 30).err().unwrap();
+    assert!(e.contains("N > 20"), "{e}");
     let e = make("pytorch-recorded", 1 << 30).err().unwrap();
     assert!(e.contains("not a model"), "{e}");
 }
@@ -139,4 +141,15 @@ fn series_is_downsampled_and_keeps_the_peak() {
     let max = r.series.iter().map(|p| p.reserved).max().unwrap();
     assert_eq!(max, r.peak_reserved);
     assert!(r.series.windows(2).all(|w| w[0].op < w[1].op));
+}
+
+#[test]
+fn max_split_size_is_selectable_by_name() {
+    // With max_split_size 32 MiB the freed 40 MiB block is oversize: a 12 MiB request may not
+    // split it, so a second segment is made.
+    let s = seq(vec![a(0, 40 * MIB), Op::Free { id: 0 }, a(1, 12 * MIB)]);
+    let r = run(&s, "pytorch:max_split_size_mb:32", 1 << 30).unwrap();
+    assert_eq!(r.allocator, "pytorch:max_split_size_mb:32");
+    assert_eq!(r.peak_reserved, 52 * MIB);
+    assert_eq!(run(&s, "pytorch", 1 << 30).unwrap().peak_reserved, 40 * MIB);
 }
