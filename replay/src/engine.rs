@@ -1,0 +1,318 @@
+//! The replay engine: runs an [`AllocSequence`] through an [`AllocatorModel`] and measures it
+//! ([`replay`]), finds the smallest device that runs it ([`min_capacity`]), and evaluates a list
+//! of allocators on one sequence ([`evaluate`]).
+//!
+//! Metrics, per allocator (the fragmentation suite's definitions):
+//! * `peak_reserved`: the most bytes the allocator held from the device after any operation;
+//! * `peak_live`: the most *requested* bytes live at once (before any rounding);
+//! * `frag` = `1 - peak_live / peak_reserved`;
+//! * `internal_waste`: at the moment of peak reserved, bytes in live blocks as the allocator
+//!   sized them minus the bytes requested (rounding, unsplit remainders);
+//! * `min_capacity`: the smallest simulated device, at a 2 MiB resolution, that replays the
+//!   whole sequence without running out of memory;
+//! * `driver_calls` by kind, and `ops_per_sec`: allocator operations per second of the replay
+//!   loop (which also does the engine's own bookkeeping: a hash-map update and a `reserved()`
+//!   read per operation, the same for every model; the criterion bench measures the bare
+//!   throughput).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use cistern_trace::{AllocSequence, Op};
+use rustc_hash::FxHashMap;
+
+use crate::model::{make, AllocatorModel, Oom};
+
+/// At most this many points are kept in [`ReplayResult::series`].
+pub const MAX_SERIES_POINTS: usize = 2000;
+/// Resolution of [`min_capacity`]: one 2 MiB page, the driver's granularity.
+pub const CAPACITY_RESOLUTION: u64 = 2 << 20;
+/// Bound on the replays one [`min_capacity`] search makes.
+pub const MAX_BISECTION_STEPS: u32 = 40;
+/// The capacity [`evaluate`] uses when none is given: an 80 GiB device.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// One point of the reserved/live curve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Point {
+    /// Index of the operation after which the values were taken.
+    pub op: usize,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Live requested bytes.
+    pub live: u64,
+}
+
+/// Where a replay ran out of memory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OomAt {
+    /// Index of the failing `Alloc` in the sequence.
+    pub op_index: usize,
+    /// What the model said.
+    pub oom: Oom,
+}
+
+/// The measurements of one allocator on one sequence. Serializes as
+/// `{"allocator", "peak_reserved", "peak_live", "frag", "internal_waste", "min_capacity",
+/// "driver_calls", "ops_per_sec", "ops", "capacity", "oom", "note"}`; the time series is kept
+/// out of the JSON (it is for plots).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ReplayResult {
+    /// Allocator name.
+    pub allocator: String,
+    /// Most bytes reserved after any operation.
+    pub peak_reserved: u64,
+    /// Most requested bytes live at once (over the operations replayed).
+    pub peak_live: u64,
+    /// `1 - peak_live / peak_reserved` (0 when nothing was reserved).
+    pub frag: f64,
+    /// Live block bytes minus requested bytes at the peak of reserved, when the model knows.
+    pub internal_waste: Option<u64>,
+    /// Smallest capacity that replays without OOM, when computed.
+    pub min_capacity: Option<u64>,
+    /// Driver calls by kind.
+    pub driver_calls: BTreeMap<String, u64>,
+    /// Allocator operations per second of the replay loop (`None` for recorded rows).
+    pub ops_per_sec: Option<f64>,
+    /// Operations replayed (all of them unless the model ran out of memory).
+    pub ops: usize,
+    /// Simulated device capacity, for models.
+    pub capacity: Option<u64>,
+    /// The first allocation that failed, if any; the replay stops there.
+    pub oom: Option<OomAt>,
+    /// Anything a reader of the numbers should know.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Reserved and live over the sequence, downsampled to at most [`MAX_SERIES_POINTS`]
+    /// points (each the highest-reserved point of its stretch of operations).
+    #[serde(skip)]
+    pub series: Vec<Point>,
+}
+
+/// One trace's results, serialized as the CLI's `--json` document for a trace:
+/// `{"trace": ..., "results": [...]}`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TraceReport {
+    /// The trace's name (file name or workload name).
+    pub trace: String,
+    /// One row per allocator, in the order asked.
+    pub results: Vec<ReplayResult>,
+}
+
+/// `1 - live / reserved`, or 0 when nothing was reserved.
+pub fn frag(peak_live: u64, peak_reserved: u64) -> f64 {
+    if peak_reserved == 0 {
+        0.0
+    } else {
+        1.0 - peak_live as f64 / peak_reserved as f64
+    }
+}
+
+/// Keeps the highest-reserved point of each stretch of `stride` operations.
+pub(crate) struct SeriesBuilder {
+    stride: usize,
+    points: Vec<Point>,
+    best: Option<Point>,
+    in_bucket: usize,
+}
+
+impl SeriesBuilder {
+    pub(crate) fn new(n_ops: usize) -> Self {
+        SeriesBuilder {
+            stride: n_ops.div_ceil(MAX_SERIES_POINTS).max(1),
+            points: Vec::new(),
+            best: None,
+            in_bucket: 0,
+        }
+    }
+
+    pub(crate) fn push(&mut self, p: Point) {
+        match self.best {
+            Some(b) if b.reserved >= p.reserved => {}
+            _ => self.best = Some(p),
+        }
+        self.in_bucket += 1;
+        if self.in_bucket == self.stride {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        if let Some(b) = self.best.take() {
+            self.points.push(b);
+        }
+        self.in_bucket = 0;
+    }
+
+    pub(crate) fn finish(mut self) -> Vec<Point> {
+        self.flush();
+        self.points
+    }
+}
+
+/// Replays `seq` through `model`, stopping at the first allocation that fails.
+pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResult {
+    let mut sizes: FxHashMap<u64, u64> = FxHashMap::default();
+    let mut live = 0u64;
+    let mut peak_live = 0u64;
+    let mut peak_reserved = 0u64;
+    let mut waste_at_peak: Option<u64> = None;
+    let mut series = SeriesBuilder::new(seq.ops.len());
+    let mut oom = None;
+    let mut done = 0usize;
+    let start = Instant::now();
+    for (i, op) in seq.ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, stream } => {
+                if let Err(e) = model.alloc(id, size, stream) {
+                    oom = Some(OomAt {
+                        op_index: i,
+                        oom: e,
+                    });
+                    break;
+                }
+                sizes.insert(id, size);
+                live += size;
+                peak_live = peak_live.max(live);
+            }
+            Op::Free { id } => {
+                if let Some(s) = sizes.remove(&id) {
+                    live -= s;
+                }
+                model.free(id);
+            }
+        }
+        done = i + 1;
+        let reserved = model.reserved();
+        if reserved > peak_reserved {
+            peak_reserved = reserved;
+            waste_at_peak = model.allocated().map(|a| a.saturating_sub(live));
+        }
+        series.push(Point {
+            op: i,
+            reserved,
+            live,
+        });
+    }
+    let secs = start.elapsed().as_secs_f64();
+    ReplayResult {
+        allocator: model.name().to_string(),
+        peak_reserved,
+        peak_live,
+        frag: frag(peak_live, peak_reserved),
+        internal_waste: waste_at_peak,
+        min_capacity: None,
+        driver_calls: model.driver_calls(),
+        ops_per_sec: (secs > 0.0).then(|| done as f64 / secs),
+        ops: done,
+        capacity: None,
+        oom,
+        note: None,
+        series: series.finish(),
+    }
+}
+
+/// Makes the model `name` with `capacity` and replays `seq` on it.
+pub fn run(seq: &AllocSequence, name: &str, capacity: u64) -> Result<ReplayResult, String> {
+    let mut m = make(name, capacity)?;
+    let mut r = replay(seq, m.as_mut());
+    r.capacity = Some(capacity);
+    Ok(r)
+}
+
+/// The smallest device capacity (a multiple of [`CAPACITY_RESOLUTION`]) on which `allocator`
+/// replays `seq` without running out of memory, found by bisection.
+///
+/// The search first finds a capacity that works (the peak reserved of a run on a device four
+/// times the peak live, doubling until one succeeds), then bisects between the peak live bytes
+/// (no allocator can run on less) and that. Runs are deterministic, so each capacity has one
+/// answer; an allocator whose success is not monotonic in the capacity gets *a* boundary.
+pub fn min_capacity(seq: &AllocSequence, allocator: &str) -> Result<u64, String> {
+    min_capacity_with(seq, allocator, CAPACITY_RESOLUTION)
+}
+
+/// [`min_capacity`] at a chosen resolution (bytes, at least 1).
+pub fn min_capacity_with(
+    seq: &AllocSequence,
+    allocator: &str,
+    resolution: u64,
+) -> Result<u64, String> {
+    let res = resolution.max(1);
+    let ok = |units: u64| -> Result<bool, String> {
+        Ok(run(seq, allocator, units.saturating_mul(res))?
+            .oom
+            .is_none())
+    };
+    let peak_live = seq.peak_live_requested.max(seq.peak_live());
+    let mut probe = (peak_live.saturating_mul(4)).max(1 << 30).div_ceil(res);
+    let mut steps = 0;
+    let hi_run = loop {
+        let r = run(seq, allocator, probe.saturating_mul(res))?;
+        steps += 1;
+        if r.oom.is_none() {
+            break r;
+        }
+        if steps >= 12 {
+            return Err(format!(
+                "{allocator}: runs out of memory even with {} bytes",
+                probe.saturating_mul(res)
+            ));
+        }
+        probe = probe.saturating_mul(2);
+    };
+    // A run that never failed behaves the same on any device at least as large as its peak.
+    let mut hi = hi_run.peak_reserved.div_ceil(res).max(1).min(probe);
+    if hi < probe {
+        steps += 1;
+        if !ok(hi)? {
+            hi = probe;
+        }
+    }
+    let mut lo = (peak_live / res).max(1).min(hi);
+    while lo < hi && steps < MAX_BISECTION_STEPS {
+        let mid = lo + (hi - lo) / 2;
+        steps += 1;
+        if ok(mid)? {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(hi.saturating_mul(res))
+}
+
+/// What [`evaluate`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalOptions {
+    /// Simulated device capacity for the main replay.
+    pub capacity: u64,
+    /// Also bisect for the smallest capacity (costs about 20 replays per allocator).
+    pub min_capacity: bool,
+}
+
+impl Default for EvalOptions {
+    fn default() -> Self {
+        EvalOptions {
+            capacity: DEFAULT_CAPACITY,
+            min_capacity: true,
+        }
+    }
+}
+
+/// Replays `seq` on each allocator in `allocators`, in order.
+pub fn evaluate(
+    seq: &AllocSequence,
+    allocators: &[&str],
+    opts: EvalOptions,
+) -> Result<Vec<ReplayResult>, String> {
+    allocators
+        .iter()
+        .map(|name| {
+            let mut r = run(seq, name, opts.capacity)?;
+            if opts.min_capacity {
+                r.min_capacity = Some(min_capacity(seq, name)?);
+            }
+            Ok(r)
+        })
+        .collect()
+}

@@ -1,0 +1,38 @@
+//! Replays GPU allocation traces against cistern and against faithful models of other
+//! allocators, on a simulated device, and measures fragmentation (the fragmentation suite).
+//!
+//! * [`model`]: the [`AllocatorModel`] trait, the simple models (`cistern`, `cistern-novmm`,
+//!   `cudamalloc`, `ideal`) and the registry ([`ALLOCATORS`], [`make`]).
+//! * [`pytorch`]: PyTorch's caching allocator reimplemented from its rules (`pytorch`,
+//!   `pytorch-expandable`).
+//! * [`engine`]: [`replay`], [`min_capacity`], [`evaluate`] and the [`ReplayResult`] metrics.
+//! * [`recorded`](mod@recorded): the `pytorch-recorded` row from a snapshot's own segment events, and
+//!   [`evaluate_snapshot`], which puts it beside the models.
+//!
+//! ```
+//! use cistern_replay::{evaluate, EvalOptions};
+//! use cistern_trace::{AllocSequence, Op};
+//! let seq = AllocSequence::new(
+//!     vec![Op::Alloc { id: 0, size: 3 << 20, stream: 0 }, Op::Free { id: 0 }],
+//!     0,
+//! )
+//! .unwrap();
+//! let rows = evaluate(&seq, &["pytorch", "ideal"], EvalOptions::default()).unwrap();
+//! assert_eq!(rows[0].peak_reserved, 20 << 20); // a 20 MiB segment for a 3 MiB request
+//! assert_eq!(rows[1].peak_reserved, 3 << 20);
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod engine;
+pub mod model;
+pub mod pytorch;
+pub mod recorded;
+
+pub use engine::{
+    evaluate, frag, min_capacity, min_capacity_with, replay, run, EvalOptions, OomAt, Point,
+    ReplayResult, TraceReport,
+};
+pub use model::{make, AllocatorModel, Oom, ALLOCATORS, RECORDED};
+pub use pytorch::{PytorchConfig, PytorchModel};
+pub use recorded::{default_allocators, evaluate_snapshot, recorded};

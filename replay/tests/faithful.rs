@@ -1,0 +1,220 @@
+//! Proof that the `pytorch` model is a faithful baseline: on the dev traces (real PyTorch
+//! memory snapshots with event history), the model's peak reserved bytes are within 2% of
+//! what PyTorch itself reserved (`pytorch-recorded`, from the snapshot's `segment_*` events),
+//! on at least 80% of them.
+//!
+//! # What is compared
+//!
+//! A snapshot's history is a ring buffer: the window opens mid-run with blocks already live.
+//! The reconstructed sequence starts with those blocks as `Alloc`s (in address order), then
+//! replays the window. PyTorch's recorded reserved curve starts at the level of the window's
+//! start (the final segments minus the window's net segment events). Both peaks therefore cover
+//! the same window from the same live set; the model's only unknown is *how* PyTorch laid out
+//! the blocks that were live at the start (and which cached free segments it held then), which
+//! depends on the run's history before the window.
+//!
+//! Three of the traces record segment events in the window (`small_mem`: 9 `segment_alloc`s
+//! from an empty allocator; `decomfl`: 61; `gpt-medium_train_ctx512`: 1); on the others PyTorch's
+//! reserved bytes are flat over the window, so the model's peak is compared with that level.
+//! Both groups are checked: each must meet the 80%/2% bar on its own.
+//!
+//! # Residual differences (all within 2% at the time of writing)
+//!
+//! * Traces that start from an empty allocator (`small_mem`, `decomfl`) match exactly: the
+//!   model sees the whole history.
+//! * `magma27 transformer-lm` (-0.7%) and the `gpt-medium` traces (within ±0.5%): the window
+//!   starts with hundreds of live blocks (parameters, optimizer state). PyTorch placed them over
+//!   a history the window does not show, which also left some cached free segments that the
+//!   model never creates (the model reads low), or packed some blocks tighter than a fresh
+//!   best-fit placement in address order does (the model reads high, e.g. `train_ctx256`,
+//!   +0.45%). Simulated addresses also differ from the real ones, so ties between equal-sized
+//!   free blocks (broken by address in PyTorch's ordering) can go the other way.
+//!
+//! Any trace that misses the 2% bar is printed with its difference; if one ever does, the
+//! explanation belongs in the list above.
+
+use std::path::PathBuf;
+
+use cistern_replay::recorded::reserved_per_op;
+use cistern_replay::{make, recorded, run, ReplayResult};
+use cistern_trace::Snapshot;
+
+fn traces_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("CISTERN_TRACES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"));
+    let snaps = dir.join("pytorch_snapshots");
+    if snaps.is_dir() {
+        Some(snaps)
+    } else {
+        eprintln!(
+            "skipping: no dev traces at {} (set CISTERN_TRACES_DIR)",
+            snaps.display()
+        );
+        None
+    }
+}
+
+struct Row {
+    name: String,
+    /// PyTorch's reserved bytes after each op, when the window starts from an empty allocator.
+    empty_start_curve: Option<(cistern_trace::AllocSequence, Vec<u64>)>,
+    segment_events: bool,
+    recorded: ReplayResult,
+    model: ReplayResult,
+}
+
+impl Row {
+    fn diff(&self) -> f64 {
+        (self.model.peak_reserved as f64 - self.recorded.peak_reserved as f64)
+            / self.recorded.peak_reserved as f64
+    }
+
+    fn within(&self) -> bool {
+        self.diff().abs() <= 0.02
+    }
+}
+
+/// Every snapshot's rows, computed once for all tests of this file.
+fn rows(dir: &std::path::Path) -> &'static [Row] {
+    static ROWS: std::sync::OnceLock<Vec<Row>> = std::sync::OnceLock::new();
+    ROWS.get_or_init(|| compute_rows(dir))
+}
+
+fn compute_rows(dir: &std::path::Path) -> Vec<Row> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("readable traces dir")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pickle"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let snap = Snapshot::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let recon = snap.reconstruct(0);
+        let rec = recorded(&snap, 0, &recon);
+        let curve = snap.reserved_curve(0);
+        // 80 GiB: larger than the device any of these traces ran on, so the model never hits
+        // an OOM that PyTorch did not.
+        let model = run(&recon.sequence, "pytorch", 80 << 30).expect("pytorch is registered");
+        assert!(model.oom.is_none(), "{}: {:?}", f.display(), model.oom);
+        let empty_start_curve = (recon.sequence.initially_live == 0)
+            .then(|| (recon.sequence.clone(), reserved_per_op(&snap, 0, &recon)));
+        out.push(Row {
+            empty_start_curve,
+            name: f
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            segment_events: !curve.points.is_empty(),
+            recorded: rec,
+            model,
+        });
+    }
+    out
+}
+
+#[test]
+fn pytorch_model_matches_recorded_peak_reserved() {
+    let Some(dir) = traces_dir() else { return };
+    let rows = rows(&dir);
+    assert!(!rows.is_empty(), "no snapshots in {}", dir.display());
+    eprintln!(
+        "{:<62} {:>9} {:>13} {:>13} {:>8}",
+        "trace", "seg evts", "recorded MiB", "model MiB", "diff %"
+    );
+    for r in rows {
+        eprintln!(
+            "{:<62} {:>9} {:>13.1} {:>13.1} {:>+8.2}{}",
+            r.name,
+            if r.segment_events { "yes" } else { "flat" },
+            r.recorded.peak_reserved as f64 / (1 << 20) as f64,
+            r.model.peak_reserved as f64 / (1 << 20) as f64,
+            100.0 * r.diff(),
+            if r.within() { "" } else { "  <- over 2%" }
+        );
+    }
+    for (group, with_events) in [("with segment events", true), ("flat reserved", false)] {
+        let g: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.segment_events == with_events)
+            .collect();
+        if g.is_empty() {
+            continue;
+        }
+        let ok = g.iter().filter(|r| r.within()).count();
+        assert!(
+            ok * 5 >= g.len() * 4,
+            "{group}: only {ok} of {} traces within 2% of PyTorch's recorded peak",
+            g.len()
+        );
+    }
+}
+
+/// The recorded row's curve is consistent with the sequence: its live bytes are the
+/// sequence's, and reserved never drops below live where PyTorch recorded segment events.
+#[test]
+fn recorded_rows_are_consistent() {
+    let Some(dir) = traces_dir() else { return };
+    for r in rows(&dir) {
+        assert_eq!(r.recorded.peak_live, r.model.peak_live, "{}", r.name);
+        assert!(
+            r.recorded.peak_reserved >= r.recorded.peak_live,
+            "{}",
+            r.name
+        );
+        assert_eq!(r.recorded.allocator, "pytorch-recorded");
+        let max = r.recorded.series.iter().map(|p| p.reserved).max();
+        assert!(max <= Some(r.recorded.peak_reserved), "{}", r.name);
+    }
+}
+
+/// Where the window starts from an empty allocator, the model sees PyTorch's whole history, so
+/// its reserved bytes must equal PyTorch's after *every* operation, not just at the peak.
+#[test]
+fn empty_start_traces_match_after_every_op() {
+    let Some(dir) = traces_dir() else { return };
+    let mut checked = 0;
+    for r in rows(&dir) {
+        let Some((seq, curve)) = &r.empty_start_curve else {
+            continue;
+        };
+        let mut m = make("pytorch", 80 << 30).expect("registered");
+        let mut ids = std::collections::HashSet::new();
+        for (i, op) in seq.ops.iter().enumerate() {
+            match *op {
+                cistern_trace::Op::Alloc { id, size, stream } => {
+                    m.alloc(id, size, stream).expect("80 GiB is enough");
+                    ids.insert(id);
+                }
+                cistern_trace::Op::Free { id } => m.free(id),
+            }
+            assert_eq!(
+                m.reserved(),
+                curve[i],
+                "{}: reserved after op {i} ({op:?})",
+                r.name
+            );
+        }
+        checked += 1;
+    }
+    eprintln!("{checked} traces start from an empty allocator and match op by op");
+}
+
+/// `evaluate_snapshot` puts the recorded row beside the models, in the order asked.
+#[test]
+fn evaluate_snapshot_rows_in_order() {
+    let Some(dir) = traces_dir() else { return };
+    let snap = Snapshot::read(dir.join("cs336-silmont2000__small_mem_snapshot.pickle"))
+        .expect("dev trace");
+    let opts = cistern_replay::EvalOptions {
+        min_capacity: false,
+        ..Default::default()
+    };
+    let names = cistern_replay::default_allocators(true);
+    let rows = cistern_replay::evaluate_snapshot(&snap, 0, &names, opts).expect("evaluates");
+    let got: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
+    assert_eq!(got, names);
+    assert_eq!(rows[0].peak_reserved, 3606 << 20);
+    assert_eq!(rows[0].driver_calls.get("mem_alloc"), Some(&9));
+}
