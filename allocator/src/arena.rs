@@ -53,8 +53,8 @@ pub(crate) struct KindHeap {
     pub heap: Heap,
     /// Segments by index (`Span::seg`); `None` for removed ones.
     pub segments: Vec<Option<Segment>>,
-    /// The index of the VMM segment, once reserved.
-    pub vmm_seg: Option<u32>,
+    /// The indices of the VMM segments (virtual extents), in the order they were reserved.
+    pub vmm_segs: Vec<u32>,
 }
 
 impl KindHeap {

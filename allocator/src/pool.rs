@@ -222,7 +222,7 @@ impl<D: Driver> Arena<D> {
                 }
                 kh.heap.remove_segment(seg.first);
             }
-            kh.vmm_seg = None;
+            kh.vmm_segs.clear();
         }
         true
     }
@@ -697,21 +697,9 @@ impl<D: Driver> DevicePool<D> {
                 "the request is larger than the device",
             ));
         }
-        let seg_idx = match a.kinds[kind].vmm_seg {
-            Some(s) => s,
-            None => {
-                let base = c.driver.reserve_va(c.dev, extent, g).inspect_err(|_| {
-                    c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                })?;
-                let pages = vec![None; (extent / g) as usize];
-                let s = a.kinds[kind].add_segment(base, extent, Backing::Vmm { pages });
-                a.kinds[kind].vmm_seg = Some(s);
-                self.ranges
-                    .write()
-                    .insert(base, (base + extent, Arc::downgrade(arena)));
-                s
-            }
-        };
+        if a.kinds[kind].vmm_segs.is_empty() {
+            self.reserve_extent(arena, a, kind, extent)?;
+        }
         // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
         // window there tries to map over it; its handle is then reused like any lost one.
         for (k, h, addr) in std::mem::take(&mut dev.stuck) {
@@ -722,16 +710,36 @@ impl<D: Driver> DevicePool<D> {
                 dev.stuck.push((k, h, addr));
             }
         }
-        let Some((lo, missing)) = choose_window(a, kind, seg_idx, rounded, g) else {
-            return Err(self.oom_locked(
-                dev,
-                Some(a),
-                arena.stream,
-                size,
-                rounded,
-                false,
-                "no free virtual range of this stream's segment is large enough",
-            ));
+        // The window needing the fewest new pages over this heap's extents; a new extent when
+        // none has a free virtual range large enough (live blocks scattered through the
+        // address space, e.g. KV caches that grow by reallocation).
+        let mut choice: Option<(u32, u64, Vec<u64>)> = None;
+        for &seg in &a.kinds[kind].vmm_segs {
+            if let Some((lo, missing)) = choose_window(a, kind, seg, rounded, g) {
+                if choice.as_ref().is_none_or(|c| missing.len() < c.2.len()) {
+                    choice = Some((seg, lo, missing));
+                }
+            }
+        }
+        let (seg_idx, lo, missing) = match choice {
+            Some(c) => c,
+            None => {
+                let seg = self.reserve_extent(arena, a, kind, extent)?;
+                match choose_window(a, kind, seg, rounded, g) {
+                    Some((lo, missing)) => (seg, lo, missing),
+                    None => {
+                        return Err(self.oom_locked(
+                            dev,
+                            Some(a),
+                            arena.stream,
+                            size,
+                            rounded,
+                            false,
+                            "no virtual range is large enough",
+                        ))
+                    }
+                }
+            }
         };
         let hi = lo + rounded;
         let need = missing.len();
@@ -888,6 +896,30 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
+    /// Reserves one more virtual extent for heap `kind` of `arena`; returns its segment index.
+    fn reserve_extent(
+        &self,
+        arena: &Arc<Arena<D>>,
+        a: &mut ArenaState,
+        kind: usize,
+        extent: u64,
+    ) -> Result<u32> {
+        let c = &*self.core;
+        let base = c
+            .driver
+            .reserve_va(c.dev, extent, c.granularity)
+            .inspect_err(|_| {
+                c.counters.num_driver_errors.fetch_add(1, Relaxed);
+            })?;
+        let pages = vec![None; (extent / c.granularity) as usize];
+        let s = a.kinds[kind].add_segment(base, extent, Backing::Vmm { pages });
+        a.kinds[kind].vmm_segs.push(s);
+        self.ranges
+            .write()
+            .insert(base, (base + extent, Arc::downgrade(arena)));
+        Ok(s)
+    }
+
     /// Whether any arena has frees waiting on events (`a` is `arena`'s locked state).
     fn any_pending(&self, arena: &Arc<Arena<D>>, a: &ArenaState) -> bool {
         !a.pending.is_empty()
@@ -1007,11 +1039,8 @@ impl<D: Driver> DevicePool<D> {
         let mut out = Vec::new();
         let mut synced = false;
         for kind in 0..2 {
-            let Some(seg_idx) = a.kinds[kind].vmm_seg else {
-                continue;
-            };
             let runs = free_page_runs(a, kind, exclude, g, want - out.len());
-            for (id, lo, hi) in runs {
+            for (seg_idx, id, lo, hi) in runs {
                 if out.len() >= want {
                     break;
                 }
@@ -1778,12 +1807,12 @@ fn free_page_runs(
     exclude: Option<(usize, u64, u64)>,
     g: u64,
     want: usize,
-) -> Vec<(crate::heap::SpanId, u64, u64)> {
+) -> Vec<(u32, crate::heap::SpanId, u64, u64)> {
     let mut runs = Vec::new();
-    let Some(seg_idx) = a.kinds[kind].vmm_seg else {
-        return runs;
-    };
     let kh = &a.kinds[kind];
+    if kh.vmm_segs.is_empty() {
+        return runs;
+    }
     let mut avail = 0usize;
     // Only free spans of at least a page can hold a whole page.
     for id in kh.heap.free_spans_at_least(g) {
@@ -1791,7 +1820,7 @@ fn free_page_runs(
         if avail >= want {
             break;
         }
-        if s.seg != seg_idx {
+        if !matches!(kh.segment(s.seg).backing, Backing::Vmm { .. }) {
             continue;
         }
         let mut lo = s.start.div_ceil(g) * g;
@@ -1810,7 +1839,7 @@ fn free_page_runs(
         }
         if hi > lo {
             avail += ((hi - lo) / g) as usize;
-            runs.push((id, lo, hi));
+            runs.push((s.seg, id, lo, hi));
         }
     }
     runs
@@ -1820,7 +1849,7 @@ fn free_page_runs(
 fn count_free_pages(a: &ArenaState, exclude: Option<(usize, u64, u64)>, g: u64) -> usize {
     (0..2)
         .flat_map(|k| free_page_runs(a, k, exclude, g, usize::MAX))
-        .map(|(_, lo, hi)| ((hi - lo) / g) as usize)
+        .map(|(_, _, lo, hi)| ((hi - lo) / g) as usize)
         .sum()
 }
 
