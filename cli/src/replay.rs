@@ -1,0 +1,342 @@
+//! `cistern replay`: load traces (or generate workloads), replay them against allocator models,
+//! and present the comparison as tables, JSON and an SVG plot.
+
+use std::path::Path;
+
+use cistern::format_bytes;
+use cistern_replay::engine::{self, ReplayResult, TraceReport};
+use cistern_replay::model::{self, ALLOCATORS};
+use cistern_trace::load::{self, Format, LoadOptions, Trace};
+use cistern_trace::workloads;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::plot::{self, Chart, Series};
+use crate::table::{self, Align, Table};
+use crate::ReplayArgs;
+
+/// The seed of generated workloads (fixed, so that runs compare).
+const SEED: u64 = 42;
+
+/// A trace to replay, with where its recorded baseline came from.
+struct Input {
+    trace: Trace,
+    /// The label of the recorded reserved curve, when the trace carries one.
+    recorded_label: Option<&'static str>,
+}
+
+pub fn run(args: &ReplayArgs) -> Result<(), String> {
+    if args.allocators.iter().any(|a| a == "list") {
+        println!("allocators (--allocators a,b,...):");
+        for a in ALLOCATORS {
+            println!("  {a}");
+        }
+        println!("  pytorch:max_split_size_mb:N, pytorch-expandable:max_split_size_mb:N");
+        println!("recorded baselines are added automatically when a trace carries one");
+        return Ok(());
+    }
+    if args.workloads.iter().any(|w| w == "list") {
+        let available = workloads::available();
+        println!("workloads (--workload NAME):");
+        for w in workloads::names() {
+            let note = if available.contains(w) {
+                ""
+            } else {
+                "  (needs ../shared/traces or CISTERN_TRACES_DIR)"
+            };
+            println!("  {w}{note}");
+        }
+        return Ok(());
+    }
+    let allocators: Vec<String> = if args.allocators.is_empty() {
+        ALLOCATORS.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.allocators.clone()
+    };
+    for a in &allocators {
+        model::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
+    }
+    let capacity = match &args.capacity {
+        Some(c) => Some(cistern::config::parse_size(c).map_err(|e| format!("--capacity: {e}"))?),
+        None => None,
+    };
+
+    let inputs = gather(args)?;
+    if inputs.is_empty() {
+        return Err("nothing to replay: no trace in the given files".into());
+    }
+
+    let total = (inputs.len() * allocators.len()) as u64;
+    let bar = progress(total, args.json);
+    let mut reports = Vec::new();
+    for input in &inputs {
+        let seq = &input.trace.sequence;
+        let cap = capacity.unwrap_or_else(|| auto_capacity(seq.peak_live_requested));
+        let mut results = Vec::new();
+        if let Some(label) = input.recorded_label {
+            if let Some(r) = recorded_row(&input.trace, label) {
+                results.push(r);
+            }
+        }
+        for a in &allocators {
+            bar.set_message(format!("{} / {a}", input.trace.name));
+            let mut r = engine::run(seq, a, cap)?;
+            if !args.no_min_capacity {
+                r.min_capacity = Some(engine::min_capacity(seq, a)?);
+            }
+            results.push(r);
+            bar.inc(1);
+        }
+        reports.push(TraceReport {
+            trace: input.trace.name.clone(),
+            results,
+        });
+    }
+    bar.finish_and_clear();
+
+    if let Some(path) = &args.plot {
+        let svg = plot::render(&charts(&reports));
+        std::fs::write(path, svg).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        if !args.json {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    if args.json {
+        let doc = if reports.len() == 1 {
+            serde_json::to_string_pretty(&reports[0])
+        } else {
+            serde_json::to_string_pretty(&reports)
+        };
+        println!("{}", doc.map_err(|e| e.to_string())?);
+    } else {
+        print_tables(&reports);
+    }
+    Ok(())
+}
+
+/// Loads the files and generates the workloads asked for (all available ones when neither).
+fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
+    let mut inputs = Vec::new();
+    let opts = LoadOptions::default();
+    for path in &args.files {
+        let format = sniff(path);
+        let traces = load::load_with(path, &opts).map_err(|e| e.to_string())?;
+        for trace in traces {
+            let recorded_label = match format {
+                Some(Format::Snapshot) | Some(Format::Kineto) => Some("pytorch-recorded"),
+                Some(Format::Own) => Some("recorded"),
+                _ => None,
+            };
+            inputs.push(Input {
+                trace,
+                recorded_label,
+            });
+        }
+    }
+    let names: Vec<String> = if args.files.is_empty() && args.workloads.is_empty() {
+        workloads::available()
+            .into_iter()
+            .map(String::from)
+            .collect()
+    } else {
+        args.workloads.clone()
+    };
+    for name in names {
+        let trace = workloads::generate(&name, SEED).map_err(|e| format!("--workload: {e}"))?;
+        inputs.push(Input {
+            trace,
+            recorded_label: None,
+        });
+    }
+    Ok(inputs)
+}
+
+/// The format of a file, from its first bytes (gzip is looked through).
+fn sniff(path: &Path) -> Option<Format> {
+    let bytes = std::fs::read(path).ok()?;
+    load::detect(&bytes)
+}
+
+/// A simulated device comfortably larger than the trace: four times its peak live bytes, at
+/// least 8 GiB, rounded up to a GiB. Capacity costs the simulator nothing.
+fn auto_capacity(peak_live: u64) -> u64 {
+    const GIB: u64 = 1 << 30;
+    (peak_live.saturating_mul(4)).max(8 * GIB).div_ceil(GIB) * GIB
+}
+
+/// The row of a trace's recorded reserved curve.
+fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
+    let points = trace.recorded_reserved.as_ref()?;
+    let seq = &trace.sequence;
+    let live = seq.live_curve();
+    let peak_reserved = trace
+        .recorded_peak_reserved
+        .unwrap_or_else(|| points.iter().map(|p| p.1).max().unwrap_or(0));
+    let peak_live = seq.peak_live_requested;
+    // Reserved per op, stepping at each point.
+    let mut series = Vec::new();
+    let mut next = 0;
+    let mut reserved = 0;
+    let stride = live.len().div_ceil(engine::MAX_SERIES_POINTS).max(1);
+    for (i, &l) in live.iter().enumerate() {
+        while next < points.len() && points[next].0 <= i {
+            reserved = points[next].1;
+            next += 1;
+        }
+        if i % stride == 0 || i + 1 == live.len() {
+            series.push(engine::Point {
+                op: i,
+                reserved,
+                live: l,
+            });
+        }
+    }
+    Some(ReplayResult {
+        allocator: label.to_string(),
+        peak_reserved,
+        peak_live,
+        frag: engine::frag(peak_live, peak_reserved),
+        internal_waste: None,
+        min_capacity: None,
+        driver_calls: Default::default(),
+        ops_per_sec: None,
+        ops: live.len(),
+        capacity: None,
+        oom: None,
+        note: Some("recorded by the allocator that produced the trace".into()),
+        series,
+    })
+}
+
+fn progress(total: u64, quiet: bool) -> ProgressBar {
+    use std::io::IsTerminal;
+    if quiet || !std::io::stderr().is_terminal() || total < 2 {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} replays  {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn pct(f: f64) -> String {
+    format!("{:.1}%", f * 100.0)
+}
+
+fn print_tables(reports: &[TraceReport]) {
+    let colour = table::use_colour();
+    for (i, rep) in reports.iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        let live = rep.results.first().map_or(0, |r| r.peak_live);
+        println!("{}  (peak live {})", rep.trace, format_bytes(live));
+        let best = rep
+            .results
+            .iter()
+            .filter(|r| r.oom.is_none() && r.ops_per_sec.is_some() && r.allocator != "ideal")
+            .map(|r| r.peak_reserved)
+            .min();
+        let mut t = Table::new(&[
+            ("allocator", Align::Left),
+            ("peak reserved", Align::Right),
+            ("F", Align::Right),
+            ("min capacity", Align::Right),
+            ("x live", Align::Right),
+            ("driver calls", Align::Right),
+            ("ops/s", Align::Right),
+            ("", Align::Left),
+        ]);
+        for r in &rep.results {
+            let calls: u64 = r.driver_calls.values().sum();
+            let min_cap = r.min_capacity.map_or("-".to_string(), format_bytes);
+            let ratio = r
+                .min_capacity
+                .filter(|_| r.peak_live > 0)
+                .map_or("-".to_string(), |m| {
+                    format!("{:.3}", m as f64 / r.peak_live as f64)
+                });
+            let ops = r
+                .ops_per_sec
+                .map_or("-".to_string(), |o| format!("{:.2}M", o / 1e6));
+            let mut note = String::new();
+            if let Some(o) = &r.oom {
+                note = format!("OOM at op {}", o.op_index);
+            } else if let Some(n) = &r.note {
+                note = n.clone();
+            }
+            let good = best == Some(r.peak_reserved) && r.ops_per_sec.is_some();
+            let bad = r.oom.is_some();
+            t.row_coloured(vec![
+                (r.allocator.clone(), None),
+                (
+                    format_bytes(r.peak_reserved),
+                    if good {
+                        Some(table::GREEN)
+                    } else if bad {
+                        Some(table::RED)
+                    } else {
+                        None
+                    },
+                ),
+                (pct(r.frag), None),
+                (min_cap, None),
+                (ratio, None),
+                (calls.to_string(), None),
+                (ops, None),
+                (note, bad.then_some(table::RED)),
+            ]);
+        }
+        print!("{}", t.render(colour));
+    }
+}
+
+fn charts(reports: &[TraceReport]) -> Vec<Chart> {
+    reports
+        .iter()
+        .map(|rep| {
+            let mut series: Vec<Series> = rep
+                .results
+                .iter()
+                .filter(|r| r.allocator != "ideal")
+                .map(|r| Series {
+                    name: format!("{} (reserved)", r.allocator),
+                    points: r
+                        .series
+                        .iter()
+                        .map(|p| (p.op as f64, p.reserved as f64))
+                        .collect(),
+                    dashed: r.ops_per_sec.is_none(),
+                })
+                .collect();
+            if let Some(r) = rep.results.iter().find(|r| !r.series.is_empty()) {
+                series.push(Series {
+                    name: "live (requested)".into(),
+                    points: r
+                        .series
+                        .iter()
+                        .map(|p| (p.op as f64, p.live as f64))
+                        .collect(),
+                    dashed: true,
+                });
+            }
+            Chart {
+                title: rep.trace.clone(),
+                x_label: "operation".into(),
+                series,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_capacity_is_generous_and_rounded() {
+        assert_eq!(auto_capacity(0), 8 << 30);
+        assert_eq!(auto_capacity(3 << 30), 12 << 30);
+        assert_eq!(auto_capacity((3 << 30) + 1), 13 << 30);
+    }
+}

@@ -1,0 +1,208 @@
+//! End-to-end tests of `cistern replay`: the binary, its JSON, its plot and its errors.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn cistern() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
+    c.env("NO_COLOR", "1");
+    c
+}
+
+fn traces_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("CISTERN_TRACES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"));
+    dir.is_dir().then_some(dir)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("cistern-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn json_for_one_workload_has_every_field() {
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(doc["trace"].as_str().unwrap().starts_with("rmm-random"));
+    let results = doc["results"].as_array().unwrap();
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cistern",
+            "cistern-novmm",
+            "pytorch",
+            "pytorch-expandable",
+            "cudamalloc",
+            "ideal"
+        ]
+    );
+    for r in results {
+        for key in [
+            "peak_reserved",
+            "peak_live",
+            "frag",
+            "min_capacity",
+            "driver_calls",
+            "ops_per_sec",
+        ] {
+            assert!(!r[key].is_null(), "{key} missing in {r}");
+        }
+        let live = r["peak_live"].as_u64().unwrap();
+        let reserved = r["peak_reserved"].as_u64().unwrap();
+        assert!(reserved >= live, "{r}");
+        assert!(r["min_capacity"].as_u64().unwrap() >= live, "{r}");
+    }
+    // The ideal allocator reserves exactly what is live.
+    let ideal = &results[5];
+    assert_eq!(ideal["frag"].as_f64().unwrap(), 0.0);
+}
+
+#[test]
+fn several_traces_give_a_list_and_a_plot() {
+    let svg = tmp("plot.svg");
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "-w", "rmm-random-normal"])
+        .args([
+            "-a",
+            "cistern,pytorch",
+            "--no-min-capacity",
+            "--json",
+            "--plot",
+        ])
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = doc.as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    assert_eq!(list[0]["results"].as_array().unwrap().len(), 2);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg"));
+    // Two charts, each with two allocators and the live line.
+    assert_eq!(text.matches("<polyline").count(), 6);
+}
+
+#[test]
+fn table_output_names_the_trace_and_allocators() {
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "-a", "cistern,ideal"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("rmm-random"), "{text}");
+    assert!(text.contains("peak reserved"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("cistern ")), "{text}");
+    assert!(!text.contains('\x1b'), "colour despite NO_COLOR: {text}");
+}
+
+#[test]
+fn bad_input_names_the_fix() {
+    let out = cistern()
+        .args(["replay", "-a", "tcmalloc", "-w", "rmm-random"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tcmalloc") && err.contains("cistern"), "{err}");
+
+    let out = cistern()
+        .args(["replay", "-w", "no-such-workload"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-workload"));
+
+    let bad = tmp("bad.trace");
+    std::fs::write(&bad, "# cistern-trace v1\na 1 100 0\nf 2\n").unwrap();
+    let out = cistern().arg("replay").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.trace") && err.contains("line 3"), "{err}");
+
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "--capacity", "lots"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--capacity"));
+}
+
+#[test]
+fn a_recorded_trace_replays_with_its_baseline() {
+    let path = tmp("own.trace");
+    std::fs::write(
+        &path,
+        "# cistern-trace v1\nr 4194304\na 1 3000000 0\na 2 1000 0\nf 1\na 3 500000 0\n",
+    )
+    .unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern", "--json", "--no-min-capacity"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = doc["results"].as_array().unwrap();
+    assert_eq!(results[0]["allocator"], "recorded");
+    assert_eq!(results[0]["peak_reserved"], 4194304);
+    assert_eq!(results[1]["allocator"], "cistern");
+    assert_eq!(results[1]["peak_live"], 3001000);
+}
+
+#[test]
+fn a_pytorch_snapshot_shows_pytorch_recorded() {
+    let Some(dir) = traces_dir() else {
+        eprintln!("skipping: no traces folder (../shared/traces or CISTERN_TRACES_DIR)");
+        return;
+    };
+    let path =
+        dir.join("pytorch_snapshots/cs336-silmont2000__transformer-lm_forward_fp32_ctx128.pickle");
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern,pytorch", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = doc["results"].as_array().unwrap();
+    assert_eq!(r[0]["allocator"], "pytorch-recorded");
+    let recorded = r[0]["peak_reserved"].as_u64().unwrap();
+    let cistern = r[1]["peak_reserved"].as_u64().unwrap();
+    let live = r[1]["peak_live"].as_u64().unwrap();
+    assert!(
+        cistern <= recorded,
+        "cistern {cistern} > recorded {recorded}"
+    );
+    assert!(r[1]["min_capacity"].as_u64().unwrap() as f64 <= live as f64 * 1.03);
+}
