@@ -4,6 +4,7 @@
 //! work itself lives in the libraries: trace readers and workload generators in
 //! `cistern-trace`, allocator models and the replay engine in `cistern-replay`.
 
+mod convert;
 mod plot;
 mod replay;
 mod table;
@@ -27,6 +28,23 @@ enum Command {
     /// memory each one reserves (fragmentation, smallest device that runs the trace, driver
     /// calls, speed). With no trace and no workload, runs the built-in workloads.
     Replay(ReplayArgs),
+    /// Convert a trace (any format `replay` reads) to cistern's own format or to a RAPIDS RMM
+    /// log (`logging_resource_adaptor` CSV), one output per device.
+    Convert(ConvertArgs),
+}
+
+/// Arguments of `cistern convert`.
+#[derive(clap::Args, Debug)]
+pub struct ConvertArgs {
+    /// The trace to convert.
+    pub input: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "cistern")]
+    pub to: convert::Target,
+    /// Output file (default: standard output). With several devices, `.devN` is appended for
+    /// device N > 0.
+    #[arg(long, short = 'o')]
+    pub output: Option<PathBuf>,
 }
 
 /// Arguments of `cistern replay`.
@@ -59,6 +77,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(&args),
+        Command::Convert(args) => convert::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

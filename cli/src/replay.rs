@@ -121,11 +121,12 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
         let format = sniff(path);
         let traces = load::load_with(path, &opts).map_err(|e| e.to_string())?;
         for trace in traces {
-            let recorded_label = match format {
-                Some(Format::Snapshot) | Some(Format::Kineto) => Some("pytorch-recorded"),
-                Some(Format::Own) => Some("recorded"),
-                _ => None,
-            };
+            // Snapshots and profiler traces (gzipped or not) record PyTorch's reserved bytes;
+            // cistern's own traces record the recording allocator's.
+            let recorded_label = trace.recorded_reserved.as_ref().map(|_| match format {
+                Some(Format::Own) => "recorded",
+                _ => "pytorch-recorded",
+            });
             inputs.push(Input {
                 trace,
                 recorded_label,

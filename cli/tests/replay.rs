@@ -206,3 +206,48 @@ fn a_pytorch_snapshot_shows_pytorch_recorded() {
     );
     assert!(r[1]["min_capacity"].as_u64().unwrap() as f64 <= live as f64 * 1.03);
 }
+
+#[test]
+fn convert_round_trips_through_rmm_and_cistern_formats() {
+    let src = tmp("src.trace");
+    std::fs::write(
+        &src,
+        "# cistern-trace v1\na 1 3000000 0\na 2 1000 7\nf 1\na 3 500000 0\nf 3\n",
+    )
+    .unwrap();
+    let rmm = tmp("out.csv");
+    let out = cistern()
+        .args(["convert", "--to", "rmm", "-o"])
+        .arg(&rmm)
+        .arg(&src)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let csv = std::fs::read_to_string(&rmm).unwrap();
+    assert!(
+        csv.starts_with("Thread,Time,Action,Pointer,Size,Stream"),
+        "{csv}"
+    );
+    // Back to cistern's format: the same operations.
+    let out = cistern().args(["convert"]).arg(&rmm).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let ops: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("a ") || l.starts_with("f "))
+        .collect();
+    assert_eq!(ops.len(), 5, "{text}");
+    assert!(
+        ops[0].starts_with("a ") && ops[0].contains(" 3000000 "),
+        "{text}"
+    );
+    assert!(ops[1].ends_with(" 7"), "stream kept: {text}");
+}
