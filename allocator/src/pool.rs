@@ -53,7 +53,7 @@ use rustc_hash::FxHashMap;
 
 use crate::arena::{pool_index, ArenaState, Backing, FreeOutcome, LARGE, SMALL};
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, DriverErrorKind, EventId, PhysHandle, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, PhysHandle, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::{SpanState, ALIGN};
 use crate::stats::{ExactGauge, SharedGauges, Stats, GAUGES, GAUGE_NAMES, POOL_NAMES};
@@ -1129,7 +1129,7 @@ impl<D: Driver> DevicePool<D> {
         };
         let mut limit_hit = dev.reserved[0].current as u64 + seg_size > dev.limit;
         if limit_hit {
-            self.release_cached(dev, None, u64::MAX);
+            self.release_cached(dev);
             limit_hit = dev.reserved[0].current as u64 + seg_size > dev.limit;
         }
         let mut result = None;
@@ -1138,7 +1138,7 @@ impl<D: Driver> DevicePool<D> {
                 Ok(p) => Some(p),
                 Err(e) if e.is_oom() => {
                     // Give every wholly free segment back, then try once more.
-                    self.release_cached(dev, None, u64::MAX);
+                    self.release_cached(dev);
                     match c.driver.mem_alloc(c.dev, seg_size) {
                         Ok(p) => Some(p),
                         Err(e) if e.is_oom() => None,
@@ -1210,24 +1210,11 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    /// Releases cached memory (whole free pages, wholly free linear segments) of every arena
-    /// until at most `keep` cached bytes remain or nothing more can go. `held` is an arena
-    /// whose lock the caller already holds. Returns the bytes released.
-    fn release_cached(
-        &self,
-        dev: &mut DeviceState,
-        mut held: Option<(&Arc<Arena<D>>, &mut ArenaState)>,
-        keep: u64,
-    ) -> u64 {
-        let _ = keep;
+    /// Releases all cached memory (whole free pages, wholly free linear segments) of every
+    /// arena. Returns the bytes released.
+    fn release_cached(&self, dev: &mut DeviceState) -> u64 {
         let mut released = 0;
         for arena in self.all_arenas() {
-            if let Some((h, ref mut hs)) = held {
-                if Arc::ptr_eq(h, &arena) {
-                    released += self.release_arena(dev, arena.stream, hs, u64::MAX);
-                    continue;
-                }
-            }
             let mut st = arena.state.lock();
             released += self.release_arena(dev, arena.stream, &mut st, u64::MAX);
         }
@@ -1381,7 +1368,7 @@ impl<D: Driver> DevicePool<D> {
             a.retry_device_sync(c.dev, &*c.driver);
             a.process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
-        self.release_cached(&mut dev, None, 0);
+        self.release_cached(&mut dev);
         for (kind, h) in std::mem::take(&mut dev.lost) {
             self.release_handle(&mut dev, kind, h);
         }
@@ -1397,8 +1384,8 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    /// Releases cached memory above `release_threshold` (all of it when none is set... no:
-    /// nothing when none is set).
+    /// Releases cached memory above `release_threshold` (nothing when no threshold is set;
+    /// `empty_cache` releases all of it).
     pub fn trim(&self) {
         let mut dev = self.state.lock();
         self.release_over_threshold(&mut dev, None);
@@ -2202,10 +2189,4 @@ impl std::fmt::Display for PoolReport {
         }
         Ok(())
     }
-}
-
-/// Whether an error from the driver is a lack of memory.
-#[allow(dead_code)]
-fn is_oom_kind(k: DriverErrorKind) -> bool {
-    k == DriverErrorKind::OutOfMemory
 }
