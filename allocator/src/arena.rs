@@ -177,7 +177,7 @@ pub(crate) enum FreeOutcome {
 impl ArenaState {
     /// Updates the inactive-split gauges after heap `kind`'s free totals changed.
     #[inline]
-    fn note_free_change(&mut self, kind: usize, before: (u64, u64), shared: &SharedGauges) {
+    pub fn note_free_change(&mut self, kind: usize, before: (u64, u64), shared: &SharedGauges) {
         let (c, b) = self.free_totals(kind);
         let d = [
             0,

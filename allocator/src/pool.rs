@@ -1181,20 +1181,7 @@ impl<D: Driver> DevicePool<D> {
         dev.add_segments(kind, 1);
         let before = a.free_totals(kind);
         a.kinds[kind].add_segment(base, seg_size, Backing::Linear);
-        let after = a.free_totals(kind);
-        let p = pool_index(kind);
-        a.gauges.add(
-            crate::stats::Gauge::InactiveSplit,
-            p,
-            after.0 as i64 - before.0 as i64,
-            &c.shared,
-        );
-        a.gauges.add(
-            crate::stats::Gauge::InactiveSplitBytes,
-            p,
-            after.1 as i64 - before.1 as i64,
-            &c.shared,
-        );
+        a.note_free_change(kind, before, &c.shared);
         self.ranges
             .write()
             .insert(base, (base + seg_size, Arc::downgrade(arena)));
@@ -1280,20 +1267,7 @@ impl<D: Driver> DevicePool<D> {
                         continue;
                     };
                     a.kinds[kind].heap.remove_segment(seg.first);
-                    let after = a.free_totals(kind);
-                    let p = pool_index(kind);
-                    a.gauges.add(
-                        crate::stats::Gauge::InactiveSplit,
-                        p,
-                        after.0 as i64 - before.0 as i64,
-                        &c.shared,
-                    );
-                    a.gauges.add(
-                        crate::stats::Gauge::InactiveSplitBytes,
-                        p,
-                        after.1 as i64 - before.1 as i64,
-                        &c.shared,
-                    );
+                    a.note_free_change(kind, before, &c.shared);
                     self.ranges.write().remove(&base);
                     dev.add_reserved(kind, -(len as i64));
                     dev.add_segments(kind, -1);
