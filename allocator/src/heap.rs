@@ -343,28 +343,13 @@ impl Heap {
     #[inline]
     pub fn take(&mut self, id: SpanId, size: u64) -> SpanId {
         self.remove_free(id);
-        let (start, len, seg, next) = {
+        let (start, len) = {
             let s = &self.spans[id as usize];
-            (s.start, s.len, s.seg, s.next)
+            (s.start, s.len)
         };
         debug_assert!(len >= size);
         if len > size {
-            let rest = self.new_span(Span {
-                start: start + size,
-                len: len - size,
-                state: SpanState::Free,
-                seg,
-                prev: id,
-                next,
-                fprev: NIL,
-                fnext: NIL,
-                requested: 0,
-            });
-            if next != NIL {
-                self.spans[next as usize].prev = rest;
-            }
-            self.spans[id as usize].next = rest;
-            self.spans[id as usize].len = size;
+            let rest = self.split_at(id, start + size);
             self.insert_free(rest);
         }
         let s = &mut self.spans[id as usize];
