@@ -103,13 +103,13 @@ def restore_fraction(lib: object):
 
 
 @pytest.mark.parametrize("bad", ["0.5", 1, None])
-def test_fraction_must_be_a_float(lib: object, bad: object) -> None:
+def test_fraction_must_be_a_float(bad: object) -> None:
     with pytest.raises(TypeError):
         cistern_torch.set_per_process_memory_fraction(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan])
-def test_fraction_must_be_in_0_1(lib: object, bad: float) -> None:
+def test_fraction_must_be_in_0_1(bad: float) -> None:
     with pytest.raises(ValueError):
         cistern_torch.set_per_process_memory_fraction(bad)
 
