@@ -1,0 +1,284 @@
+"""Low-level ctypes binding of ``libcistern.so``: finding it, loading it, typed calls.
+
+This module owns the C ABI as seen from Python and nothing else: it never imports torch. Every
+other module of the package goes through the functions here. Tests use :func:`malloc` and
+:func:`free` directly to make allocations without PyTorch.
+
+Where the library comes from, in order:
+
+1. ``CISTERN_LIB=/path/to/libcistern.so`` (developers, tests, the GPU kit);
+2. the copy bundled in this package by ``pip install ./pytorch-plugin``
+   (``cistern_torch/libcistern*.so``).
+
+The library is loaded once per process, on first use, and kept loaded for the life of the
+process: PyTorch holds raw pointers to its functions once :func:`cistern_torch.install` ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import threading
+from typing import Any, Dict, Optional
+
+__all__ = [
+    "LibraryNotFoundError",
+    "library_path",
+    "load",
+    "function_address",
+    "malloc",
+    "free",
+    "init",
+    "empty_cache",
+    "set_memory_fraction",
+    "record_stream",
+    "base_alloc",
+    "stats_json",
+    "stats",
+    "snapshot_json",
+    "reset_peak_stats",
+    "last_error",
+    "version",
+    "tag_push",
+    "tag_pop",
+]
+
+ENV_LIB = "CISTERN_LIB"
+
+
+class LibraryNotFoundError(ImportError):
+    """``libcistern.so`` could not be found or loaded; the message says how to get one."""
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_path: Optional[str] = None
+
+
+def _bundled_candidates() -> list:
+    here = os.path.dirname(os.path.abspath(__file__))
+    # setuptools-rust names it libcistern.abi3.so; a hand-copied one is libcistern.so.
+    return sorted(glob.glob(os.path.join(here, "libcistern*.so")))
+
+
+def library_path() -> Optional[str]:
+    """The path :func:`load` would use: ``$CISTERN_LIB``, else the bundled copy, else None.
+
+    A set but wrong ``CISTERN_LIB`` is returned as is (so that loading it fails loudly rather
+    than silently falling back to another copy).
+    """
+    env = os.environ.get(ENV_LIB, "")
+    if env:
+        # Absolute, so that PyTorch's own dlopen of the same path finds the same library.
+        return os.path.abspath(env) if os.path.exists(env) else env
+    found = _bundled_candidates()
+    return found[0] if found else None
+
+
+_NOT_FOUND = (
+    "libcistern.so not found: set CISTERN_LIB=/path/to/libcistern.so "
+    "(build it with `cargo build --release -p cistern-ffi`; it lands in target/release/), "
+    "or install the package with `pip install ./pytorch-plugin` from the cistern repository, "
+    "which builds and bundles it"
+)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Sets the C signatures of every export (the ABI in ffi/include/cistern.h)."""
+    c = ctypes
+    sigs = {
+        "cistern_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
+        "cistern_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
+        "cistern_init": (None, [c.c_int]),
+        "cistern_empty_cache": (None, []),
+        "cistern_set_memory_fraction": (None, [c.c_double, c.c_int]),
+        "cistern_record_stream": (None, [c.c_void_p, c.c_void_p]),
+        "cistern_base_alloc": (c.c_void_p, [c.c_void_p, c.POINTER(c.c_size_t)]),
+        "cistern_stats_json": (c.c_size_t, [c.c_int, c.c_void_p, c.c_size_t]),
+        "cistern_snapshot_json": (c.c_size_t, [c.c_void_p, c.c_size_t]),
+        "cistern_reset_peak_stats": (None, [c.c_int]),
+        "cistern_last_error": (c.c_char_p, []),
+        "cistern_version": (c.c_char_p, []),
+        "cistern_tag_push": (None, [c.c_char_p]),
+        "cistern_tag_pop": (None, []),
+    }
+    missing = []
+    for name, (restype, argtypes) in sigs.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if missing:
+        raise LibraryNotFoundError(
+            f"{_path} is not a compatible libcistern.so: it lacks {', '.join(missing)} "
+            "(rebuild it from the same checkout as this package)"
+        )
+    # Optional exports, used when present.
+    if hasattr(lib, "cistern_get_memory_fraction"):
+        lib.cistern_get_memory_fraction.restype = c.c_double
+        lib.cistern_get_memory_fraction.argtypes = [c.c_int]
+
+
+def load() -> ctypes.CDLL:
+    """Loads ``libcistern.so`` once and returns it.
+
+    Raises:
+        LibraryNotFoundError: no library was found, it failed to load, or it lacks an export.
+    """
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if path is None:
+            raise LibraryNotFoundError(_NOT_FOUND)
+        if not os.path.exists(path):
+            raise LibraryNotFoundError(f"{ENV_LIB}={path}: no such file. {_NOT_FOUND}")
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise LibraryNotFoundError(f"could not load {path}: {e}") from e
+        _path = path
+        _declare(lib)
+        _lib = lib
+        return lib
+
+
+def loaded_path() -> Optional[str]:
+    """The path of the loaded library, or None before the first :func:`load`."""
+    return _path
+
+
+def function_address(name: str) -> int:
+    """The address of an exported function, as PyTorch's ``set_*_fn`` hooks take it."""
+    addr = ctypes.cast(getattr(load(), name), ctypes.c_void_p).value
+    if not addr:
+        raise LibraryNotFoundError(f"{_path}: {name} resolves to NULL")
+    return int(addr)
+
+
+# --- the allocator entry points -------------------------------------------------------------
+
+
+def malloc(size: int, device: int = 0, stream: int = 0) -> int:
+    """``cistern_malloc``: returns the device address, 0 on failure (see :func:`last_error`).
+
+    ``stream`` is a ``cudaStream_t`` value (0: the legacy default stream).
+    """
+    return load().cistern_malloc(size, device, stream or None) or 0
+
+
+def free(ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:
+    """``cistern_free``: frees what :func:`malloc` returned. Bad pointers are counted, not fatal."""
+    load().cistern_free(ptr or None, size, device, stream or None)
+
+
+def init(device_count: int) -> None:
+    """``cistern_init``: PyTorch's init hook."""
+    load().cistern_init(device_count)
+
+
+def empty_cache() -> None:
+    """``cistern_empty_cache``: returns every cached page to the driver."""
+    load().cistern_empty_cache()
+
+
+def set_memory_fraction(fraction: float, device: int) -> None:
+    """``cistern_set_memory_fraction`` (no validation here; see the public setter)."""
+    load().cistern_set_memory_fraction(float(fraction), device)
+
+
+def get_memory_fraction(device: int) -> Optional[float]:
+    """The library's fraction for ``device`` when it exports a getter, else None."""
+    lib = load()
+    if hasattr(lib, "cistern_get_memory_fraction"):
+        return float(lib.cistern_get_memory_fraction(device))
+    return None
+
+
+def record_stream(ptr: int, stream: int) -> None:
+    """``cistern_record_stream``: the block must not be reused before ``stream``'s work ends."""
+    load().cistern_record_stream(ptr or None, stream or None)
+
+
+def base_alloc(ptr: int) -> "tuple[int, int]":
+    """``cistern_base_alloc``: the base address and size of the block holding ``ptr``."""
+    size = ctypes.c_size_t(0)
+    base = load().cistern_base_alloc(ptr or None, ctypes.byref(size)) or 0
+    return base, size.value
+
+
+def _read_snprintf(call: Any) -> str:
+    """Runs an snprintf-style export (returns the length it needs) until the text fits."""
+    need = int(call(None, 0))
+    for _ in range(8):
+        cap = need + 1
+        buf = ctypes.create_string_buffer(cap)
+        got = int(call(buf, cap))
+        if got < cap:
+            return buf.value.decode("utf-8", errors="replace")
+        need = got  # the state grew between the two calls: try again with the new length
+    raise RuntimeError("cistern: the JSON kept growing while it was read")
+
+
+def stats_json(device: int = 0) -> str:
+    """``cistern_stats_json``: the device's stats as a JSON object (PyTorch key names)."""
+    lib = load()
+    return _read_snprintf(lambda buf, cap: lib.cistern_stats_json(device, buf, cap))
+
+
+def stats(device: int = 0) -> Dict[str, Any]:
+    """The parsed :func:`stats_json`.
+
+    Raises:
+        ValueError: the library wrote no stats for this device (bad device: the message is
+            the library's last error).
+    """
+    text = stats_json(device)
+    try:
+        value = json.loads(text) if text else None
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"cistern_stats_json wrote invalid JSON ({e}): {text[:200]!r}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"cistern has no stats for device {device}: {last_error()}")
+    return value
+
+
+def snapshot_json() -> str:
+    """``cistern_snapshot_json``: the pool state in PyTorch's snapshot schema, as JSON."""
+    lib = load()
+    return _read_snprintf(lambda buf, cap: lib.cistern_snapshot_json(buf, cap))
+
+
+def reset_peak_stats(device: int = 0) -> None:
+    """``cistern_reset_peak_stats``: sets every peak to its current value."""
+    load().cistern_reset_peak_stats(device)
+
+
+def last_error() -> str:
+    """``cistern_last_error``: this thread's last error message ("" when none)."""
+    raw = load().cistern_last_error()
+    return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+def version() -> str:
+    """``cistern_version``: the library's version string."""
+    raw = load().cistern_version()
+    return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+def tag_push(tag: str) -> None:
+    """``cistern_tag_push``: this thread's allocations carry ``tag`` until the matching pop."""
+    load().cistern_tag_push(tag.encode("utf-8"))
+
+
+def tag_pop() -> None:
+    """``cistern_tag_pop``: ends the innermost tag of this thread."""
+    load().cistern_tag_pop()
