@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every test of the project, on a machine without a GPU: the Rust workspace (which also builds
+# libcistern.so and the fake libcuda.so), then the Python package's tests through ctypes, once on
+# the simulated GPU (CISTERN_DRIVER=sim) and once through the real CUDA backend over the fake
+# libcuda (tests only: it is never put on the library path anywhere else).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo test --workspace"
+cargo test --workspace
+
+target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+lib="$target_dir/debug/libcistern.so"
+if [ ! -f "$lib" ]; then
+  cargo build -p cistern-ffi
+fi
+
+# pytest, in a project-local virtual environment when the system has none.
+py=python3
+if ! "$py" -c 'import pytest' 2>/dev/null; then
+  venv="$target_dir/pytest-venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet pytest
+  fi
+  py="$venv/bin/python"
+fi
+
+run_pytest() {
+  # Exit code 5 means every test was skipped or none collected: report it, do not fail.
+  set +e
+  "$py" -m pytest -q pytorch-plugin/tests "$@"
+  rc=$?
+  set -e
+  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
+}
+
+echo "== pytest (simulated GPU)"
+CISTERN_LIB="$lib" CISTERN_DRIVER=sim run_pytest
+
+fake="$target_dir/debug/libcuda.so"
+if [ -f "$fake" ]; then
+  echo "== pytest (CUDA backend over the fake libcuda)"
+  fakedir=$(mktemp -d)
+  cp "$fake" "$fakedir/libcuda.so"
+  ln -sf libcuda.so "$fakedir/libcuda.so.1"
+  LD_LIBRARY_PATH="$fakedir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CISTERN_FAKECUDA=1 \
+    CISTERN_LIB="$lib" CISTERN_DRIVER=cuda run_pytest
+  rm -rf "$fakedir"
+fi
