@@ -22,13 +22,13 @@
 //! * The last error is never cleared by a successful call (like `errno`): read it right after
 //!   a call that failed.
 //! * The pool is created on first use (or by `cistern_init`) from `CISTERN_DRIVER`,
-//!   `CISTERN_SIM` and `CISTERN_CONF`; see [`global`] for how the driver is picked.
+//!   `CISTERN_SIM` and `CISTERN_CONF`; see `src/global.rs` for how the driver is picked.
 //!
 //! # One `cistern_malloc`, from C to the driver and back
 //!
-//! 1. [`cistern_malloc`] enters [`guard::call`] (a `catch_unwind`: free unless a panic happens)
+//! 1. [`cistern_malloc`] enters `guard::call` (a `catch_unwind`: free unless a panic happens)
 //!    and returns NULL at once for size 0.
-//! 2. [`global::pool`] loads the global pool (one atomic load once it exists; the first call
+//! 2. `global::pool` loads the global pool (one atomic load once it exists; the first call
 //!    creates it, opening the driver `CISTERN_DRIVER` names).
 //! 3. One match on the driver kind picks the concrete `Pool<CudaDriver>` or `Pool<SimDriver>`;
 //!    the device ordinal indexes its per-device pools (created on first use).
