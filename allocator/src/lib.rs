@@ -24,7 +24,9 @@ pub use driver::sim::{SimConfig, SimDriver};
 pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
 pub use open::{open_driver, DriverChoice};
-pub use pool::{Buffer, DevicePool, DeviceReport, Pool, PoolReport};
+pub use pool::{
+    BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport, SegmentSnapshot,
+};
 pub use stats::Stats;
 
 /// Formats a byte count for people: `512 B`, `1.5 KiB`, `20.0 MiB`, `79.2 GiB`.

@@ -1629,6 +1629,60 @@ impl<D: Driver> DevicePool<D> {
         out
     }
 
+    /// Every mapped range of this device's pool with the blocks that tile it, sorted by
+    /// address: the data of PyTorch's `torch.cuda.memory._snapshot()["segments"]`.
+    ///
+    /// A `cuMemAlloc` segment is one entry. A VMM extent is reported as one entry per run of
+    /// mapped pages (unmapped address space is left out), as PyTorch reports expandable
+    /// segments. The blocks of an entry cover it exactly, in address order. Takes each arena's
+    /// lock in turn (never two at once): a read for reports and debugging, not for a hot path.
+    pub fn segments_snapshot(&self) -> Vec<SegmentSnapshot> {
+        let mut out = Vec::new();
+        for arena in self.all_arenas() {
+            let a = arena.state.lock();
+            for (kind, kh) in a.kinds.iter().enumerate() {
+                for seg in kh.segments.iter().flatten() {
+                    let expandable = matches!(seg.backing, Backing::Vmm { .. });
+                    let mut run: Option<SegmentSnapshot> = None;
+                    for (_, s) in kh.heap.segment_spans(seg.first) {
+                        let state = match s.state {
+                            SpanState::Live => BlockState::Allocated,
+                            SpanState::Pending => BlockState::PendingFree,
+                            SpanState::Free => BlockState::Free,
+                            SpanState::Hole | SpanState::Vacant => {
+                                out.extend(run.take());
+                                continue;
+                            }
+                        };
+                        let r = run.get_or_insert_with(|| SegmentSnapshot {
+                            device: self.core.dev,
+                            address: s.start,
+                            total_size: 0,
+                            stream: arena.stream.0,
+                            large: kind == LARGE,
+                            expandable,
+                            blocks: Vec::new(),
+                        });
+                        r.total_size += s.len;
+                        r.blocks.push(BlockSnapshot {
+                            address: s.start,
+                            size: s.len,
+                            requested_size: if state == BlockState::Free {
+                                0
+                            } else {
+                                s.requested
+                            },
+                            state,
+                        });
+                    }
+                    out.extend(run.take());
+                }
+            }
+        }
+        out.sort_unstable_by_key(|s| s.address);
+        out
+    }
+
     /// A summary of this device's pool.
     pub fn report(&self) -> DeviceReport {
         let s = self.stats();
@@ -1920,6 +1974,63 @@ impl std::fmt::Display for DeviceReport {
     }
 }
 
+/// One mapped range of a device pool, as [`DevicePool::segments_snapshot`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SegmentSnapshot {
+    /// Device ordinal.
+    pub device: DeviceId,
+    /// First address.
+    pub address: u64,
+    /// Length in bytes (the sum of the blocks' sizes).
+    pub total_size: u64,
+    /// The raw handle of the stream whose arena owns the range.
+    pub stream: u64,
+    /// Whether it belongs to the large heap (else the small one).
+    pub large: bool,
+    /// Whether it is a run of mapped pages of a VMM extent (else one `cuMemAlloc` segment).
+    pub expandable: bool,
+    /// The blocks that tile the range, in address order.
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// One block of a [`SegmentSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BlockSnapshot {
+    /// First address.
+    pub address: u64,
+    /// Length in bytes (rounded).
+    pub size: u64,
+    /// The size the user asked for (0 for a free block).
+    pub requested_size: u64,
+    /// What the block is.
+    pub state: BlockState,
+}
+
+/// The state of a block in a snapshot, named as in PyTorch's snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum BlockState {
+    /// Handed to a user (`active_allocated`).
+    #[serde(rename = "active_allocated")]
+    Allocated,
+    /// Freed, but waiting for other streams' work (`active_pending_free`).
+    #[serde(rename = "active_pending_free")]
+    PendingFree,
+    /// Free and reusable (`inactive`).
+    #[serde(rename = "inactive")]
+    Free,
+}
+
+impl BlockState {
+    /// PyTorch's name for the state.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BlockState::Allocated => "active_allocated",
+            BlockState::PendingFree => "active_pending_free",
+            BlockState::Free => "inactive",
+        }
+    }
+}
+
 /// A pooled device buffer: returns itself to its pool when dropped.
 ///
 /// The memory is valid for work on the buffer's stream; to use it on another stream as well,
@@ -2162,5 +2273,67 @@ impl std::fmt::Display for PoolReport {
             write!(f, "{d}")?;
         }
         Ok(())
+    }
+}
+
+
+#[cfg(test)]
+mod snapshot_tests {
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+
+    #[test]
+    fn segments_snapshot_tiles_mapped_ranges() {
+        for vmm in [true, false] {
+            let sim = Arc::new(SimDriver::new(SimConfig::default()));
+            let cfg = Config {
+                vmm,
+                ..Config::default()
+            };
+            let pool = DevicePool::new(sim, 0, cfg).unwrap();
+            let s1 = StreamId(1);
+            let a = pool.alloc_raw(1000, StreamId::DEFAULT).unwrap();
+            let b = pool.alloc_raw(3 << 20, s1).unwrap();
+            let c = pool.alloc_raw(4096, StreamId::DEFAULT).unwrap();
+            pool.free_raw(c, StreamId::DEFAULT).unwrap();
+            let segs = pool.segments_snapshot();
+            assert!(segs.windows(2).all(|w| w[0].address < w[1].address));
+            for seg in &segs {
+                assert_eq!(seg.expandable, vmm);
+                let mut at = seg.address;
+                for blk in &seg.blocks {
+                    assert_eq!(blk.address, at, "blocks tile the segment");
+                    at += blk.size;
+                }
+                assert_eq!(at, seg.address + seg.total_size);
+            }
+            let find = |p: u64| {
+                segs.iter()
+                    .flat_map(|s| s.blocks.iter().map(move |b| (s, b)))
+                    .find(|(_, b)| b.address == p)
+                    .unwrap()
+            };
+            let (sa, ba) = find(a);
+            assert_eq!(
+                (ba.size, ba.requested_size, ba.state),
+                (1024, 1000, BlockState::Allocated)
+            );
+            assert!(!sa.large);
+            let (sb, bb) = find(b);
+            assert_eq!(
+                (bb.requested_size, bb.state, sb.stream),
+                (3 << 20, BlockState::Allocated, 1)
+            );
+            assert!(sb.large);
+            let live: u64 = segs
+                .iter()
+                .flat_map(|s| &s.blocks)
+                .filter(|b| b.state == BlockState::Allocated)
+                .map(|b| b.size)
+                .sum();
+            assert_eq!(live, pool.stats().get("allocated_bytes.all.current") as u64);
+            pool.free_raw(a, StreamId::DEFAULT).unwrap();
+            pool.free_raw(b, s1).unwrap();
+        }
     }
 }

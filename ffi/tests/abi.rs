@@ -1,0 +1,591 @@
+//! The exports of the built `libcistern.so`, loaded with libloading as a C program or PyTorch
+//! (ctypes) would use them, on the simulated GPU (`CISTERN_DRIVER=sim`, 10 devices, so that
+//! tests that count exactly use a device of their own).
+//!
+//! Tests named `child_*` run only in a child process that `run_child` starts with its own
+//! environment (the library reads its environment once, when its pool is created).
+
+mod common;
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::process::Command;
+use std::ptr;
+use std::sync::{Mutex, MutexGuard};
+
+use common::{Abi, Stream};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+const CAPACITY: usize = 80 * GIB;
+
+/// Whether this process is a child started by `run_child`.
+fn is_child() -> bool {
+    std::env::var_os("CISTERN_ABI_CHILD").is_some()
+}
+
+/// The library on the simulator, and a lock that runs the tests one at a time (the snapshot
+/// covers every device, and the error log is shared).
+fn abi() -> (&'static Abi, MutexGuard<'static, ()>) {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    assert!(!is_child(), "a parent test runs in the parent only");
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let abi = common::load_with_env(&[
+        ("CISTERN_DRIVER", "sim"),
+        ("CISTERN_SIM", "devices:10"),
+        ("CISTERN_CONF", ""),
+    ]);
+    (abi, guard)
+}
+
+fn stream(n: usize) -> Stream {
+    n as *mut c_void
+}
+
+fn malloc(abi: &Abi, size: usize, dev: c_int, s: Stream) -> *mut c_void {
+    // SAFETY: the export's documented types.
+    unsafe { (abi.malloc)(size, dev, s) }
+}
+
+fn free(abi: &Abi, p: *mut c_void, size: usize, dev: c_int, s: Stream) {
+    // SAFETY: the export's documented types; invalid pointers are part of its contract.
+    unsafe { (abi.free)(p, size, dev, s) }
+}
+
+/// Runs test `name` of this binary in a child process with `env` (and nothing else of
+/// cistern's environment); returns its output after checking that it passed.
+fn run_child(name: &str, env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env("CISTERN_ABI_CHILD", "1")
+        .env("CISTERN_LIB", common::library_path())
+        .env_remove("CISTERN_DRIVER")
+        .env_remove("CISTERN_SIM")
+        .env_remove("CISTERN_CONF");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the child test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child {name} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not run:\n{text}"
+    );
+    text
+}
+
+#[test]
+fn version_and_a_fresh_threads_last_error() {
+    let (abi, _g) = abi();
+    // SAFETY: a static NUL-terminated string.
+    let v = unsafe { std::ffi::CStr::from_ptr((abi.version)()) };
+    assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    let fresh = std::thread::scope(|s| s.spawn(|| abi.last_error()).join().unwrap());
+    assert_eq!(fresh, "", "a thread that made no failed call has no error");
+}
+
+#[test]
+fn stats_json_follows_snprintf() {
+    let (abi, _g) = abi();
+    let p = malloc(abi, 1000, 1, stream(0));
+    assert!(!p.is_null());
+    let call = |buf: *mut c_char, cap: usize| {
+        // SAFETY: callers pass a buffer of at least `cap` bytes.
+        unsafe { (abi.stats_json)(1, buf, cap) }
+    };
+    let full = abi.json(call);
+    let need = full.len();
+    assert!(full.starts_with('{') && full.ends_with('}'));
+    assert!(
+        full.contains("\"allocated_bytes.all.current\":1024"),
+        "{full}"
+    );
+
+    // cap 0: nothing written, even with a buffer.
+    let mut buf = vec![b'x'; need + 8];
+    assert_eq!(call(buf.as_mut_ptr().cast(), 0), need);
+    assert!(buf.iter().all(|&b| b == b'x'));
+    // NULL buffer with cap 0.
+    assert_eq!(call(ptr::null_mut(), 0), need);
+    // cap 1: only the NUL.
+    assert_eq!(call(buf.as_mut_ptr().cast(), 1), need);
+    assert_eq!(buf[0], 0);
+    assert_eq!(buf[1], b'x');
+    // A small cap: a prefix of cap - 1 bytes and a NUL, nothing past cap.
+    buf.fill(b'x');
+    assert_eq!(call(buf.as_mut_ptr().cast(), 10), need);
+    assert_eq!(&buf[..9], &full.as_bytes()[..9]);
+    assert_eq!(buf[9], 0);
+    assert_eq!(buf[10], b'x');
+    // cap == need: one byte short, truncated.
+    buf.fill(b'x');
+    assert_eq!(call(buf.as_mut_ptr().cast(), need), need);
+    assert_eq!(&buf[..need - 1], &full.as_bytes()[..need - 1]);
+    assert_eq!(buf[need - 1], 0);
+    assert_eq!(buf[need], b'x');
+    // cap == need + 1: exactly enough.
+    buf.fill(b'x');
+    assert_eq!(call(buf.as_mut_ptr().cast(), need + 1), need);
+    assert_eq!(&buf[..need], full.as_bytes());
+    assert_eq!(buf[need], 0);
+    assert_eq!(buf[need + 1], b'x');
+
+    free(abi, p, 1000, 1, stream(0));
+    assert_eq!(abi.stat(1, "allocated_bytes.all.current"), 0);
+}
+
+#[test]
+fn snapshot_json_follows_snprintf() {
+    let (abi, _g) = abi();
+    let p = malloc(abi, 5 * MIB, 7, stream(0x70));
+    let call = |buf: *mut c_char, cap: usize| {
+        // SAFETY: callers pass a buffer of at least `cap` bytes.
+        unsafe { (abi.snapshot_json)(buf, cap) }
+    };
+    let full = abi.json(call);
+    let need = full.len();
+    let mut buf = vec![b'x'; need + 2];
+    assert_eq!(call(buf.as_mut_ptr().cast(), 0), need);
+    assert_eq!(buf[0], b'x');
+    assert_eq!(call(buf.as_mut_ptr().cast(), 16), need);
+    assert_eq!(&buf[..15], &full.as_bytes()[..15]);
+    assert_eq!((buf[15], buf[16]), (0, b'x'));
+    assert_eq!(call(buf.as_mut_ptr().cast(), need), need);
+    assert_eq!(buf[need - 1], 0);
+    assert_eq!(call(buf.as_mut_ptr().cast(), need + 1), need);
+    assert_eq!(&buf[..need], full.as_bytes());
+    assert_eq!(buf[need], 0);
+    free(abi, p, 5 * MIB, 7, stream(0x70));
+}
+
+#[test]
+fn snapshot_is_in_pytorchs_schema() {
+    let (abi, _g) = abi();
+    let s = stream(0x77);
+    let small = malloc(abi, 1000, 7, s);
+    let large = malloc(abi, 3 * MIB + 7, 7, s);
+    let gone = malloc(abi, 4096, 7, s);
+    free(abi, gone, 4096, 7, s);
+    let snap = abi.snapshot();
+    assert_eq!(snap["device_traces"].as_array().unwrap().len(), 10);
+    let segs: Vec<_> = snap["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["device"] == 7)
+        .collect();
+    assert!(!segs.is_empty());
+    let mut found = std::collections::HashMap::new();
+    for seg in &segs {
+        for key in [
+            "address",
+            "total_size",
+            "allocated_size",
+            "active_size",
+            "requested_size",
+            "stream",
+            "segment_type",
+            "segment_pool_id",
+            "is_expandable",
+            "frames",
+            "blocks",
+        ] {
+            assert!(seg.get(key).is_some(), "segment lacks {key}: {seg}");
+        }
+        assert_eq!(seg["stream"], 0x77);
+        // Blocks tile the segment (what `_memory_viz.segsum` asserts).
+        let mut at = seg["address"].as_u64().unwrap();
+        let mut allocated = 0;
+        for b in seg["blocks"].as_array().unwrap() {
+            assert_eq!(b["address"].as_u64().unwrap(), at);
+            at += b["size"].as_u64().unwrap();
+            let state = b["state"].as_str().unwrap();
+            assert!(
+                ["active_allocated", "active_pending_free", "inactive"].contains(&state),
+                "{state}"
+            );
+            if state == "active_allocated" {
+                allocated += b["size"].as_u64().unwrap();
+            }
+            found.insert(b["address"].as_u64().unwrap(), b.clone());
+        }
+        assert_eq!(
+            at,
+            seg["address"].as_u64().unwrap() + seg["total_size"].as_u64().unwrap()
+        );
+        assert_eq!(seg["allocated_size"].as_u64().unwrap(), allocated);
+    }
+    let b = &found[&(small as u64)];
+    assert_eq!(
+        (&b["state"], &b["size"], &b["requested_size"]),
+        (&"active_allocated".into(), &1024.into(), &1000.into())
+    );
+    let b = &found[&(large as u64)];
+    assert_eq!(b["requested_size"], 3 * MIB + 7);
+    assert_eq!(b["size"], 3 * MIB + 512);
+    if let Some(b) = found.get(&(gone as u64)) {
+        assert_eq!(b["state"], "inactive");
+    }
+    free(abi, small, 1000, 7, s);
+    free(abi, large, 3 * MIB + 7, 7, s);
+}
+
+#[test]
+fn base_alloc_of_an_interior_pointer() {
+    let (abi, _g) = abi();
+    let p = malloc(abi, 3000, 2, stream(0));
+    let mut size = 0usize;
+    // SAFETY: `size` is a live usize.
+    let base = unsafe { (abi.base_alloc)(p.cast::<u8>().add(1000).cast(), &mut size) };
+    // VMM (the default): the allocation itself.
+    assert_eq!(base, p);
+    assert_eq!(size, 3072);
+    // SAFETY: NULL size is allowed.
+    assert_eq!(unsafe { (abi.base_alloc)(p, ptr::null_mut()) }, p);
+    free(abi, p, 3000, 2, stream(0));
+    // A freed or unknown pointer: NULL and size 0.
+    size = 7;
+    // SAFETY: as above.
+    assert!(unsafe { (abi.base_alloc)(p, &mut size) }.is_null());
+    assert_eq!(size, 0);
+    assert!(
+        abi.last_error().contains("cistern_base_alloc"),
+        "{}",
+        abi.last_error()
+    );
+    // SAFETY: as above.
+    assert!(unsafe { (abi.base_alloc)(0x10 as *mut c_void, &mut size) }.is_null());
+}
+
+#[test]
+fn base_alloc_with_linear_segments_is_the_segment() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_linear_segments",
+        &[("CISTERN_DRIVER", "sim"), ("CISTERN_CONF", "vmm:false")],
+    );
+}
+
+#[test]
+fn child_linear_segments() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    let a = malloc(abi, 4096, 0, stream(0));
+    let b = malloc(abi, 4096, 0, stream(0));
+    let mut size = 0usize;
+    // SAFETY: `size` is a live usize.
+    let base = unsafe { (abi.base_alloc)(b.cast::<u8>().add(100).cast(), &mut size) };
+    // Small requests share a 2 MiB cuMemAlloc segment: the base is the segment's.
+    assert_eq!(size, 2 * MIB, "{}", abi.last_error());
+    assert!(base <= a.min(b) && (b as usize) < base as usize + size);
+    free(abi, a, 4096, 0, stream(0));
+    free(abi, b, 4096, 0, stream(0));
+}
+
+#[test]
+fn record_stream_on_an_unknown_pointer_is_harmless() {
+    let (abi, _g) = abi();
+    // SAFETY: unknown pointers are part of the contract.
+    unsafe { (abi.record_stream)(0x10 as *mut c_void, stream(5)) };
+    assert!(
+        abi.last_error().contains("cistern_record_stream"),
+        "{}",
+        abi.last_error()
+    );
+    // SAFETY: as above.
+    unsafe { (abi.record_stream)(ptr::null_mut(), stream(5)) };
+    // The pool still works, and a real record_stream on an interior pointer is accepted.
+    let p = malloc(abi, 8192, 3, stream(0x30));
+    assert!(!p.is_null());
+    // SAFETY: `p + 100` is inside a live allocation.
+    unsafe { (abi.record_stream)(p.cast::<u8>().add(100).cast(), stream(0x31)) };
+    free(abi, p, 8192, 3, stream(0x30));
+    assert_eq!(abi.stat(3, "allocation.all.current"), 0);
+    assert!(abi.stat(3, "num_record_streams") >= 1);
+}
+
+#[test]
+fn threads_allocate_and_free_concurrently() {
+    let (abi, _g) = abi();
+    const THREADS: usize = 8;
+    const OPS: usize = 3000;
+    std::thread::scope(|sc| {
+        for t in 0..THREADS {
+            sc.spawn(move || {
+                // Half the threads share one stream, half have their own.
+                let s = stream(if t % 2 == 0 { 0x400 } else { 0x400 + t });
+                let mut seed = 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(t as u64 + 1);
+                let mut live: Vec<(*mut c_void, usize)> = Vec::new();
+                for _ in 0..OPS {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    if seed % 100 < 55 || live.is_empty() {
+                        let size = [0, 1, 512, 4096, 100_000, 2 * MIB, 6 * MIB][seed as usize % 7];
+                        let p = malloc(abi, size, 4, s);
+                        assert_eq!(p.is_null(), size == 0, "{}", abi.last_error());
+                        if !p.is_null() {
+                            live.push((p, size));
+                        }
+                    } else {
+                        let (p, size) = live.swap_remove(seed as usize % live.len());
+                        free(abi, p, size, 4, s);
+                    }
+                }
+                for (p, size) in live {
+                    free(abi, p, size, 4, s);
+                }
+            });
+        }
+    });
+    let st = abi.stats(4);
+    assert_eq!(st["allocated_bytes.all.current"], 0);
+    assert_eq!(st["allocation.all.current"], 0);
+    assert_eq!(st["requested_bytes.all.current"], 0);
+    assert_eq!(st["num_invalid_frees"], 0);
+    assert_eq!(
+        st["allocation.all.allocated"].as_i64(),
+        st["allocation.all.freed"].as_i64()
+    );
+}
+
+#[test]
+fn an_impossible_request_is_null_with_an_oom_report() {
+    let (abi, _g) = abi();
+    let p = malloc(abi, 1 << 50, 5, stream(0));
+    assert!(p.is_null());
+    let e = abi.last_error();
+    assert!(e.contains("out of memory"), "{e}");
+    assert!(e.contains("device 5"), "{e}");
+    assert!(abi.stat(5, "num_ooms") >= 1);
+    // The pool stays healthy (ACCEPTANCE A.4).
+    let q = malloc(abi, MIB, 5, stream(0));
+    assert!(!q.is_null());
+    free(abi, q, MIB, 5, stream(0));
+    assert_eq!(abi.stat(5, "allocated_bytes.all.current"), 0);
+}
+
+#[test]
+fn memory_fraction_limits_growth() {
+    let (abi, _g) = abi();
+    // SAFETY: the export's documented types.
+    unsafe { (abi.set_memory_fraction)(0.5, 8) };
+    let big = malloc(abi, CAPACITY / 2 - CAPACITY / 100, 8, stream(0));
+    assert!(!big.is_null(), "{}", abi.last_error());
+    free(abi, big, 0, 8, stream(0));
+    assert!(malloc(abi, CAPACITY * 6 / 10, 8, stream(0)).is_null());
+    assert!(
+        abi.last_error().contains("out of memory"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(abi.stat(8, "memory_limit"), (CAPACITY / 2) as i64);
+    // Out of range: refused, nothing changes.
+    // SAFETY: as above.
+    unsafe { (abi.set_memory_fraction)(1.5, 8) };
+    assert!(
+        abi.last_error().contains("outside [0, 1]"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(abi.stat(8, "memory_limit"), (CAPACITY / 2) as i64);
+    // SAFETY: as above.
+    unsafe {
+        (abi.set_memory_fraction)(1.0, 8);
+        (abi.empty_cache)();
+    }
+    assert_eq!(abi.stat(8, "reserved_bytes.all.current"), 0);
+}
+
+#[test]
+fn stats_count_as_pytorch_does_and_peaks_reset() {
+    // ACCEPTANCE E.20 and E.24, through the JSON.
+    let (abi, _g) = abi();
+    let s = stream(0x60);
+    let ten = 10 * MIB;
+    let mut live: Vec<_> = (0..10).map(|_| malloc(abi, ten, 6, s)).collect();
+    for p in live.iter().step_by(2) {
+        free(abi, *p, ten, 6, s);
+    }
+    live = live.into_iter().skip(1).step_by(2).collect();
+    let st = abi.stats(6);
+    let get = |st: &serde_json::Map<_, _>, k: &str| st[k].as_i64().unwrap() as usize;
+    assert_eq!(get(&st, "allocated_bytes.all.current"), 50 * MIB);
+    assert_eq!(get(&st, "allocation.all.current"), 5);
+    assert_eq!(get(&st, "allocated_bytes.all.peak"), 100 * MIB);
+    assert_eq!(get(&st, "allocation.all.peak"), 10);
+    assert_eq!(get(&st, "allocated_bytes.all.allocated"), 100 * MIB);
+    live.extend((0..10).map(|_| malloc(abi, ten, 6, s)));
+    for p in live {
+        free(abi, p, ten, 6, s);
+    }
+    let st = abi.stats(6);
+    assert_eq!(get(&st, "allocated_bytes.all.current"), 0);
+    assert_eq!(get(&st, "allocated_bytes.all.peak"), 150 * MIB);
+    assert_eq!(get(&st, "allocation.all.peak"), 15);
+    assert_eq!(get(&st, "allocated_bytes.all.allocated"), 200 * MIB);
+    assert_eq!(get(&st, "allocation.all.allocated"), 20);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.reset_peak_stats)(6) };
+    let st = abi.stats(6);
+    assert_eq!(get(&st, "allocated_bytes.all.peak"), 0);
+    assert_eq!(
+        get(&st, "reserved_bytes.all.peak"),
+        get(&st, "reserved_bytes.all.current")
+    );
+}
+
+#[test]
+fn bad_devices_and_pointers_are_reported_not_fatal() {
+    let (abi, _g) = abi();
+    let before = abi.stat(0, "num_invalid_frees");
+    let errors = abi.stat(0, "num_abi_errors");
+    assert!(malloc(abi, 64, 10, stream(0)).is_null());
+    assert!(
+        abi.last_error().contains("invalid device 10"),
+        "{}",
+        abi.last_error()
+    );
+    assert!(malloc(abi, 64, -1, stream(0)).is_null());
+    assert!(
+        abi.last_error().contains("negative"),
+        "{}",
+        abi.last_error()
+    );
+    let mut buf = [b'x'; 4];
+    // SAFETY: `buf` has 4 bytes.
+    assert_eq!(
+        unsafe { (abi.stats_json)(99, buf.as_mut_ptr().cast(), 4) },
+        0
+    );
+    assert_eq!(buf[0], 0);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.reset_peak_stats)(-3) };
+    assert!(abi.last_error().contains("reset_peak_stats"));
+
+    let p = malloc(abi, 4096, 0, stream(0));
+    free(abi, p, 4096, 0, stream(0));
+    free(abi, p, 4096, 0, stream(0)); // double free
+    assert!(
+        abi.last_error().contains("cistern_free"),
+        "{}",
+        abi.last_error()
+    );
+    free(abi, 0xdead_0000 as *mut c_void, 16, 0, stream(0)); // unknown
+    free(abi, 0xdead_0001 as *mut c_void, 16, 0, stream(0)); // unaligned
+    free(abi, ptr::null_mut(), 0, 0, stream(0)); // NULL: fine
+    free(abi, p, 4096, 42, stream(0)); // bad device
+    assert_eq!(abi.stat(0, "num_invalid_frees"), before + 3);
+    assert!(abi.stat(0, "num_abi_errors") >= errors + 8);
+    assert_eq!(abi.stat(0, "num_abi_panics"), 0);
+    assert_eq!(abi.stat(0, "allocated_bytes.all.current"), 0);
+}
+
+#[test]
+fn tags_survive_bad_input() {
+    let (abi, _g) = abi();
+    let bad_utf8 = b"\xff\xfeoptimizer\0";
+    // SAFETY: NUL-terminated strings, and NULL, which the export refuses.
+    unsafe {
+        (abi.tag_push)(bad_utf8.as_ptr().cast());
+        (abi.tag_push)(CString::new("forward").unwrap().as_ptr());
+        (abi.tag_pop)();
+        (abi.tag_pop)();
+        (abi.tag_push)(ptr::null());
+    }
+    assert!(abi.last_error().contains("cistern_tag_push(NULL)"));
+    // SAFETY: as above.
+    unsafe { (abi.tag_pop)() };
+    assert!(
+        abi.last_error().contains("no tag to pop"),
+        "{}",
+        abi.last_error()
+    );
+    // Allocation goes on as before.
+    let p = malloc(abi, 100, 0, stream(0));
+    assert!(!p.is_null());
+    free(abi, p, 100, 0, stream(0));
+}
+
+#[test]
+fn a_missing_driver_is_reported_on_every_call() {
+    if is_child() {
+        return;
+    }
+    let out = run_child(
+        "child_no_driver",
+        &[("CISTERN_DRIVER", "cuda"), ("LD_LIBRARY_PATH", "")],
+    );
+    print!("{out}");
+}
+
+#[test]
+fn child_no_driver() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.init)(1) };
+    let e = abi.last_error();
+    if e.is_empty() {
+        eprintln!("SKIPPED child_no_driver: a CUDA driver is installed");
+        return;
+    }
+    assert!(e.contains("CISTERN_DRIVER=sim"), "{e}");
+    assert!(malloc(abi, 64, 0, stream(0)).is_null());
+    free(abi, 0x1000 as *mut c_void, 64, 0, stream(0));
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!((abi.stats_json)(0, ptr::null_mut(), 0), 0);
+        assert_eq!((abi.snapshot_json)(ptr::null_mut(), 0), 0);
+        (abi.empty_cache)();
+    }
+    assert_eq!(
+        abi.last_error(),
+        e.replace("cistern_init", "cistern_empty_cache")
+    );
+    free(abi, ptr::null_mut(), 0, 0, stream(0));
+}
+
+#[test]
+fn bad_settings_name_the_fix() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_bad_conf",
+        &[("CISTERN_DRIVER", "sim"), ("CISTERN_CONF", "bogus:1")],
+    );
+    run_child("child_bad_driver", &[("CISTERN_DRIVER", "opencl")]);
+}
+
+#[test]
+fn child_bad_conf() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    assert!(malloc(abi, 64, 0, stream(0)).is_null());
+    let e = abi.last_error();
+    assert!(e.contains("bogus") && e.contains("CISTERN_CONF"), "{e}");
+}
+
+#[test]
+fn child_bad_driver() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    assert!(malloc(abi, 64, 0, stream(0)).is_null());
+    let e = abi.last_error();
+    assert!(e.contains("opencl") && e.contains("sim"), "{e}");
+}
