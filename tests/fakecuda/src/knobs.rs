@@ -1,0 +1,271 @@
+//! The fake's settings, read from environment variables once, at the first successful `cuInit`.
+//!
+//! A value the fake cannot use is reported (one line on stderr each) and replaced by the
+//! default: a typo in a test's environment must not abort the process under test.
+
+use cistern::config::parse_size;
+use cistern::driver::DriverCall;
+
+/// Must be `1` for `cuInit` to succeed (a guard against a deployment picking the fake up).
+pub const ENABLE: &str = "CISTERN_FAKECUDA";
+/// Memory per device, a size such as `8GiB` (default 16 GiB).
+pub const CAPACITY: &str = "CISTERN_FAKECUDA_CAPACITY";
+/// Number of devices, 1 to [`MAX_DEVICES`] (default 1).
+pub const DEVICES: &str = "CISTERN_FAKECUDA_DEVICES";
+/// `0` disables the VMM calls, `1` enables them (default 1).
+pub const VMM: &str = "CISTERN_FAKECUDA_VMM";
+/// Fault injection: `cuMemCreate:3,cuMemMap:5+` (see [`Fault`]).
+pub const FAIL: &str = "CISTERN_FAKECUDA_FAIL";
+/// Allocation granularity, a power-of-two size such as `2MiB` (default 2 MiB).
+pub const GRANULARITY: &str = "CISTERN_FAKECUDA_GRANULARITY";
+
+/// Every knob, for tests that must start from a clean environment.
+pub const ALL: [&str; 6] = [ENABLE, CAPACITY, DEVICES, VMM, FAIL, GRANULARITY];
+
+/// The most devices the fake simulates.
+pub const MAX_DEVICES: usize = 16;
+/// The default memory per device.
+pub const DEFAULT_CAPACITY: u64 = 16 << 30;
+/// The default allocation granularity.
+pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
+
+/// One injected fault: the `nth` next call of `call` fails (and, with `and_after`, every later
+/// one too). Written `cuName:N` or `cuName:N+`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The simulator call kind that fails.
+    pub call: DriverCall,
+    /// Which call fails first (1: the very next).
+    pub nth: u64,
+    /// Whether every call after it fails too.
+    pub and_after: bool,
+}
+
+/// The settings in effect.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Knobs {
+    /// Memory per device in bytes.
+    pub capacity: u64,
+    /// Number of devices.
+    pub devices: usize,
+    /// Whether the VMM calls are supported.
+    pub vmm: bool,
+    /// Allocation granularity in bytes (a power of two).
+    pub granularity: u64,
+    /// Injected faults.
+    pub faults: Vec<Fault>,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            capacity: DEFAULT_CAPACITY,
+            devices: 1,
+            vmm: true,
+            granularity: DEFAULT_GRANULARITY,
+            faults: Vec::new(),
+        }
+    }
+}
+
+impl Knobs {
+    /// Reads the knobs through `get` (the environment, in the library). Returns the settings
+    /// and one message per value that was not understood (its default is used instead).
+    pub fn read(get: impl Fn(&str) -> Option<String>) -> (Knobs, Vec<String>) {
+        let mut k = Knobs::default();
+        let mut warnings = Vec::new();
+        let mut warn = |name: &str, value: &str, why: String, default: &str| {
+            warnings.push(format!(
+                "cistern-fakecuda: {name}={value:?} is not usable ({why}); using {default}"
+            ));
+        };
+        if let Some(v) = get(CAPACITY) {
+            match parse_size(&v) {
+                Ok(n) if n > 0 => k.capacity = n,
+                Ok(_) => warn(CAPACITY, &v, "it is 0".into(), "16 GiB"),
+                Err(e) => warn(CAPACITY, &v, e, "16 GiB"),
+            }
+        }
+        if let Some(v) = get(DEVICES) {
+            match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_DEVICES).contains(&n) => k.devices = n,
+                _ => warn(
+                    DEVICES,
+                    &v,
+                    format!("expected a number from 1 to {MAX_DEVICES}"),
+                    "1 device",
+                ),
+            }
+        }
+        if let Some(v) = get(VMM) {
+            match v.trim() {
+                "0" => k.vmm = false,
+                "1" => k.vmm = true,
+                _ => warn(VMM, &v, "expected 0 or 1".into(), "1 (VMM supported)"),
+            }
+        }
+        if let Some(v) = get(GRANULARITY) {
+            match parse_size(&v) {
+                Ok(n) if n.is_power_of_two() => k.granularity = n,
+                Ok(n) => warn(
+                    GRANULARITY,
+                    &v,
+                    format!("{n} is not a power of two"),
+                    "2 MiB",
+                ),
+                Err(e) => warn(GRANULARITY, &v, e, "2 MiB"),
+            }
+        }
+        if let Some(v) = get(FAIL) {
+            for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                match parse_fault(item) {
+                    Ok(f) => k.faults.push(f),
+                    Err(why) => warnings.push(format!(
+                        "cistern-fakecuda: {FAIL}: ignoring {item:?} ({why}); expected \
+                         `cuName:N` (fail the Nth call) or `cuName:N+` (and every later one)"
+                    )),
+                }
+            }
+        }
+        (k, warnings)
+    }
+}
+
+/// Parses one `cuName:N` or `cuName:N+` item.
+fn parse_fault(item: &str) -> Result<Fault, String> {
+    let (name, n) = item.split_once(':').ok_or("no `:`")?;
+    let (n, and_after) = match n.trim().strip_suffix('+') {
+        Some(n) => (n, true),
+        None => (n.trim(), false),
+    };
+    let nth = n
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{n:?} is not a call number (1 is the next call)"))?;
+    let call = call_named(name.trim()).ok_or_else(|| {
+        let names: Vec<&str> = DriverCall::ALL.iter().map(|c| c.cuda_name()).collect();
+        format!(
+            "no simulated call is named {name:?}; known: {}",
+            names.join(", ")
+        )
+    })?;
+    Ok(Fault {
+        call,
+        nth,
+        and_after,
+    })
+}
+
+/// The simulator call behind a CUDA function name (`cuMemAlloc` or `cuMemAlloc_v2`).
+pub fn call_named(name: &str) -> Option<DriverCall> {
+    let base = name.strip_suffix("_v2").unwrap_or(name);
+    DriverCall::ALL
+        .iter()
+        .copied()
+        .find(|c| c.cuda_name() == base)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(pairs: &[(&str, &str)]) -> (Knobs, Vec<String>) {
+        let env: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Knobs::read(|k| env.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_without_any_knob() {
+        let (k, w) = read(&[]);
+        assert_eq!(k, Knobs::default());
+        assert_eq!(k.capacity, 16 << 30);
+        assert!(k.vmm);
+        assert_eq!(k.devices, 1);
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn every_knob_is_read() {
+        let (k, w) = read(&[
+            (CAPACITY, "8GiB"),
+            (DEVICES, "3"),
+            (VMM, "0"),
+            (GRANULARITY, "64KiB"),
+            (FAIL, "cuMemCreate:3, cuMemMap:5+,cuMemAlloc_v2:1"),
+        ]);
+        assert!(w.is_empty(), "{w:?}");
+        assert_eq!(k.capacity, 8 << 30);
+        assert_eq!(k.devices, 3);
+        assert!(!k.vmm);
+        assert_eq!(k.granularity, 64 << 10);
+        assert_eq!(
+            k.faults,
+            vec![
+                Fault {
+                    call: DriverCall::CreatePhysical,
+                    nth: 3,
+                    and_after: false
+                },
+                Fault {
+                    call: DriverCall::Map,
+                    nth: 5,
+                    and_after: true
+                },
+                Fault {
+                    call: DriverCall::MemAlloc,
+                    nth: 1,
+                    and_after: false
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_values_warn_and_keep_the_default() {
+        let (k, w) = read(&[
+            (CAPACITY, "lots"),
+            (DEVICES, "0"),
+            (VMM, "yes"),
+            (GRANULARITY, "3MiB"),
+            (
+                FAIL,
+                "cuMemCreate:x,cuNothing:1,cuMemMap,cuMemUnmap:0,cuMemRelease:2",
+            ),
+        ]);
+        let mut expected = Knobs::default();
+        expected.faults.push(Fault {
+            call: DriverCall::ReleasePhysical,
+            nth: 2,
+            and_after: false,
+        });
+        assert_eq!(k, expected);
+        assert_eq!(w.len(), 8, "{w:#?}");
+        assert!(
+            w[0].contains(CAPACITY) && w[0].contains("16 GiB"),
+            "{}",
+            w[0]
+        );
+        assert!(w.iter().any(|m| m.contains("cuNothing")), "{w:#?}");
+        assert!(w.iter().all(|m| m.starts_with("cistern-fakecuda: ")));
+    }
+
+    #[test]
+    fn every_simulated_call_can_be_named() {
+        for c in DriverCall::ALL {
+            assert_eq!(call_named(c.cuda_name()), Some(c));
+        }
+        assert_eq!(call_named("cuMemFree_v2"), Some(DriverCall::MemFree));
+        assert_eq!(
+            call_named("cuEventDestroy_v2"),
+            Some(DriverCall::EventDestroy)
+        );
+        assert_eq!(call_named("cuMemGetInfo_v2"), Some(DriverCall::MemInfo));
+        assert_eq!(call_named("cuLaunchKernel"), None);
+    }
+}

@@ -1,0 +1,776 @@
+//! The real `CudaDriver` and a `cistern::Pool` on the fake driver, end to end.
+//!
+//! The dynamic loader reads `LD_LIBRARY_PATH` when a process starts, so each check runs in a
+//! child process: a parent test re-runs this test binary with the fake on the library path,
+//! `CISTERN_FAKECUDA=1`, its knobs, and a filter that selects one `#[ignore]`d child test. The
+//! child tests do nothing unless `FAKECUDA_CHILD` names them (so `cargo test -- --ignored`
+//! alone passes without running them on a missing driver).
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use cistern::driver::cuda::CudaDriver;
+use cistern::driver::{Driver, DriverCall, DriverErrorKind};
+use cistern::{Config, Error, Pool, StreamId};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const CHILD: &str = "FAKECUDA_CHILD";
+const A: StreamId = StreamId(0x1000);
+const B: StreamId = StreamId(0x2000);
+
+/// Runs the child test `name` on the fake with `knobs`; returns its stderr.
+fn run_child(name: &str, knobs: &[(&str, &str)]) -> String {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    common::child_env(&mut cmd, knobs);
+    cmd.env(CHILD, name);
+    let out = cmd.output().expect("run the child test");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "child {name} failed ({:?})\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
+        out.status
+    );
+    assert!(
+        stdout.contains("1 passed"),
+        "child {name} did not run exactly one test\n{stdout}"
+    );
+    assert!(
+        !stderr.contains("still live"),
+        "child {name} leaked driver memory or events\n{stderr}"
+    );
+    stderr
+}
+
+/// Whether this process is the child for `name` (else the child test is a no-op).
+fn is_child(name: &str) -> bool {
+    let yes = std::env::var(CHILD).as_deref() == Ok(name);
+    if !yes {
+        eprintln!("skipping: {name} runs in a child process started by its parent test");
+    }
+    yes
+}
+
+fn driver() -> CudaDriver {
+    CudaDriver::new().unwrap_or_else(|e| panic!("CudaDriver::new on the fake: {e}"))
+}
+
+fn check(pool: &Pool<CudaDriver>) {
+    if let Err(e) = pool.check_invariants() {
+        panic!("invariants violated: {e}");
+    }
+}
+
+fn stat(pool: &Pool<CudaDriver>, key: &str) -> i64 {
+    pool.stats(0).unwrap().get(key)
+}
+
+/// Frees everything in `live`, empties the cache, and checks the device is back to empty.
+fn drain(pool: &Pool<CudaDriver>, live: Vec<(u64, StreamId)>) {
+    for (p, s) in live {
+        pool.free_raw(p, s).unwrap();
+    }
+    check(pool);
+    assert_eq!(stat(pool, "allocated_bytes.all.current"), 0);
+    pool.empty_cache();
+    check(pool);
+    assert_eq!(stat(pool, "reserved_bytes.all.current"), 0);
+    let info = pool.driver().mem_info(0).unwrap();
+    assert_eq!(
+        info.free, info.total,
+        "driver memory left after empty_cache"
+    );
+}
+
+// ---- VMM pool -------------------------------------------------------------------------------
+
+#[test]
+fn vmm_pool_on_the_fake_driver() {
+    run_child("child_vmm_pool", &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")]);
+}
+
+#[test]
+#[ignore = "child process of vmm_pool_on_the_fake_driver"]
+fn child_vmm_pool() {
+    if !is_child("child_vmm_pool") {
+        return;
+    }
+    let d = driver();
+    assert_eq!(d.name(), "cuda");
+    assert_eq!(d.device_count().unwrap(), 1);
+    let caps = d.capabilities(0).unwrap();
+    assert!(caps.vmm, "{caps:?}");
+    assert_eq!(caps.granularity, 2 * MIB);
+    assert_eq!(caps.total_memory, GIB);
+    assert_eq!(caps.name, "cistern-sim");
+    assert_eq!(
+        caps.uuid.as_deref(),
+        Some("GPU-5157a1d0-0000-4000-8000-000000000000")
+    );
+    let info = d.mem_info(0).unwrap();
+    assert_eq!((info.free, info.total), (GIB, GIB));
+
+    let pool = Pool::new(d, Config::default()).unwrap();
+    assert!(pool.device(0).unwrap().uses_vmm());
+
+    // Swiss cheese: 40 × (20 MiB + 2 MiB), every other 20 MiB block freed.
+    let mut live = Vec::new();
+    let mut big = Vec::new();
+    for _ in 0..40 {
+        big.push(pool.alloc_raw(0, 20 * MIB, A).unwrap());
+        live.push((pool.alloc_raw(0, 2 * MIB, A).unwrap(), A));
+    }
+    for (i, p) in big.into_iter().enumerate() {
+        if i % 2 == 0 {
+            pool.free_raw(p, A).unwrap();
+        } else {
+            live.push((p, A));
+        }
+    }
+    check(&pool);
+    assert_eq!(stat(&pool, "allocated_bytes.all.current"), 480 * MIB as i64);
+    // 300 MiB from the holes, stitched: no new physical memory.
+    let device_allocs = stat(&pool, "num_device_alloc");
+    let p = pool.alloc_raw(0, 300 * MIB, A).unwrap();
+    assert_eq!(stat(&pool, "num_device_alloc"), device_allocs);
+    assert!(stat(&pool, "num_stitches") >= 1);
+    live.push((p, A));
+    check(&pool);
+
+    // record_stream: the block is reused only after B's work (none here) completes.
+    let q = pool.alloc_raw(0, 4 * MIB, A).unwrap();
+    pool.record_stream(q, B).unwrap();
+    pool.free_raw(q, A).unwrap();
+    assert_eq!(stat(&pool, "num_record_streams"), 1);
+    let r = pool.alloc_raw(0, 4 * MIB, A).unwrap();
+    live.push((r, A));
+    check(&pool);
+
+    // OOM is a typed error with a report, and the pool stays consistent.
+    let e = pool.alloc_raw(0, 2 * GIB, A).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert!(e.oom_report().is_some());
+    assert_eq!(stat(&pool, "num_ooms"), 1);
+    check(&pool);
+
+    let live_bytes: u64 = 20 * 20 * MIB + 40 * 2 * MIB + 300 * MIB + 4 * MIB;
+    assert_eq!(
+        stat(&pool, "allocated_bytes.all.current"),
+        live_bytes as i64
+    );
+    assert!(stat(&pool, "reserved_bytes.all.current") >= live_bytes as i64);
+    assert_eq!(stat(&pool, "num_driver_errors"), 0);
+    drain(&pool, live);
+}
+
+// ---- linear fallback ------------------------------------------------------------------------
+
+#[test]
+fn linear_pool_when_vmm_is_off() {
+    run_child(
+        "child_linear_pool",
+        &[
+            ("CISTERN_FAKECUDA_CAPACITY", "512MiB"),
+            ("CISTERN_FAKECUDA_VMM", "0"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of linear_pool_when_vmm_is_off"]
+fn child_linear_pool() {
+    if !is_child("child_linear_pool") {
+        return;
+    }
+    let d = driver();
+    let caps = d.capabilities(0).unwrap();
+    assert!(!caps.vmm, "{caps:?}");
+    assert_eq!(caps.granularity, 2 * MIB);
+    // The VMM calls are refused as on a device without VMM.
+    let e = d.reserve_va(0, 2 * MIB, 2 * MIB).unwrap_err();
+    assert_eq!(e.kind, DriverErrorKind::NotSupported, "{e}");
+    assert_eq!(e.code, 801);
+
+    let pool = Pool::new(d, Config::default()).unwrap();
+    assert!(!pool.device(0).unwrap().uses_vmm());
+    let mut live = Vec::new();
+    for (i, size) in [512, 4096, MIB, 3 * MIB, 20 * MIB, 100 * MIB]
+        .into_iter()
+        .enumerate()
+    {
+        let s = if i % 2 == 0 { A } else { B };
+        live.push((pool.alloc_raw(0, size, s).unwrap(), s));
+    }
+    check(&pool);
+    let (p, s) = live.pop().unwrap();
+    pool.record_stream(p, A).unwrap();
+    pool.free_raw(p, s).unwrap();
+    live.push((pool.alloc_raw(0, 100 * MIB, B).unwrap(), B));
+    check(&pool);
+    let e = pool.alloc_raw(0, GIB, A).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert!(stat(&pool, "num_ooms") >= 1);
+    assert!(stat(&pool, "num_device_alloc") >= 1);
+    drain(&pool, live);
+}
+
+// ---- fault injection ------------------------------------------------------------------------
+
+#[test]
+fn injected_out_of_memory_is_a_typed_error() {
+    run_child(
+        "child_injected_oom",
+        &[
+            ("CISTERN_FAKECUDA_CAPACITY", "1GiB"),
+            ("CISTERN_FAKECUDA_FAIL", "cuMemCreate:2+"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of injected_out_of_memory_is_a_typed_error"]
+fn child_injected_oom() {
+    if !is_child("child_injected_oom") {
+        return;
+    }
+    let pool = Pool::new(driver(), Config::default()).unwrap();
+    // The first cuMemCreate (one 2 MiB page) succeeds; every later one fails with
+    // CUDA_ERROR_OUT_OF_MEMORY.
+    let p = pool.alloc_raw(0, 2 * MIB, A).unwrap();
+    let e = pool.alloc_raw(0, 500 * MIB, A).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+    check(&pool);
+    assert!(stat(&pool, "num_ooms") >= 1);
+    // What was allocated still works, and its memory can be reused.
+    pool.free_raw(p, A).unwrap();
+    let q = pool.alloc_raw(0, 2 * MIB, A).unwrap();
+    drain(&pool, vec![(q, A)]);
+}
+
+#[test]
+fn injected_driver_failures_are_typed_errors() {
+    run_child(
+        "child_injected_failures",
+        &[("CISTERN_FAKECUDA_FAIL", "cuMemMap:1,cuDeviceGetAttribute:1")],
+    );
+}
+
+#[test]
+#[ignore = "child process of injected_driver_failures_are_typed_errors"]
+fn child_injected_failures() {
+    if !is_child("child_injected_failures") {
+        return;
+    }
+    let pool = Pool::new(driver(), Config::default()).unwrap();
+    // The first capability query (cuDeviceGetAttribute) fails: no device pool, a typed error.
+    match pool.alloc_raw(0, MIB, A) {
+        Err(Error::Driver(e)) => {
+            assert_eq!(e.call, DriverCall::Capabilities, "{e}");
+            assert_eq!(e.code, 999, "{e}");
+        }
+        other => panic!("expected a driver error, got {other:?}"),
+    }
+    // The first cuMemMap fails with CUDA_ERROR_UNKNOWN: an error or a recovered allocation,
+    // never a crash, and the pool stays consistent.
+    let mut live = Vec::new();
+    match pool.alloc_raw(0, 8 * MIB, A) {
+        Ok(p) => live.push((p, A)),
+        Err(Error::Driver(e)) => {
+            assert_eq!(e.call, DriverCall::Map, "{e}");
+            assert_eq!(e.code, 999, "{e}");
+        }
+        Err(e) => panic!("unexpected error {e}"),
+    }
+    check(&pool);
+    assert!(stat(&pool, "num_driver_errors") >= 1);
+    live.push((pool.alloc_raw(0, 8 * MIB, A).unwrap(), A));
+    drain(&pool, live);
+}
+
+// ---- several devices and threads ------------------------------------------------------------
+
+#[test]
+fn two_devices_and_the_callers_context() {
+    run_child(
+        "child_two_devices",
+        &[
+            ("CISTERN_FAKECUDA_DEVICES", "2"),
+            ("CISTERN_FAKECUDA_CAPACITY", "512MiB"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of two_devices_and_the_callers_context"]
+fn child_two_devices() {
+    use cudarc::driver::sys;
+    if !is_child("child_two_devices") {
+        return;
+    }
+    let pool = Pool::new(driver(), Config::default()).unwrap();
+    assert_eq!(pool.device_count(), 2);
+    // The caller's current context is device 1's; a call on device 0 must leave it current.
+    let mut ctx1: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `ctx1` is a live, writable CUcontext; the fake is initialised (CudaDriver::new).
+    let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx1, 1) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: a context the driver returned.
+    assert_eq!(
+        unsafe { sys::cuCtxSetCurrent(ctx1) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    let a = pool.alloc_raw(0, 10 * MIB, A).unwrap();
+    let b = pool.alloc_raw(1, 10 * MIB, A).unwrap();
+    assert!(pool.device(0).unwrap().owns(a) && !pool.device(0).unwrap().owns(b));
+    assert!(pool.device(1).unwrap().owns(b));
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `cur` is a live, writable CUcontext.
+    assert_eq!(
+        unsafe { sys::cuCtxGetCurrent(&mut cur) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    assert_eq!(
+        cur, ctx1,
+        "CudaDriver did not put the caller's context back"
+    );
+    let info1 = pool.driver().mem_info(1).unwrap();
+    assert_eq!(info1.total, 512 * MIB);
+    assert!(info1.free < info1.total);
+    pool.free_raw(b, A).unwrap();
+    pool.empty_cache();
+    assert_eq!(pool.driver().mem_info(1).unwrap().free, 512 * MIB);
+    drain(&pool, vec![(a, A)]);
+    // SAFETY: releases the retain above.
+    assert_eq!(
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(1) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+}
+
+#[test]
+fn many_threads_share_a_pool() {
+    run_child("child_threads", &[("CISTERN_FAKECUDA_CAPACITY", "4GiB")]);
+}
+
+#[test]
+#[ignore = "child process of many_threads_share_a_pool"]
+fn child_threads() {
+    if !is_child("child_threads") {
+        return;
+    }
+    let pool = Arc::new(Pool::new(driver(), Config::default()).unwrap());
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                let s = StreamId(0x100 * (t + 1));
+                let other = StreamId(0x100 * (((t + 1) % 4) + 1));
+                let mut live = Vec::new();
+                let mut x = t + 1;
+                for i in 0..300u64 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let size = [512, 4096, 70_000, MIB, 3 * MIB, 24 * MIB][(x >> 33) as usize % 6];
+                    live.push(pool.alloc_raw(0, size, s).unwrap());
+                    if i % 7 == 0 {
+                        pool.record_stream(*live.last().unwrap(), other).unwrap();
+                    }
+                    if live.len() > 20 {
+                        let p = live.swap_remove((x >> 40) as usize % live.len());
+                        pool.free_raw(p, s).unwrap();
+                    }
+                }
+                for p in live {
+                    pool.free_raw(p, s).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    check(&pool);
+    drain(&pool, Vec::new());
+}
+
+// ---- knobs and the guard --------------------------------------------------------------------
+
+#[test]
+fn unusable_knobs_are_reported_and_defaulted() {
+    let stderr = run_child(
+        "child_bad_knobs",
+        &[
+            ("CISTERN_FAKECUDA_CAPACITY", "lots"),
+            ("CISTERN_FAKECUDA_DEVICES", "zero"),
+            ("CISTERN_FAKECUDA_FAIL", "cuNothing:1"),
+        ],
+    );
+    for needle in [
+        "CISTERN_FAKECUDA_CAPACITY=\"lots\"",
+        "CISTERN_FAKECUDA_DEVICES=\"zero\"",
+        "cuNothing",
+    ] {
+        assert!(
+            stderr.contains(needle),
+            "no message about {needle}:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "child process of unusable_knobs_are_reported_and_defaulted"]
+fn child_bad_knobs() {
+    if !is_child("child_bad_knobs") {
+        return;
+    }
+    let d = driver();
+    assert_eq!(d.device_count().unwrap(), 1);
+    assert_eq!(d.capabilities(0).unwrap().total_memory, 16 * GIB);
+}
+
+#[test]
+fn the_fake_refuses_to_start_without_its_guard() {
+    let stderr = run_child("child_guard", &[("CISTERN_FAKECUDA", "0")]);
+    assert!(stderr.contains("refuses to start"), "{stderr}");
+}
+
+#[test]
+#[ignore = "child process of the_fake_refuses_to_start_without_its_guard"]
+fn child_guard() {
+    if !is_child("child_guard") {
+        return;
+    }
+    let e = CudaDriver::new().unwrap_err();
+    assert_eq!(e.kind, DriverErrorKind::NoDriver, "{e}");
+    assert_eq!(e.code, 34, "CUDA_ERROR_STUB_LIBRARY: {e}");
+    assert!(e.message.contains("CISTERN_DRIVER=sim"), "{e}");
+}
+
+// ---- the C API's own semantics, call by call ------------------------------------------------
+
+#[test]
+fn raw_driver_calls_behave_like_the_driver() {
+    run_child(
+        "child_raw_calls",
+        &[
+            ("CISTERN_FAKECUDA_DEVICES", "2"),
+            ("CISTERN_FAKECUDA_CAPACITY", "256MiB"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of raw_driver_calls_behave_like_the_driver"]
+fn child_raw_calls() {
+    use cudarc::driver::sys::{self, CUresult::*};
+    use std::ptr::{null, null_mut};
+    if !is_child("child_raw_calls") {
+        return;
+    }
+    // SAFETY (whole block): every pointer passed is null on purpose or points to a live local
+    // of the right type; handles are the fake's own values, never dereferenced by it.
+    unsafe {
+        let mut n = 0;
+        // Before cuInit, calls are refused; error strings work.
+        assert_eq!(sys::cuDeviceGetCount(&mut n), CUDA_ERROR_NOT_INITIALIZED);
+        let mut text = null();
+        assert_eq!(
+            sys::cuGetErrorString(CUDA_ERROR_OUT_OF_MEMORY, &mut text),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            std::ffi::CStr::from_ptr(text).to_str().unwrap(),
+            "out of memory"
+        );
+        assert_eq!(sys::cuInit(1), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuInit(0), CUDA_SUCCESS);
+        assert_eq!(sys::cuInit(0), CUDA_SUCCESS);
+
+        // Devices.
+        assert_eq!(sys::cuDeviceGetCount(null_mut()), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuDeviceGetCount(&mut n), CUDA_SUCCESS);
+        assert_eq!(n, 2);
+        let mut dev = -1;
+        assert_eq!(sys::cuDeviceGet(&mut dev, 2), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(sys::cuDeviceGet(&mut dev, -1), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(sys::cuDeviceGet(&mut dev, 1), CUDA_SUCCESS);
+        assert_eq!(dev, 1);
+        let mut name = [1 as std::ffi::c_char; 8];
+        assert_eq!(sys::cuDeviceGetName(name.as_mut_ptr(), 4, 0), CUDA_SUCCESS);
+        assert_eq!(
+            std::ffi::CStr::from_ptr(name.as_ptr()).to_str().unwrap(),
+            "cis"
+        );
+        assert_eq!(
+            sys::cuDeviceGetName(name.as_mut_ptr(), 0, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuDeviceGetName(null_mut(), 8, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        let mut total = 0usize;
+        assert_eq!(sys::cuDeviceTotalMem_v2(&mut total, 1), CUDA_SUCCESS);
+        assert_eq!(total as u64, 256 * MIB);
+        assert_eq!(
+            sys::cuDeviceTotalMem_v2(&mut total, 9),
+            CUDA_ERROR_INVALID_DEVICE
+        );
+        let mut v = -1;
+        let vmm_attr =
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED;
+        assert_eq!(sys::cuDeviceGetAttribute(&mut v, vmm_attr, 0), CUDA_SUCCESS);
+        assert_eq!(v, 1);
+        assert_eq!(
+            sys::cuDeviceGetAttribute(null_mut(), vmm_attr, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        assert_eq!(sys::cuDeviceGetUuid_v2(&mut uuid, 1), CUDA_SUCCESS);
+        assert_eq!(uuid.bytes[15], 1);
+
+        // Contexts: none current; context-bound calls are refused until one is.
+        let mut cur: sys::CUcontext = null_mut();
+        assert_eq!(sys::cuCtxGetCurrent(&mut cur), CUDA_SUCCESS);
+        assert!(cur.is_null());
+        let mut p: sys::CUdeviceptr = 0;
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, 4096), CUDA_ERROR_INVALID_CONTEXT);
+        assert_eq!(sys::cuCtxSynchronize(), CUDA_ERROR_INVALID_CONTEXT);
+        let (mut c0, mut c0b, mut c1) = (null_mut(), null_mut(), null_mut());
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut c0, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut c0b, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut c1, 1), CUDA_SUCCESS);
+        assert!(
+            !c0.is_null() && c0 == c0b && c0 != c1,
+            "{c0:?} {c0b:?} {c1:?}"
+        );
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(null_mut(), 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuCtxSetCurrent(0x1234 as sys::CUcontext),
+            CUDA_ERROR_INVALID_CONTEXT
+        );
+        assert_eq!(sys::cuCtxSetCurrent(c1), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxGetCurrent(&mut cur), CUDA_SUCCESS);
+        assert_eq!(cur, c1);
+        // The current context is per thread.
+        let other = std::thread::spawn(current_is_null);
+        assert_eq!(other.join().unwrap(), (CUDA_SUCCESS, true));
+
+        // Linear memory on the current context's device (1).
+        assert_eq!(
+            sys::cuMemAlloc_v2(null_mut(), 4096),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, 0), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            sys::cuMemAlloc_v2(&mut p, (GIB) as usize),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, 3 * MIB as usize), CUDA_SUCCESS);
+        let (mut free, mut tot) = (0usize, 0usize);
+        assert_eq!(sys::cuMemGetInfo_v2(&mut free, &mut tot), CUDA_SUCCESS);
+        assert_eq!((tot as u64 - free as u64), 3 * MIB);
+        assert_eq!(
+            sys::cuMemGetInfo_v2(null_mut(), &mut tot),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuMemFree_v2(p + 512), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuMemFree_v2(p), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemFree_v2(p), CUDA_ERROR_INVALID_VALUE);
+
+        // VMM on device 0.
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let mut prop = sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            },
+            win32HandleMetaData: null_mut(),
+            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+                compressionType: 0,
+                gpuDirectRDMACapable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        };
+        let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        let mut g = 0usize;
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(&mut g, &prop, minimum),
+            CUDA_SUCCESS
+        );
+        assert_eq!(g as u64, 2 * MIB);
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(&mut g, null(), minimum),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        prop.location.id = 7;
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(&mut g, &prop, minimum),
+            CUDA_ERROR_INVALID_DEVICE
+        );
+        prop.location.id = 0;
+        let mut va: sys::CUdeviceptr = 0;
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut va, 8 * g, 0, 0, 1),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut va, 8 * g, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert!(va != 0 && va & (g as u64 - 1) == 0);
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        assert_eq!(sys::cuMemCreate(&mut h, 2 * g, &prop, 0), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemCreate(&mut h, 2 * g + 1, &prop, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuMemCreate(&mut h, GIB as usize, &prop, 0),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(sys::cuMemMap(va, 2 * g, g, h, 0), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            sys::cuMemMap(va, 2 * g, 0, h + 1000, 0),
+            CUDA_ERROR_INVALID_HANDLE
+        );
+        assert_eq!(sys::cuMemMap(va, 2 * g, 0, h, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemMap(va, 2 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+        let mut desc = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        assert_eq!(
+            sys::cuMemSetAccess(va, 2 * g, &desc, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuMemSetAccess(va, 2 * g, null(), 1),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuMemSetAccess(va, 2 * g, &desc, 1), CUDA_SUCCESS);
+        desc.location.id = 1;
+        assert_eq!(
+            sys::cuMemSetAccess(va, 2 * g, &desc, 1),
+            CUDA_ERROR_NOT_SUPPORTED
+        );
+        assert_eq!(
+            sys::cuMemRelease(h),
+            CUDA_ERROR_INVALID_VALUE,
+            "still mapped"
+        );
+        assert_eq!(
+            sys::cuMemAddressFree(va, 8 * g),
+            CUDA_ERROR_INVALID_VALUE,
+            "still mapped"
+        );
+        assert_eq!(
+            sys::cuMemUnmap(va, g),
+            CUDA_ERROR_INVALID_VALUE,
+            "part of a mapping"
+        );
+        assert_eq!(sys::cuMemUnmap(va, 2 * g), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(h), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(h), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(sys::cuMemAddressFree(va, 8 * g), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(va, 8 * g), CUDA_ERROR_INVALID_VALUE);
+
+        // Events.
+        let mut ev: sys::CUevent = null_mut();
+        assert_eq!(sys::cuEventCreate(&mut ev, 0x40), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuEventCreate(&mut ev, 0x4), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuEventCreate(null_mut(), 2), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sys::cuEventCreate(&mut ev, 2), CUDA_SUCCESS);
+        assert!(!ev.is_null());
+        assert_eq!(sys::cuEventQuery(ev), CUDA_SUCCESS);
+        let stream = 0x5000 as sys::CUstream;
+        assert_eq!(sys::cuEventRecord(ev, stream), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamWaitEvent(null_mut(), ev, 0), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuStreamWaitEvent(null_mut(), ev, 2),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuEventSynchronize(ev), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxSynchronize(), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventDestroy_v2(ev), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventDestroy_v2(ev), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(
+            sys::cuEventRecord(null_mut(), stream),
+            CUDA_ERROR_INVALID_HANDLE
+        );
+        assert_eq!(sys::cuEventQuery(null_mut()), CUDA_ERROR_INVALID_HANDLE);
+
+        // Releasing: counts go down to zero, then further releases are refused, and a released
+        // context no longer serves calls.
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRelease_v2(0),
+            CUDA_ERROR_INVALID_CONTEXT
+        );
+        assert_eq!(
+            sys::cuMemGetInfo_v2(&mut free, &mut tot),
+            CUDA_ERROR_INVALID_CONTEXT
+        );
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(1), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRelease_v2(5),
+            CUDA_ERROR_INVALID_DEVICE
+        );
+        assert_eq!(sys::cuCtxSetCurrent(null_mut()), CUDA_SUCCESS);
+    }
+}
+
+/// Whether the calling thread has no current context (and the query succeeded).
+fn current_is_null() -> (cudarc::driver::sys::CUresult, bool) {
+    let mut c: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `c` is a live, writable CUcontext.
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut c) };
+    (r, c.is_null())
+}
+
+#[test]
+fn a_leak_at_context_release_is_reported() {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut cmd = Command::new(exe);
+    cmd.args(["child_leak", "--exact", "--ignored", "--nocapture"]);
+    common::child_env(&mut cmd, &[]);
+    cmd.env(CHILD, "child_leak");
+    let out = cmd.output().expect("run the child test");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("device 0 was released with 0 physical handle(s), 0 mapped byte(s), 0 reserved byte(s), 1 linear allocation(s) and 0 event(s) still live"),
+        "{stderr}"
+    );
+}
+
+#[test]
+#[ignore = "child process of a_leak_at_context_release_is_reported"]
+fn child_leak() {
+    if !is_child("child_leak") {
+        return;
+    }
+    let d = driver();
+    d.mem_alloc(0, MIB).unwrap();
+    drop(d);
+}
