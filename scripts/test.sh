@@ -38,13 +38,21 @@ run_pytest() {
 echo "== pytest (simulated GPU)"
 CISTERN_LIB="$lib" CISTERN_DRIVER=sim run_pytest
 
-fake="$target_dir/debug/libcuda.so"
-if [ -f "$fake" ]; then
-  echo "== pytest (CUDA backend over the fake libcuda)"
-  fakedir=$(mktemp -d)
-  cp "$fake" "$fakedir/libcuda.so"
-  ln -sf libcuda.so "$fakedir/libcuda.so.1"
-  LD_LIBRARY_PATH="$fakedir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CISTERN_FAKECUDA=1 \
-    CISTERN_LIB="$lib" CISTERN_DRIVER=cuda run_pytest
-  rm -rf "$fakedir"
-fi
+# The fake libcuda is built as libcistern_fakecuda.so (never as libcuda.so inside target/, which
+# cargo puts on the library path of every test: it would shadow a real driver). Here it is copied
+# under the driver's names into a private directory for these runs only.
+fake="$target_dir/debug/libcistern_fakecuda.so"
+[ -f "$fake" ] || cargo build -p cistern-fakecuda
+fakedir=$(mktemp -d)
+trap 'rm -rf "$fakedir"' EXIT
+cp "$fake" "$fakedir/libcuda.so"
+ln -sf libcuda.so "$fakedir/libcuda.so.1"
+with_fake() {
+  LD_LIBRARY_PATH="$fakedir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CISTERN_FAKECUDA=1 "$@"
+}
+
+echo "== the CUDA backend's GPU tests, over the fake libcuda"
+with_fake cargo test -p cistern --test cuda_driver
+
+echo "== pytest (CUDA backend over the fake libcuda)"
+CISTERN_LIB="$lib" CISTERN_DRIVER=cuda with_fake run_pytest

@@ -2276,7 +2276,6 @@ impl std::fmt::Display for PoolReport {
     }
 }
 
-
 #[cfg(test)]
 mod snapshot_tests {
     use super::*;
