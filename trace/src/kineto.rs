@@ -281,6 +281,14 @@ pub fn from_bytes_with(
             seq.add_initial(untracked, 0);
         }
         let r = seq.finish(from_frees);
+        // Only absurd sizes (live bytes beyond u64) make the sequence unreplayable.
+        if let Err(e) = r.sequence.replay() {
+            return Err(KinetoError::Shape {
+                path: format!("traceEvents (device {device})"),
+                expected: "sizes whose live total fits in 64 bits".into(),
+                found: e.to_string(),
+            });
+        }
         let reserved_at = |k: usize| -> Option<u64> {
             evs.get(k)
                 .and_then(|e| e.total_reserved)

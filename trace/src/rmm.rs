@@ -167,8 +167,10 @@ pub fn parse(text: &str) -> Result<RmmLog, RmmError> {
     let mut seq = AddrSequencer::default();
     let mut row_times_ns = Vec::new();
     let mut failures = 0;
+    let mut row_lines = Vec::new();
     for (row, (n, line)) in lines.enumerate() {
         let line_no = n + 1;
+        row_lines.push(line_no);
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
         if f.len() != 6 {
             return Err(err(
@@ -222,6 +224,26 @@ pub fn parse(text: &str) -> Result<RmmLog, RmmError> {
     }
     let from_frees = seq.initial_count();
     let r = seq.finish(from_frees);
+    // Addresses make every sequence well formed except one whose live bytes overflow u64
+    // (absurd sizes): report the row that did it rather than hand on an unreplayable trace.
+    if let Err(e) = r.sequence.replay() {
+        let op = match e {
+            crate::sequence::SequenceError::DuplicateId { op_index, .. }
+            | crate::sequence::SequenceError::FreeOfDead { op_index, .. }
+            | crate::sequence::SequenceError::Overflow { op_index } => op_index,
+        };
+        let line = r
+            .op_events
+            .get(op)
+            .copied()
+            .flatten()
+            .and_then(|row| row_lines.get(row).copied())
+            .unwrap_or(1);
+        return Err(err(
+            line,
+            format!("live bytes exceed 2^64 here: the sizes are not plausible ({e})"),
+        ));
+    }
     Ok(RmmLog {
         sequence: r.sequence,
         op_rows: r.op_events,
@@ -297,6 +319,17 @@ mod tests {
         .unwrap();
         assert_eq!(log.sequence.ops.len(), 2);
         assert_eq!(log.row_times_ns[0], 1_634_567_890_500_000_000);
+    }
+
+    #[test]
+    fn absurd_sizes_are_an_error_not_an_unreplayable_trace() {
+        // Found by the fuzz test: two live blocks whose sizes overflow u64.
+        let text = format!(
+            "{HEADER}\n0,0,allocate,0x20,1625276992759607659,0\n\
+             0,0,allocate,(nil),16821467080949943957,0\n"
+        );
+        let e = parse(&text).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("plausible"), "{e}");
     }
 
     #[test]
