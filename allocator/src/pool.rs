@@ -775,7 +775,11 @@ impl<D: Driver> DevicePool<D> {
             if !retried && self.any_pending(arena, a) {
                 return Ok(Grow::Retry);
             }
-            let limit_hit = cached + by_limit < need;
+            // Blame the limit only when a limit below the device's size is what stops the
+            // request; when the device could not hold it either, it is out of memory.
+            let limit_hit = cached + by_limit < need
+                && dev.limit < c.caps.total_memory
+                && cached.saturating_add(by_device) >= need;
             let why = if limit_hit {
                 "the per-process limit would be exceeded"
             } else {
