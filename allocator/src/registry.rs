@@ -46,7 +46,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::driver::Driver;
 use crate::error::{Attribution, OomReport};
+use crate::pool::{DeviceReport, Pool};
 
 /// The record format's version; readers refuse other versions with
 /// [`RecordError::UnsupportedVersion`].
@@ -110,6 +112,28 @@ pub struct DeviceRecord {
     pub top_sites: Vec<Attribution>,
 }
 
+impl DeviceRecord {
+    /// The record of a device from its pool's report and its UUID (`DevicePool::caps().uuid`);
+    /// tags and sites are left empty for the caller to fill.
+    pub fn from_report(r: &DeviceReport, uuid: Option<String>) -> DeviceRecord {
+        DeviceRecord {
+            index: r.device as u32,
+            uuid,
+            name: r.name.clone(),
+            total_memory: r.total_memory,
+            limit: r.limit,
+            reserved: r.reserved,
+            live: r.live,
+            cached: r.reserved.saturating_sub(r.live).saturating_sub(r.pending),
+            pending: r.pending,
+            peak_reserved: r.peak_reserved,
+            peak_live: r.peak_live,
+            top_tags: Vec::new(),
+            top_sites: Vec::new(),
+        }
+    }
+}
+
 /// Blocks still live at exit (or now, for a `leaks` query), grouped by tag and site.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeakEntry {
@@ -124,8 +148,9 @@ pub struct LeakEntry {
     pub bytes: u64,
     /// Live blocks.
     pub blocks: u64,
-    /// Age of the oldest of these blocks, in milliseconds.
-    pub oldest_age_ms: u64,
+    /// Age of the oldest of these blocks, in milliseconds, when known (provenance on).
+    #[serde(default)]
+    pub oldest_age_ms: Option<u64>,
 }
 
 /// A `mark()` and what was allocated since it and is still live.
@@ -169,11 +194,46 @@ pub trait RecordSource {
     }
 }
 
+/// The pool's devices, without provenance: numbers from each device's report, no tags or
+/// sites, no last OOM; leaks are the live blocks per device as one untagged entry each. To be
+/// extended (tags, sites, ages, marks, last OOM) when the provenance ledger is wired in.
+impl<D: Driver> RecordSource for Pool<D> {
+    fn snapshot(&self) -> ProcessSnapshot {
+        ProcessSnapshot {
+            devices: self
+                .devices()
+                .map(|d| DeviceRecord::from_report(&d.report(), d.caps().uuid.clone()))
+                .collect(),
+            last_oom: None,
+            marks: Vec::new(),
+        }
+    }
+
+    fn leaks(&self) -> Vec<LeakEntry> {
+        self.devices()
+            .filter_map(|d| {
+                let blocks = d.live_blocks();
+                (!blocks.is_empty()).then(|| LeakEntry {
+                    tag: String::new(),
+                    site: None,
+                    device: d.device() as u32,
+                    bytes: blocks.iter().map(|b| b.1).sum(),
+                    blocks: blocks.len() as u64,
+                    oldest_age_ms: None,
+                })
+            })
+            .collect()
+    }
+}
+
 /// One process's record, as written to `<pid>-<start_time>.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     /// Always [`RECORD_VERSION`] for records this code writes.
     pub version: u32,
+    /// The cistern version that wrote it.
+    #[serde(default)]
+    pub writer: String,
     /// Process id.
     pub pid: u32,
     /// Process start time: field 22 of `/proc/<pid>/stat`, clock ticks since boot.
@@ -621,6 +681,7 @@ pub fn build_record(
     leaks.truncate(MAX_LEAKS);
     Record {
         version: RECORD_VERSION,
+        writer: env!("CARGO_PKG_VERSION").to_string(),
         pid: identity.pid,
         start_time: identity.start_time,
         boot_id: identity.boot_id.clone(),
@@ -831,15 +892,18 @@ impl HandleInner {
         }
     }
 
-    fn finish(&self, leaks: Vec<LeakEntry>) -> Result<(), RegistryError> {
-        // After a fork the child inherits the handle (and an installed exit hook) but is another
-        // process: it must not overwrite its parent's record.
-        if std::process::id() != self.shared.registry.identity.pid {
+    /// Whether this is the process the handle publishes for. After a fork the child inherits the
+    /// handle (and an installed exit hook) but is another process: it must neither overwrite its
+    /// parent's record nor call into the source (whose locks may have been held at the fork).
+    fn in_owner(&self) -> bool {
+        std::process::id() == self.shared.registry.identity.pid
+    }
+
+    fn finish_with(&self, leaks: impl FnOnce() -> Vec<LeakEntry>) -> Result<(), RegistryError> {
+        if !self.in_owner() || self.shared.finished.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        if self.shared.finished.swap(true, Ordering::AcqRel) {
-            return Ok(());
-        }
+        let leaks = leaks();
         self.stop_thread();
         let snap = self.shared.source.snapshot();
         self.shared.registry.publish(&snap, State::Exited, leaks)
@@ -848,11 +912,9 @@ impl HandleInner {
 
 impl Drop for HandleInner {
     fn drop(&mut self) {
-        if !self.shared.finished.load(Ordering::Acquire) {
-            let leaks = self.shared.source.leaks();
-            if let Err(e) = self.finish(leaks) {
-                crate::log_rate_limited(&format!("cistern: {e}"));
-            }
+        let source = Arc::clone(&self.shared.source);
+        if let Err(e) = self.finish_with(|| source.leaks()) {
+            crate::log_rate_limited(&format!("cistern: {e}"));
         }
     }
 }
@@ -876,19 +938,19 @@ impl RegistryHandle {
     /// Stops the background thread and writes the final record: state `exited`, with `leaks`
     /// (the blocks still live). Later calls, and calls from a forked child, do nothing.
     pub fn finish(&self, leaks: Vec<LeakEntry>) -> Result<(), RegistryError> {
-        self.0.finish(leaks)
+        self.0.finish_with(|| leaks)
     }
 
     /// [`finish`](RegistryHandle::finish) with the source's own [`leaks`](RecordSource::leaks).
     pub fn finish_from_source(&self) -> Result<(), RegistryError> {
-        let leaks = self.0.shared.source.leaks();
-        self.0.finish(leaks)
+        let source = Arc::clone(&self.0.shared.source);
+        self.0.finish_with(|| source.leaks())
     }
 
     /// Republishes now if the snapshot changed (without waiting for the interval); returns
     /// whether it wrote. Does nothing once finished.
     pub fn refresh(&self) -> bool {
-        if self.is_finished() {
+        if self.is_finished() || !self.0.in_owner() {
             return false;
         }
         self.0.shared.refresh()

@@ -126,7 +126,7 @@ fn leak(tag: &str, bytes: u64) -> LeakEntry {
         device: 0,
         bytes,
         blocks: 2,
-        oldest_age_ms: 1234,
+        oldest_age_ms: Some(1234),
     }
 }
 
@@ -235,6 +235,30 @@ fn registry_child() {
             *src.leaks.lock().unwrap() = vec![leak("optimizer.state", 48 << 20), leak("", 16)];
             let h = Registry::start(&dir, src, Duration::from_millis(20)).unwrap();
             assert!(install_exit_hook(h));
+        }
+        // Install the exit hook, fork, and exit the forked child through `exit()`: the inherited
+        // hook must leave this process's record alone.
+        "fork" => {
+            let src = FakeSource::with(snapshot(1 << 20));
+            let h = Registry::start(&dir, src, Duration::from_millis(20)).unwrap();
+            let path = h.record_path();
+            assert!(install_exit_hook(h));
+            // SAFETY: the forked child only calls exit(), whose hooks check the pid first.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                unsafe { libc::exit(0) };
+            }
+            let mut status = 0;
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+            let r = read_record(&path).unwrap();
+            assert_eq!(
+                r.state,
+                State::Running,
+                "the forked child overwrote the record"
+            );
+            assert_eq!(r.pid, std::process::id());
         }
         // Rewrite a shared fake record as fast as possible for a while.
         "writer" => {
@@ -614,6 +638,45 @@ fn a_clean_exit_writes_the_final_record_through_the_exit_hook() {
     );
     assert_eq!(r.devices[0].live, 64 << 20);
     assert_eq!(r.liveness(), Liveness::Dead);
+}
+
+#[test]
+fn a_forked_child_leaves_its_parents_record_alone() {
+    let t = TempDir::new("fork");
+    let dir = t.reg();
+    let mut child = spawn_child("fork", &dir);
+    let status = child.0.take().unwrap().wait().unwrap();
+    assert!(status.success(), "{status}");
+    // The parent itself then exited cleanly.
+    let pid = child_pid_from_dir(&dir);
+    assert_eq!(records_of(&dir, pid)[0].state, State::Exited);
+}
+
+#[test]
+fn the_pool_is_a_record_source() {
+    use cistern::{Config, Pool, SimConfig, SimDriver, StreamId};
+    let t = TempDir::new("pool");
+    let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(1 << 30)));
+    let pool = Arc::new(Pool::new(sim, Config::default()).unwrap());
+    let a = pool.alloc_raw(0, 3 << 20, StreamId(0)).unwrap();
+    let b = pool.alloc_raw(0, 1000, StreamId(0)).unwrap();
+    pool.free_raw(b, StreamId(0)).unwrap();
+    let h = Registry::start(t.reg(), pool.clone(), Duration::from_millis(10)).unwrap();
+    let r = read_record(&h.record_path()).unwrap();
+    let s = pool.stats(0).unwrap();
+    let d = &r.devices[0];
+    assert_eq!(d.index, 0);
+    assert_eq!(d.uuid, pool.device(0).unwrap().caps().uuid);
+    assert_eq!(d.live as i64, s.get("allocated_bytes.all.current"));
+    assert_eq!(d.reserved as i64, s.get("reserved_bytes.all.current"));
+    assert_eq!(d.peak_live as i64, s.get("allocated_bytes.all.peak"));
+    assert_eq!(d.reserved, d.live + d.cached + d.pending);
+    h.finish_from_source().unwrap();
+    let r = read_record(&h.record_path()).unwrap();
+    assert_eq!(r.state, State::Exited);
+    assert_eq!(r.leaks.len(), 1);
+    assert_eq!((r.leaks[0].bytes, r.leaks[0].blocks), (3 << 20, 1));
+    pool.free_raw(a, StreamId(0)).unwrap();
 }
 
 fn child_pid_from_dir(dir: &Path) -> u32 {
