@@ -61,6 +61,8 @@ pub const MAX_CMDLINE_BYTES: usize = 4096;
 pub const MAX_TOP: usize = 32;
 /// At most this many leak entries are published.
 pub const MAX_LEAKS: usize = 1000;
+/// The shortest republishing interval.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// The default republishing interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -471,16 +473,9 @@ pub fn is_alive(pid: u32, start_time: u64) -> Liveness {
         Ok((_, st)) if st != start_time => Liveness::PidReused,
         Ok(('Z' | 'X' | 'x', _)) => Liveness::Zombie,
         Ok(_) => Liveness::Alive,
-        Err(_) => {
-            // Unreadable stat: ask the kernel whether the pid exists at all.
-            // SAFETY: kill with signal 0 only checks for existence and permission.
-            let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-            if r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM) {
-                Liveness::Alive
-            } else {
-                Liveness::Dead
-            }
-        }
+        // Unreadable stat: ask the kernel whether the pid exists at all.
+        Err(_) if pid_exists(pid) => Liveness::Alive,
+        Err(_) => Liveness::Dead,
     }
 }
 
@@ -657,6 +652,44 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8], fsync: bool) -> io::Re
     result
 }
 
+/// The pid in a temporary file's name (`.<record>.<pid>.<n>.<nanos>.tmp`), if it is one.
+fn temporary_writer(name: &OsStr) -> Option<u32> {
+    let name = name.to_str()?.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let mut parts = name.rsplitn(4, '.');
+    let (_nanos, _n, pid, record) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    parse_file_name(OsStr::new(record))?;
+    pid.parse().ok()
+}
+
+/// Removes temporary files left by writers that died mid-write (best effort; returns how many).
+pub fn sweep_temporaries(dir: &Path) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let Some(pid) = temporary_writer(&e.file_name()) else {
+            continue;
+        };
+        if pid_exists(pid) {
+            continue;
+        }
+        if fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+fn pid_exists(pid: u32) -> bool {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -733,6 +766,7 @@ impl Registry {
     ) -> Result<Registry, RegistryError> {
         let dir = dir.into();
         ensure_dir(&dir)?;
+        sweep_temporaries(&dir);
         Ok(Registry {
             dir,
             identity,
@@ -799,6 +833,7 @@ impl Registry {
     }
 
     /// Publishes a first record and starts the background thread (see [`Registry::start`]).
+    /// Intervals under [`MIN_INTERVAL`] are raised to it.
     pub fn spawn(
         self,
         source: Arc<dyn RecordSource + Send + Sync>,
@@ -816,6 +851,7 @@ impl Registry {
             write_errors: AtomicU64::new(0),
         });
         let s = Arc::clone(&shared);
+        let interval = interval.max(MIN_INTERVAL);
         let thread = std::thread::Builder::new()
             .name("cistern-registry".into())
             .spawn(move || s.run(interval))
@@ -1128,6 +1164,20 @@ mod tests {
             "a-2.json",
         ] {
             assert_eq!(parse_file_name(OsStr::new(bad)), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn temporary_names() {
+        let t = OsStr::new(".12-345.json.678.9.123456.tmp");
+        assert_eq!(temporary_writer(t), Some(678));
+        for bad in [
+            "12-345.json",
+            ".12-345.json.tmp",
+            ".x.678.9.1.tmp",
+            ".1-2.json.a.9.1.tmp",
+        ] {
+            assert_eq!(temporary_writer(OsStr::new(bad)), None, "{bad}");
         }
     }
 

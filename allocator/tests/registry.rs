@@ -708,6 +708,44 @@ fn a_reused_pid_is_not_the_recorded_process() {
 }
 
 #[test]
+fn opening_sweeps_temporaries_of_dead_writers() {
+    let t = TempDir::new("sweep");
+    let dir = t.reg();
+    Registry::with_identity(&dir, fake_identity(3, 3)).unwrap();
+    let dead = dir.join(format!(".3-3.json.{}.0.1.tmp", 0x3fff_fff0u32));
+    let live = dir.join(format!(".3-3.json.{}.0.1.tmp", std::process::id()));
+    fs::write(&dead, b"{\"vers").unwrap();
+    fs::write(&live, b"{\"vers").unwrap();
+    Registry::with_identity(&dir, fake_identity(3, 3)).unwrap();
+    assert!(!dead.exists());
+    assert!(live.exists());
+}
+
+#[test]
+fn a_hundred_records_read_quickly() {
+    let t = TempDir::new("hundred");
+    let dir = t.reg();
+    for pid in 0..100u32 {
+        let reg = Registry::with_identity(&dir, fake_identity(pid + 100, 7)).unwrap();
+        let snap = ProcessSnapshot {
+            devices: (0..8).map(|d| device(d, 1 << 30, MAX_TOP)).collect(),
+            last_oom: Some(oom()),
+            marks: vec![],
+        };
+        reg.publish(&snap, State::Running, vec![leak("x", 1); 50])
+            .unwrap();
+    }
+    let t0 = Instant::now();
+    let all = read_all(&dir).unwrap();
+    let took = t0.elapsed();
+    assert_eq!(all.len(), 100);
+    assert!(all.iter().all(|(_, r)| r.is_ok()));
+    eprintln!("read_all of 100 records: {took:?}");
+    // `cistern ps` has 200 ms in all; this is the unoptimised build on a shared machine.
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}
+
+#[test]
 fn config_selects_the_directory() {
     let c = cistern::Config::parse("registry_dir:/somewhere/else").unwrap();
     assert_eq!(dir_for(&c), Some(PathBuf::from("/somewhere/else")));
