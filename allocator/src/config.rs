@@ -59,6 +59,20 @@ pub const KEYS: &[(&str, &str, &str)] = &[
         "Abort the process with a message on an invalid free (unknown pointer, double free) \
          instead of counting and ignoring it. For debugging.",
     ),
+    (
+        "registry",
+        "on",
+        "Publish this process's state (devices, reserved, live, cached, top tags, last OOM; a \
+         leak summary at exit) in the per-user registry that `cistern ps`, `leaks` and `doctor` \
+         read. `off` publishes nothing.",
+    ),
+    (
+        "registry_dir",
+        "/dev/shm/cistern-<uid>",
+        "The registry directory: created with mode 0700; refused when it is a symlink, another \
+         user's, or open to group or others. Without /dev/shm the default is \
+         $XDG_RUNTIME_DIR/cistern, else /tmp/cistern-<uid>.",
+    ),
 ];
 
 /// The pool's settings. `Config::default()` is what an empty `CISTERN_CONF` gives.
@@ -78,6 +92,10 @@ pub struct Config {
     pub strict: bool,
     /// Record a trace to this path.
     pub record: Option<std::path::PathBuf>,
+    /// Publish a record in the cross-process registry.
+    pub registry: bool,
+    /// The registry directory; `None` is [`crate::registry::default_dir`].
+    pub registry_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -90,6 +108,8 @@ impl Default for Config {
             small_size: 1 << 20,
             strict: false,
             record: None,
+            registry: true,
+            registry_dir: None,
         }
     }
 }
@@ -233,6 +253,14 @@ impl Config {
                     Some(v.into())
                 };
             }
+            "registry" => self.registry = parse_bool(key, value)?,
+            "registry_dir" => {
+                let v = value.trim();
+                if v.is_empty() {
+                    return Err(err(key, "expected a directory path"));
+                }
+                self.registry_dir = Some(v.into());
+            }
             _ => {
                 let valid: Vec<&str> = KEYS.iter().map(|k| k.0).collect();
                 return Err(err(
@@ -303,6 +331,10 @@ mod tests {
         assert_eq!(c.release_threshold, Some(3 << 29));
         assert_eq!(c.small_size, 2 << 20);
         assert!(c.strict);
+        let c = Config::parse("registry:off,registry_dir:/run/user/1000/cistern").unwrap();
+        assert!(!c.registry);
+        assert_eq!(c.registry_dir, Some("/run/user/1000/cistern".into()));
+        assert!(Config::default().registry);
     }
 
     #[test]
@@ -338,6 +370,10 @@ mod tests {
         assert!(e.message.contains("key:value"));
         let e = Config::parse("strict:maybe").unwrap_err();
         assert_eq!(e.key, "strict");
+        let e = Config::parse("registry:sometimes").unwrap_err();
+        assert_eq!(e.key, "registry");
+        let e = Config::parse("registry_dir: ").unwrap_err();
+        assert_eq!(e.key, "registry_dir");
     }
 
     #[test]

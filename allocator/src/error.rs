@@ -86,7 +86,7 @@ impl std::error::Error for Error {}
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Bytes attributed to one tag or call site, for reports.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Attribution {
     /// The tag or symbolised site.
     pub name: String,
@@ -97,7 +97,7 @@ pub struct Attribution {
 }
 
 /// Another process's use of the device, when known (filled by the registry/NVML layer).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OtherProcess {
     /// Process id.
     pub pid: u32,
@@ -108,7 +108,7 @@ pub struct OtherProcess {
 }
 
 /// What the pool knew when a request failed: enough to tell who holds the memory.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OomReport {
     /// The device.
     pub device: DeviceId,

@@ -13,6 +13,7 @@ pub mod heap;
 pub mod interop;
 pub mod open;
 pub mod record;
+pub mod registry;
 pub mod stats;
 
 mod arena;
