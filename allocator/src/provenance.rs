@@ -47,7 +47,7 @@ pub const OVERFLOW_TAG: &str = "(too many tags)";
 /// Distinct call sites kept; later new stacks are not recorded (their blocks have no site).
 pub const MAX_SITES: usize = 1 << 16;
 /// Frames kept per captured stack.
-pub const MAX_FRAMES: usize = 48;
+pub const MAX_FRAMES: usize = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Tags.

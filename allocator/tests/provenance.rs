@@ -386,3 +386,39 @@ fn provenance_off_records_nothing() {
     assert_eq!(blocks[0].thread, 0);
     free(&pool, p, 0);
 }
+
+/// The cost of one captured stack and of symbolising it. Informational; run with
+/// `cargo test --release -p cistern --test provenance -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_stack_capture() {
+    use std::time::Instant;
+    #[inline(never)]
+    fn deeper(n: u32) -> u32 {
+        if n == 0 {
+            cistern::provenance::capture_site()
+        } else {
+            std::hint::black_box(deeper(n - 1))
+        }
+    }
+    for depth in [0, 10, 30, 60] {
+        let n = 20_000;
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(deeper(depth));
+        }
+        let ns = t.elapsed().as_nanos() as f64 / n as f64;
+        eprintln!("capture_site at depth +{depth}: {ns:.0} ns");
+    }
+    let site = deeper(5);
+    let t = Instant::now();
+    let frames = site_frames(site);
+    eprintln!(
+        "site_frames (first, loads debug info): {:?} for {} frames",
+        t.elapsed(),
+        frames.len()
+    );
+    let t = Instant::now();
+    let _ = site_frames(site);
+    eprintln!("site_frames (again): {:?}", t.elapsed());
+}
