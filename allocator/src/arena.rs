@@ -15,6 +15,7 @@ use rustc_hash::FxHashMap;
 
 use crate::driver::{Driver, EventId, PhysHandle, StreamId};
 use crate::heap::{Heap, SpanId, SpanState};
+use crate::provenance::{Ledger, Origin};
 use crate::stats::{Gauge, LocalGauges, SharedGauges};
 
 /// Small or large heap.
@@ -161,6 +162,10 @@ pub(crate) struct ArenaState {
     pub uses: FxHashMap<u64, Vec<StreamId>>,
     pub pending: Vec<Pending>,
     pub gauges: LocalGauges,
+    /// Live bytes per (tag, site) of this arena (see [`crate::provenance`]).
+    pub ledger: Ledger,
+    /// Allocations recorded with provenance so far: the last block's `BlockMeta::seq`.
+    pub seq: u64,
 }
 
 /// What became of a free request.
@@ -233,6 +238,30 @@ impl ArenaState {
         Some((ptr, id))
     }
 
+    /// Records the provenance of the block just taken (span `id` of heap `kind`, `size` bytes
+    /// rounded): its meta and the ledger. Only for pools with provenance on.
+    #[inline]
+    pub fn record(&mut self, kind: usize, id: SpanId, size: u64, o: &Origin) {
+        self.seq += 1;
+        let slot = self.ledger.add(o.tag, o.site, size);
+        *self.kinds[kind].heap.meta_mut(id) = crate::heap::BlockMeta {
+            tag: o.tag,
+            site: o.site,
+            thread: o.thread,
+            time_ns: o.time_ns,
+            seq: self.seq,
+            slot: slot + 1,
+        };
+    }
+
+    /// [`ArenaState::record`] for the live block at `ptr` (after the slow path).
+    pub fn record_ptr(&mut self, ptr: u64, o: &Origin) {
+        if let Some(r) = self.live.get(&ptr).copied() {
+            let len = self.kinds[r.kind as usize].heap.span(r.span).len;
+            self.record(r.kind as usize, r.span, len, o);
+        }
+    }
+
     /// Returns a live or pending span to its heap's free space. `live` also ends its life as
     /// an allocation (`requested` bytes asked for), for a span that was not pending.
     #[inline]
@@ -276,6 +305,10 @@ impl ArenaState {
             let s = self.kinds[kind].heap.span(r.span);
             (s.len, s.requested)
         };
+        let slot = self.kinds[kind].heap.meta(r.span).slot;
+        if slot != 0 {
+            self.ledger.remove(slot - 1, len);
+        }
         if let Some(streams) = self.uses.remove(&ptr) {
             let mut evs = Vec::with_capacity(streams.len());
             let mut ok = true;

@@ -54,6 +54,19 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          (device N>0 writes PATH.devN), for `cistern replay`. `none` records nothing.",
     ),
     (
+        "provenance",
+        "tags",
+        "What each live block records: `off` (nothing; the hot path skips it on one branch), \
+         `tags` (tag, thread, stream, time; the ledger of live bytes per tag) or `stacks` (as \
+         tags, plus a native call site sampled every stack_sample_rate allocations per thread).",
+    ),
+    (
+        "stack_sample_rate",
+        "1024",
+        "With provenance:stacks, capture the call stack of one allocation in this many per \
+         thread (the first one included). 1 captures every allocation; 0 never.",
+    ),
+    (
         "strict",
         "false",
         "Abort the process with a message on an invalid free (unknown pointer, double free) \
@@ -96,6 +109,10 @@ pub struct Config {
     pub registry: bool,
     /// The registry directory; `None` is [`crate::registry::default_dir`].
     pub registry_dir: Option<std::path::PathBuf>,
+    /// What each live block records.
+    pub provenance: crate::provenance::Mode,
+    /// With `provenance: Stacks`, one captured stack per this many allocations per thread.
+    pub stack_sample_rate: u32,
 }
 
 impl Default for Config {
@@ -110,6 +127,8 @@ impl Default for Config {
             record: None,
             registry: true,
             registry_dir: None,
+            provenance: crate::provenance::Mode::Tags,
+            stack_sample_rate: 1024,
         }
     }
 }
@@ -243,6 +262,28 @@ impl Config {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;
             }
             "strict" => self.strict = parse_bool(key, value)?,
+            "provenance" => {
+                use crate::provenance::Mode;
+                self.provenance = match value.trim().to_ascii_lowercase().as_str() {
+                    "off" => Mode::Off,
+                    "tags" => Mode::Tags,
+                    "stacks" => Mode::Stacks,
+                    other => {
+                        return Err(err(
+                            key,
+                            format!("`{other}` is not a provenance level: use off, tags or stacks"),
+                        ))
+                    }
+                };
+            }
+            "stack_sample_rate" => {
+                self.stack_sample_rate = value.trim().parse().map_err(|_| {
+                    err(
+                        key,
+                        format!("`{value}` is not a count: use a whole number (0: never)"),
+                    )
+                })?;
+            }
             "record" => {
                 let v = value.trim();
                 self.record = if v.eq_ignore_ascii_case("none") {
@@ -322,9 +363,11 @@ mod tests {
     fn parses_every_key() {
         let c = Config::parse(
             "vmm:false, memory_limit:8GiB,memory_fraction:0.5,release_threshold:1.5GiB,\
-             small_size:2MiB,strict:true",
+             small_size:2MiB,strict:true,provenance:stacks,stack_sample_rate:64",
         )
         .unwrap();
+        assert_eq!(c.provenance, crate::provenance::Mode::Stacks);
+        assert_eq!(c.stack_sample_rate, 64);
         assert!(!c.vmm);
         assert_eq!(c.memory_limit, Some(8 << 30));
         assert_eq!(c.memory_fraction, 0.5);
@@ -374,6 +417,10 @@ mod tests {
         assert_eq!(e.key, "registry");
         let e = Config::parse("registry_dir: ").unwrap_err();
         assert_eq!(e.key, "registry_dir");
+        let e = Config::parse("provenance:full").unwrap_err();
+        assert_eq!(e.key, "provenance");
+        let e = Config::parse("stack_sample_rate:-1").unwrap_err();
+        assert_eq!(e.key, "stack_sample_rate");
     }
 
     #[test]

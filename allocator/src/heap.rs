@@ -65,6 +65,10 @@ pub struct BlockMeta {
     pub thread: u32,
     /// Monotonic allocation time in nanoseconds (0: not recorded).
     pub time_ns: u64,
+    /// The arena's allocation sequence number (0: not recorded), compared by marks.
+    pub seq: u64,
+    /// The arena ledger's slot of the block, plus one (0: not in the ledger).
+    pub slot: u32,
 }
 
 /// One span: a range of a segment in one state.
@@ -166,6 +170,7 @@ impl Heap {
     }
 
     /// The provenance of span `id`, mutably (grows the table on first use).
+    #[inline]
     pub fn meta_mut(&mut self, id: SpanId) -> &mut BlockMeta {
         let i = id as usize;
         if self.meta.len() <= i {

@@ -12,6 +12,7 @@ pub mod error;
 pub mod heap;
 pub mod interop;
 pub mod open;
+pub mod provenance;
 pub mod record;
 pub mod registry;
 pub mod stats;
@@ -27,6 +28,10 @@ pub use error::{Error, OomReport, Result};
 pub use open::{open_driver, DriverChoice};
 pub use pool::{
     BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport, SegmentSnapshot,
+};
+pub use provenance::{
+    group_live, site_frames, tag_name, tag_pop, tag_push, with_tag, LedgerEntry, LiveBlock,
+    LiveGroup, Mark, TagGuard,
 };
 pub use stats::Stats;
 

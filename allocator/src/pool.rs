@@ -56,6 +56,7 @@ use crate::config::Config;
 use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, PhysHandle, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::{SpanState, ALIGN};
+use crate::provenance::{LedgerEntry, LiveBlock, Mark, Mode, Origin};
 use crate::stats::{ExactGauge, SharedGauges, Stats, GAUGES, GAUGE_NAMES, POOL_NAMES};
 
 /// A cache of driver events, so that pending frees do not create and destroy one each time.
@@ -325,6 +326,8 @@ impl<D: Driver> DevicePool<D> {
             )));
         }
         let vmm = config.vmm && caps.vmm;
+        // Starts the provenance clock no later than the first pool.
+        crate::provenance::now_ns();
         let limit = config.limit_for(caps.total_memory);
         let recorder = match &config.record {
             Some(path) => Some(crate::record::Recorder::create(path, dev).map_err(|e| {
@@ -452,13 +455,37 @@ impl<D: Driver> DevicePool<D> {
 
     /// The hot path on one arena: `Some(ptr)` on a cache hit.
     #[inline]
-    fn fast_alloc(&self, arena: &Arena<D>, kind: usize, rounded: u64, size: u64) -> Option<u64> {
+    fn fast_alloc(
+        &self,
+        arena: &Arena<D>,
+        kind: usize,
+        rounded: u64,
+        size: u64,
+        o: Option<&Origin>,
+    ) -> Option<u64> {
         let c = &*self.core;
         let mut a = arena.state.lock();
         if !a.pending.is_empty() {
             a.process_pending(false, c.dev, &*c.driver, &c.events, &c.shared);
         }
-        a.try_take(kind, rounded, size, &c.shared).map(|(p, _)| p)
+        let (p, id) = a.try_take(kind, rounded, size, &c.shared)?;
+        if let Some(o) = o {
+            a.record(kind, id, rounded, o);
+        }
+        Some(p)
+    }
+
+    /// This allocation's provenance (see Note [Provenance on the hot path]); `None` when off.
+    #[inline]
+    fn origin(&self) -> Option<Origin> {
+        let c = &self.core.config;
+        match c.provenance {
+            Mode::Off => None,
+            m => Some(crate::provenance::origin(
+                m == Mode::Stacks,
+                c.stack_sample_rate,
+            )),
+        }
     }
 
     /// Allocates `size` bytes for use on `stream`; returns the device pointer (0 for size 0).
@@ -474,16 +501,23 @@ impl<D: Driver> DevicePool<D> {
         let rounded = round_size(size)
             .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
         let kind = self.kind_of(rounded);
-        if let Some(Some(ptr)) =
-            self.with_cached(stream, |a| self.fast_alloc(a, kind, rounded, size))
-        {
+        let o = self.origin();
+        if let Some(Some(ptr)) = self.with_cached(stream, |a| {
+            self.fast_alloc(a, kind, rounded, size, o.as_ref())
+        }) {
             self.handed_out(ptr, rounded, size, stream);
             return Ok((ptr, None));
         }
         let arena = self.arena_cached(stream);
-        let ptr = match self.fast_alloc(&arena, kind, rounded, size) {
+        let ptr = match self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
             Some(p) => p,
-            None => self.alloc_slow(&arena, kind, rounded, size)?,
+            None => {
+                let p = self.alloc_slow(&arena, kind, rounded, size)?;
+                if let Some(o) = &o {
+                    arena.state.lock().record_ptr(p, o);
+                }
+                p
+            }
         };
         self.handed_out(ptr, rounded, size, stream);
         Ok((ptr, Some(arena)))
@@ -1427,11 +1461,23 @@ impl<D: Driver> DevicePool<D> {
         }
         let info = c.driver.mem_info(c.dev).ok();
         let (mut live, mut active, mut largest) = (0i64, 0i64, 0u64);
+        let mut by_tag: FxHashMap<u32, (i64, i64)> = FxHashMap::default();
+        let mut by_site: FxHashMap<u32, (i64, i64)> = FxHashMap::default();
         let held_ptr = held.map(|h| h as *const ArenaState);
         let mut add = |s: &ArenaState| {
             live += s.gauges.cur[crate::stats::Gauge::AllocatedBytes as usize][0];
             active += s.gauges.cur[crate::stats::Gauge::ActiveBytes as usize][0];
             largest = largest.max(s.largest_free());
+            for slot in &s.ledger.slots {
+                let t = by_tag.entry(slot.tag).or_default();
+                t.0 += slot.live_bytes;
+                t.1 += slot.live_blocks;
+                if slot.site != 0 {
+                    let t = by_site.entry(slot.site).or_default();
+                    t.0 += slot.live_bytes;
+                    t.1 += slot.live_blocks;
+                }
+            }
         };
         if let Some(h) = held {
             add(h);
@@ -1464,8 +1510,10 @@ impl<D: Driver> DevicePool<D> {
             pending: (active - live).max(0) as u64,
             cached: reserved.saturating_sub(active.max(0) as u64),
             largest_free: largest,
-            top_tags: Vec::new(),
-            top_sites: Vec::new(),
+            top_tags: top_attributions(by_tag, |t| {
+                crate::provenance::tag_name(t).unwrap_or_else(|| "(no tag)".into())
+            }),
+            top_sites: top_attributions(by_site, crate::provenance::site_label),
             other_processes: Vec::new(),
             reason: why.to_string(),
         };
@@ -1633,6 +1681,80 @@ impl<D: Driver> DevicePool<D> {
         out
     }
 
+    /// Live bytes, blocks, peaks and total allocations per (tag, site) on this device, largest
+    /// live bytes first (empty with `provenance:off`). Sums the arenas' ledgers, taking each
+    /// arena's lock in turn.
+    pub fn ledger(&self) -> Vec<LedgerEntry> {
+        let arenas = self.all_arenas();
+        let guards: Vec<_> = arenas.iter().map(|a| a.state.lock()).collect();
+        crate::provenance::merge_ledgers(guards.iter().map(|g| &g.ledger))
+    }
+
+    /// A point in this device's allocation history, for [`DevicePool::live_since`]. Exact per
+    /// stream (it reads each arena's sequence number); needs provenance on.
+    pub fn mark(&self) -> Mark {
+        let seqs = self
+            .all_arenas()
+            .iter()
+            .map(|a| (a.stream, a.state.lock().seq))
+            .collect();
+        Mark {
+            pool: self.core.uid,
+            seqs,
+            time_ns: crate::provenance::now_ns(),
+        }
+    }
+
+    /// The blocks allocated after `mark` and still live (sorted by address): with a mark taken
+    /// every step of a training loop, what each step leaked. Empty with `provenance:off`, or
+    /// for a mark of another pool.
+    pub fn live_since(&self, mark: &Mark) -> Vec<LiveBlock> {
+        if mark.pool != self.core.uid {
+            return Vec::new();
+        }
+        self.live_detailed(|stream| Some(mark.seq_of(stream)))
+    }
+
+    /// Every live block with its provenance, sorted by address.
+    pub fn live_blocks_detailed(&self) -> Vec<LiveBlock> {
+        self.live_detailed(|_| None)
+    }
+
+    /// Live blocks whose sequence number is above `after(stream)` (all for `None`).
+    fn live_detailed(&self, after: impl Fn(StreamId) -> Option<u64>) -> Vec<LiveBlock> {
+        let now = crate::provenance::now_ns();
+        let mut out = Vec::new();
+        for arena in self.all_arenas() {
+            let seq = after(arena.stream);
+            let a = arena.state.lock();
+            for (&ptr, r) in &a.live {
+                let h = &a.kinds[r.kind as usize].heap;
+                let m = h.meta(r.span);
+                if seq.is_some_and(|q| m.seq <= q) {
+                    continue;
+                }
+                let s = h.span(r.span);
+                out.push(LiveBlock {
+                    ptr,
+                    size: s.len,
+                    requested: s.requested,
+                    stream: arena.stream.0,
+                    tag: crate::provenance::tag_name(m.tag),
+                    site: (m.site != 0).then_some(m.site),
+                    thread: m.thread,
+                    time_ns: m.time_ns,
+                    age: std::time::Duration::from_nanos(if m.time_ns == 0 {
+                        0
+                    } else {
+                        now.saturating_sub(m.time_ns)
+                    }),
+                });
+            }
+        }
+        out.sort_unstable_by_key(|b| b.ptr);
+        out
+    }
+
     /// Every mapped range of this device's pool with the blocks that tile it, sorted by
     /// address: the data of PyTorch's `torch.cuda.memory._snapshot()["segments"]`.
     ///
@@ -1756,6 +1878,29 @@ impl<D: Driver> Drop for DevicePool<D> {
 /// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
 /// run of free space and holes that needs the fewest newly mapped pages (ties: the smallest
 /// run). Returns the window's start and its unmapped pages.
+/// How many tags and sites an OOM report lists.
+const TOP_N: usize = 8;
+
+/// The largest `TOP_N` of `m` (id -> (live bytes, live blocks)), named by `name`.
+fn top_attributions(
+    m: FxHashMap<u32, (i64, i64)>,
+    name: impl Fn(u32) -> String,
+) -> Vec<crate::error::Attribution> {
+    let mut v: Vec<_> = m
+        .into_iter()
+        .filter(|(_, (b, n))| *b > 0 || *n > 0)
+        .collect();
+    v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+    v.truncate(TOP_N);
+    v.into_iter()
+        .map(|(id, (b, n))| crate::error::Attribution {
+            name: name(id),
+            bytes: b.max(0) as u64,
+            blocks: n.max(0) as u64,
+        })
+        .collect()
+}
+
 fn choose_window(
     a: &ArenaState,
     kind: usize,

@@ -119,9 +119,9 @@ const char *cistern_last_error(void);
 const char *cistern_version(void);
 
 // Pushes `tag` (a NUL-terminated string, copied; invalid UTF-8 is replaced) on this thread's
-// stack of provenance tags. Not yet attached to allocations: the provenance layer will tag
-// each allocation with the innermost tag of the allocating thread. NULL is refused, as is a
-// stack deeper than 1024.
+// stack of provenance tags: until it is popped, every allocation this thread makes is tagged
+// with it (the innermost tag wins; unless `CISTERN_CONF` has `provenance:off`). NULL is
+// refused, as is a stack deeper than 1024.
 //
 // # Safety
 //

@@ -153,6 +153,35 @@ fn tags_stack_per_thread() {
 }
 
 #[test]
+fn tags_attach_to_allocations() {
+    sim();
+    let s = 0x7a6 as cistern_stream_t;
+    // SAFETY: a NUL-terminated string.
+    unsafe { cistern_tag_push(c"ffi-tagged".as_ptr()) };
+    let p = cistern_malloc(3 << 20, 0, s);
+    cistern_tag_pop();
+    let q = cistern_malloc(4096, 0, s);
+    assert!(!p.is_null() && !q.is_null());
+    let pool = global::pool().expect("the simulated pool");
+    global::with_pool!(pool, |pool| {
+        let dev = pool.device(0).unwrap();
+        let e = dev.ledger();
+        let t = e
+            .iter()
+            .find(|e| e.tag == "ffi-tagged")
+            .expect("ledger entry");
+        assert!(t.live_bytes >= 3 << 20 && t.live_blocks >= 1, "{t:?}");
+        let blocks = dev.live_blocks_detailed();
+        let b = blocks.iter().find(|b| b.ptr == p as u64).unwrap();
+        assert_eq!(b.tag.as_deref(), Some("ffi-tagged"));
+        let b = blocks.iter().find(|b| b.ptr == q as u64).unwrap();
+        assert_eq!(b.tag, None, "popped tags no longer attach");
+    });
+    cistern_free(p, 3 << 20, 0, s);
+    cistern_free(q, 4096, 0, s);
+}
+
+#[test]
 fn size_zero_and_null() {
     sim();
     let s = 0x42 as cistern_stream_t;
