@@ -261,6 +261,8 @@ struct DeviceState {
     /// Reserved bytes right after the limit was last lowered (and cached memory released):
     /// live blocks may keep reserved above a lowered limit, never above this.
     over_limit: u64,
+    /// The report of the last failed request (for the registry's record).
+    last_oom: Option<Box<OomReport>>,
 }
 
 impl DeviceState {
@@ -362,6 +364,7 @@ impl<D: Driver> DevicePool<D> {
                 limit,
                 fraction: config.memory_fraction,
                 over_limit: 0,
+                last_oom: None,
                 lost: Vec::new(),
                 stuck: Vec::new(),
             }),
@@ -1517,11 +1520,18 @@ impl<D: Driver> DevicePool<D> {
             other_processes: Vec::new(),
             reason: why.to_string(),
         };
+        dev.last_oom = Some(Box::new(report.clone()));
         if limit {
             Error::LimitExceeded(Box::new(report))
         } else {
             Error::OutOfMemory(Box::new(report))
         }
+    }
+
+    /// The report of this device's last failed request (out of memory or over the limit), if
+    /// any request failed yet.
+    pub fn last_oom(&self) -> Option<OomReport> {
+        self.state.lock().last_oom.as_deref().cloned()
     }
 
     /// The device's statistics, with PyTorch's key names.
