@@ -2260,6 +2260,21 @@ impl<D: Driver> Drop for Buffer<D> {
 }
 
 /// The pool for every device of a driver: per-device pools created on first use.
+///
+/// # Publishing to the cross-process registry
+///
+/// A Rust program that wants `cistern ps / leaks / doctor` to see its pool keeps the pool in an
+/// `Arc` and calls [`Pool::start_registry`] once (`libcistern.so` does it for its global pool):
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use cistern::{Config, Pool, SimConfig, SimDriver};
+/// let pool = Arc::new(Pool::new(SimDriver::new(SimConfig::default()), Config::default())?);
+/// if let Err(e) = pool.start_registry() {
+///     eprintln!("cistern: not published: {e}");
+/// }
+/// # Ok::<(), cistern::Error>(())
+/// ```
 pub struct Pool<D: Driver> {
     driver: Arc<D>,
     config: Config,
@@ -2403,6 +2418,33 @@ impl<D: Driver> Pool<D> {
                 .map_err(|e| format!("device {}: {e}", d.device()))?;
         }
         Ok(())
+    }
+
+    /// Publishes this pool in the cross-process registry ([`crate::registry`]), when the
+    /// configuration's `registry` setting is on (the default): opens the directory
+    /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
+    /// record, starts the background thread that republishes it at most once a second when it
+    /// changed, and installs the `atexit` hook that writes the final record (state `exited`,
+    /// with the blocks still live) when the process exits normally
+    /// ([`crate::registry::install_exit_hook`]).
+    ///
+    /// Returns `Ok(None)` with `registry:off`, and the error when the directory is unsafe or
+    /// cannot be written: the pool works the same either way, and the caller decides whether
+    /// to log it. Nothing is added to the allocation path. The registry's thread and the exit
+    /// hook hold a clone of the `Arc`, so the pool lives until the process exits. Call it once
+    /// per process: every call publishes this process's one record.
+    pub fn start_registry(
+        self: &Arc<Self>,
+    ) -> std::result::Result<Option<crate::registry::RegistryHandle>, crate::registry::RegistryError>
+    {
+        let Some(dir) = crate::registry::dir_for(&self.config) else {
+            return Ok(None);
+        };
+        let source: Arc<dyn crate::registry::RecordSource + Send + Sync> = self.clone();
+        let handle =
+            crate::registry::Registry::start(dir, source, crate::registry::DEFAULT_INTERVAL)?;
+        crate::registry::install_exit_hook(handle.clone());
+        Ok(Some(handle))
     }
 
     /// A summary of every device pool created so far.
