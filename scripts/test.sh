@@ -35,8 +35,13 @@ run_pytest() {
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
 }
 
+# The library publishes each process in the registry; the tests' processes go to a private
+# directory, not the user's (/dev/shm/cistern-<uid>), and it is removed at the end.
+regdir=$(mktemp -d)
+trap 'rm -rf "$regdir" "${fakedir:-}"' EXIT
+
 echo "== pytest (simulated GPU)"
-CISTERN_LIB="$lib" CISTERN_DRIVER=sim run_pytest
+CISTERN_CONF="registry_dir:$regdir/sim" CISTERN_LIB="$lib" CISTERN_DRIVER=sim run_pytest
 
 # The fake libcuda is built as libcistern_fakecuda.so (never as libcuda.so inside target/, which
 # cargo puts on the library path of every test: it would shadow a real driver). Here it is copied
@@ -44,7 +49,6 @@ CISTERN_LIB="$lib" CISTERN_DRIVER=sim run_pytest
 fake="$target_dir/debug/libcistern_fakecuda.so"
 [ -f "$fake" ] || cargo build -p cistern-fakecuda
 fakedir=$(mktemp -d)
-trap 'rm -rf "$fakedir"' EXIT
 cp "$fake" "$fakedir/libcuda.so"
 ln -sf libcuda.so "$fakedir/libcuda.so.1"
 with_fake() {
@@ -55,4 +59,4 @@ echo "== the CUDA backend's GPU tests, over the fake libcuda"
 with_fake cargo test -p cistern --test cuda_driver
 
 echo "== pytest (CUDA backend over the fake libcuda)"
-CISTERN_LIB="$lib" CISTERN_DRIVER=cuda with_fake run_pytest
+CISTERN_CONF="registry_dir:$regdir/cuda" CISTERN_LIB="$lib" CISTERN_DRIVER=cuda with_fake run_pytest

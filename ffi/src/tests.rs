@@ -9,10 +9,14 @@ use std::sync::Once;
 use super::*;
 use crate::guard::test_hooks::panic_next;
 
-/// Runs the pool on the simulator (set before the first export call of this process).
+/// Runs the pool on the simulator, unpublished (set before the first export call of this
+/// process: the test process must leave no record in the user's registry).
 fn sim() {
     static ONCE: Once = Once::new();
-    ONCE.call_once(|| std::env::set_var("CISTERN_DRIVER", "sim"));
+    ONCE.call_once(|| {
+        std::env::set_var("CISTERN_DRIVER", "sim");
+        std::env::set_var("CISTERN_CONF", "registry:off");
+    });
 }
 
 fn last_error() -> String {

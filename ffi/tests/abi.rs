@@ -32,7 +32,7 @@ fn abi() -> (&'static Abi, MutexGuard<'static, ()>) {
     let abi = common::load_with_env(&[
         ("CISTERN_DRIVER", "sim"),
         ("CISTERN_SIM", "devices:10"),
-        ("CISTERN_CONF", ""),
+        ("CISTERN_CONF", "registry:off"),
     ]);
     (abi, guard)
 }
@@ -60,7 +60,8 @@ fn run_child(name: &str, env: &[(&str, &str)]) -> String {
         .env("CISTERN_LIB", common::library_path())
         .env_remove("CISTERN_DRIVER")
         .env_remove("CISTERN_SIM")
-        .env_remove("CISTERN_CONF");
+        // No record in the user's registry unless a test asks (its env comes after).
+        .env("CISTERN_CONF", "registry:off");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -268,7 +269,10 @@ fn base_alloc_with_linear_segments_is_the_segment() {
     }
     run_child(
         "child_linear_segments",
-        &[("CISTERN_DRIVER", "sim"), ("CISTERN_CONF", "vmm:false")],
+        &[
+            ("CISTERN_DRIVER", "sim"),
+            ("CISTERN_CONF", "vmm:false,registry:off"),
+        ],
     );
 }
 

@@ -53,7 +53,7 @@ fn c_program_uses_the_abi() {
     let run = Command::new(&exe)
         .env("CISTERN_DRIVER", "sim")
         .env_remove("CISTERN_SIM")
-        .env_remove("CISTERN_CONF")
+        .env("CISTERN_CONF", "registry:off")
         .output()
         .expect("run abi_test");
     let stdout = String::from_utf8_lossy(&run.stdout);
