@@ -1,7 +1,8 @@
 //! The process's one pool: which driver it runs on, created on first use.
 //!
 //! This module owns the global [`AnyPool`] and the choice of its driver; it never reports errors
-//! itself (the exports in `lib.rs` do, through [`crate::guard`]).
+//! itself (the exports in `lib.rs` do, through [`crate::guard`]), except the one line that says
+//! the registry could not be used.
 //!
 //! # How the driver is picked
 //!
@@ -21,6 +22,16 @@
 //! bad setting) is remembered: every later call fails fast with the same message, so a process
 //! that started without a driver keeps saying why.
 //!
+//! # The registry
+//!
+//! When the pool is created, it is published in the cross-process registry (unless
+//! `CISTERN_CONF=registry:off`; `registry_dir:PATH` moves it), so that `cistern ps / leaks /
+//! doctor` see this process: a background thread republishes its record at most once a second,
+//! and an `atexit` hook writes the final record (with the blocks never freed) when the process
+//! exits normally. A registry that cannot be used (an unsafe directory, say) is logged in one
+//! line on stderr and the pool works without it. None of this is on the allocation path: the
+//! registry is started once, by the thread that created the pool, after it was created.
+//!
 //! The pool is an enum over the two concrete pool types rather than a pool over
 //! `Arc<dyn Driver>`: the hot path then dispatches once per call, on a predictable branch,
 //! instead of through a vtable inside the pool (the driver's hazard hook runs on every
@@ -29,6 +40,7 @@
 use std::sync::{Arc, OnceLock};
 
 use cistern_alloc::open::{choice_from_env, sim_config_from_env, DriverChoice};
+use cistern_alloc::registry::{self, LeakEntry, ProcessSnapshot, RecordSource, Registry};
 use cistern_alloc::{Config, CudaDriver, DevicePool, Driver, Error, Pool, SimDriver};
 
 /// The global pool, on whichever driver `CISTERN_DRIVER` chose.
@@ -56,9 +68,58 @@ static POOL: OnceLock<Result<AnyPool, String>> = OnceLock::new();
 /// be created.
 #[inline]
 pub(crate) fn pool() -> Result<&'static AnyPool, &'static str> {
-    match POOL.get_or_init(open) {
+    let created = match POOL.get() {
+        Some(r) => r,
+        None => create(),
+    };
+    match created {
         Ok(p) => Ok(p),
         Err(e) => Err(e),
+    }
+}
+
+/// Creates the pool (once: a thread that loses the race waits for the winner's pool), then
+/// publishes it in the registry from the thread that created it.
+#[cold]
+#[inline(never)]
+fn create() -> &'static Result<AnyPool, String> {
+    let mut opened = false;
+    let r = POOL.get_or_init(|| {
+        opened = true;
+        open()
+    });
+    if let (true, Ok(p)) = (opened, r) {
+        publish(p);
+    }
+    r
+}
+
+/// The global pool as the registry's record source.
+struct Published(&'static AnyPool);
+
+impl RecordSource for Published {
+    fn snapshot(&self) -> ProcessSnapshot {
+        with_pool!(self.0, |p| p.snapshot())
+    }
+    fn leaks(&self) -> Vec<LeakEntry> {
+        with_pool!(self.0, |p| p.leaks())
+    }
+}
+
+/// Starts publishing `pool` in the registry (see the module docs); logs one line when the
+/// registry cannot be used.
+fn publish(pool: &'static AnyPool) {
+    let config = with_pool!(pool, |p| p.config());
+    let Some(dir) = registry::dir_for(config) else {
+        return;
+    };
+    match Registry::start(dir, Arc::new(Published(pool)), registry::DEFAULT_INTERVAL) {
+        Ok(handle) => {
+            registry::install_exit_hook(handle);
+        }
+        Err(e) => eprintln!(
+"cistern: this process is not published for `cistern ps` (the pool works without it): {e}"
+        ),
     }
 }
 
