@@ -1,4 +1,5 @@
-//! `cistern leaks PID`: what a process holds, from its newest record (alive or dead).
+//! `cistern leaks PID`: what a process holds, from its record: the one of the process that has
+//! the pid now, else the newest (a dead process's last record).
 //!
 //! An `exited` record carries the leak summary written at exit (blocks still live, by tag and
 //! site, with the oldest block's age). A `running` record (alive, or left by a killed process)
@@ -270,7 +271,11 @@ pub fn run(args: &LeaksArgs) -> Result<(), String> {
         .records
         .iter()
         .filter(|(_, r, _)| r.pid == args.pid)
-        .max_by_key(|(_, r, _)| (r.updated_unix_ms, r.start_time));
+        .max_by_key(|(_, r, l)| {
+            // The process that has the pid now first, then the newest record.
+            let current = matches!(l, Liveness::Alive | Liveness::Zombie);
+            (current, r.updated_unix_ms, r.start_time)
+        });
     let Some((_, record, liveness)) = newest else {
         let refused = snap
             .refused

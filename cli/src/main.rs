@@ -68,7 +68,7 @@ pub struct PsArgs {
 /// Arguments of `cistern leaks`.
 #[derive(clap::Args, Debug)]
 pub struct LeaksArgs {
-    /// The process id (its newest record is read, alive or dead).
+    /// The process id (the record of the process that has it now, else its newest record).
     pub pid: u32,
     /// Print JSON instead of tables.
     #[arg(long)]
