@@ -5,7 +5,11 @@
 //! `cistern-trace`, allocator models and the replay engine in `cistern-replay`.
 
 mod convert;
+mod doctor;
+mod gpu;
+mod leaks;
 mod plot;
+mod ps;
 mod replay;
 mod table;
 
@@ -31,6 +35,65 @@ enum Command {
     /// Convert a trace (any format `replay` reads) to cistern's own format or to a RAPIDS RMM
     /// log (`logging_resource_adaptor` CSV), one output per device.
     Convert(ConvertArgs),
+    /// Who holds GPU memory: per GPU and per process, NVML's numbers reconciled with the
+    /// records of processes using cistern (live, cached, overhead, top tags), including dead
+    /// processes whose memory or record remains.
+    Ps(PsArgs),
+    /// A process's live blocks by tag and call site (with ages and growth since marks), from
+    /// its newest record; works for dead processes.
+    Leaks(LeaksArgs),
+    /// Check for orphaned and zombie GPU contexts, processes holding /dev/nvidia* after their
+    /// group leader died, and stale records. Exit status 0 when healthy, 1 when something needs
+    /// attention, 2 on error. Suggests actions; never kills.
+    Doctor(DoctorArgs),
+}
+
+/// Arguments of `cistern ps`.
+#[derive(clap::Args, Debug)]
+pub struct PsArgs {
+    /// Print JSON instead of tables (one document per line in watch mode).
+    #[arg(long)]
+    pub json: bool,
+    /// Watch mode: redraw every SECONDS.
+    #[arg(long = "interval", short = 'i', value_name = "SECONDS")]
+    pub interval: Option<f64>,
+    /// Stop watch mode after N redraws (for tests).
+    #[arg(long, hide = true)]
+    pub iterations: Option<u64>,
+    /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
+    #[arg(long, value_name = "DIR")]
+    pub registry_dir: Option<PathBuf>,
+}
+
+/// Arguments of `cistern leaks`.
+#[derive(clap::Args, Debug)]
+pub struct LeaksArgs {
+    /// The process id (the record of the process that has it now, else its newest record).
+    pub pid: u32,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
+    #[arg(long, value_name = "DIR")]
+    pub registry_dir: Option<PathBuf>,
+}
+
+/// Arguments of `cistern doctor`.
+#[derive(clap::Args, Debug)]
+pub struct DoctorArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// How long (seconds) a dead process's record may stay before it counts as stale.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    pub grace: f64,
+    /// Remove stale records: only those of dead processes NVML does not list, last written
+    /// more than the grace period ago. Nothing else is ever removed or killed.
+    #[arg(long)]
+    pub clean_stale: bool,
+    /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
+    #[arg(long, value_name = "DIR")]
+    pub registry_dir: Option<PathBuf>,
 }
 
 /// Arguments of `cistern convert`.
@@ -76,11 +139,14 @@ pub struct ReplayArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Replay(args) => replay::run(&args),
-        Command::Convert(args) => convert::run(&args),
+        Command::Replay(args) => replay::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Convert(args) => convert::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Ps(args) => ps::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Leaks(args) => leaks::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Doctor(args) => doctor::run(&args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("cistern: {e}");
             ExitCode::from(2)

@@ -29,6 +29,8 @@ pub struct Table {
 pub const GREEN: &str = "\x1b[32m";
 /// ANSI red (failed).
 pub const RED: &str = "\x1b[31m";
+/// ANSI yellow (needs a look).
+pub const YELLOW: &str = "\x1b[33m";
 /// ANSI bold.
 pub const BOLD: &str = "\x1b[1m";
 const RESET: &str = "\x1b[0m";

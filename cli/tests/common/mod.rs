@@ -1,0 +1,152 @@
+//! Shared by the `ps`, `leaks` and `doctor` tests: a temporary registry with records written
+//! for fake identities, a fake NVML (`CISTERN_FAKE_NVML`), and the `cistern` binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use cistern::error::Attribution;
+use cistern::registry::{
+    self, DeviceRecord, Identity, LeakEntry, Mark, ProcessSnapshot, Registry, State,
+};
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// A fresh directory under the system's temporary directory (removed on drop).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "cistern-cli-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        TempDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn identity(pid: u32, start_time: u64, command: &str) -> Identity {
+    Identity {
+        pid,
+        start_time,
+        boot_id: registry::boot_id().unwrap(),
+        uid: registry::euid(),
+        cmdline: command.split(' ').map(str::to_string).collect(),
+        cmdline_truncated: false,
+    }
+}
+
+/// This process: alive.
+pub fn me() -> (u32, u64) {
+    let pid = std::process::id();
+    (pid, registry::process_start_time(pid).unwrap())
+}
+
+/// A pid no process has (`n`-th one, counting down from the top of the pid range).
+pub fn dead_pid(n: usize) -> u32 {
+    let max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(32768);
+    (1..max)
+        .rev()
+        .filter(|p| !Path::new(&format!("/proc/{p}")).exists())
+        .nth(n)
+        .unwrap()
+}
+
+pub fn device(
+    index: u32,
+    uuid: &str,
+    reserved: u64,
+    live: u64,
+    tags: &[(&str, u64, u64)],
+) -> DeviceRecord {
+    DeviceRecord {
+        index,
+        uuid: Some(uuid.to_string()),
+        name: "Fake GPU".into(),
+        total_memory: 80 * GIB,
+        limit: 80 * GIB,
+        reserved,
+        live,
+        cached: reserved - live,
+        pending: 0,
+        peak_reserved: reserved,
+        peak_live: live,
+        top_tags: tags
+            .iter()
+            .map(|(n, b, k)| Attribution {
+                name: n.to_string(),
+                bytes: *b,
+                blocks: *k,
+            })
+            .collect(),
+        top_sites: Vec::new(),
+    }
+}
+
+pub fn publish(
+    dir: &Path,
+    id: Identity,
+    devices: Vec<DeviceRecord>,
+    state: State,
+    leaks: Vec<LeakEntry>,
+    marks: Vec<Mark>,
+) -> PathBuf {
+    let r = Registry::with_identity(dir, id).unwrap();
+    r.publish(
+        &ProcessSnapshot {
+            devices,
+            last_oom: None,
+            marks,
+        },
+        state,
+        leaks,
+    )
+    .unwrap();
+    r.record_path()
+}
+
+/// Writes a fake NVML JSON file and returns its path.
+pub fn fake_nvml(dir: &Path, doc: serde_json::Value) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join("fake-nvml.json");
+    std::fs::write(&p, serde_json::to_vec(&doc).unwrap()).unwrap();
+    p
+}
+
+pub fn cistern(nvml: Option<&Path>) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
+    c.env("NO_COLOR", "1").env_remove("CISTERN_CONF");
+    match nvml {
+        Some(p) => c.env("CISTERN_FAKE_NVML", p),
+        None => c.env_remove("CISTERN_FAKE_NVML"),
+    };
+    c
+}
+
+pub fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: stdout {} stderr {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
