@@ -1,0 +1,252 @@
+//! The multi-process scenario of the provenance issue, end to end: three processes use
+//! `libcistern.so` through the real CUDA backend over the fake libcuda, each with its own tag;
+//! one is killed with SIGKILL, one exits cleanly leaving a block it never freed. `cistern ps`,
+//! `leaks` and `doctor` must account for all three from the registry alone (no NVML here).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// `target/<profile>`, from this test binary's path.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// Builds libcistern.so and the fake libcuda in this test's profile (a no-op when fresh).
+fn build_libraries() {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = profile_dir();
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "build",
+        "--quiet",
+        "-p",
+        "cistern-ffi",
+        "-p",
+        "cistern-fakecuda",
+    ]);
+    match profile.file_name().and_then(|n| n.to_str()) {
+        Some("release") => {
+            cmd.arg("--release");
+        }
+        Some("debug") | None => {}
+        Some(other) => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    let out = cmd.output().expect("run cargo");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cistern-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Compiles the holder program against cistern.h; `None` when there is no C compiler.
+fn compile_holder(dir: &Path, lib_dir: &Path) -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let exe = dir.join("holder");
+    let out = Command::new("cc")
+        .arg("-std=c11")
+        .arg("-D_POSIX_C_SOURCE=200809L")
+        .arg("-o")
+        .arg(&exe)
+        .arg(root.join("cli/tests/c/holder.c"))
+        .arg("-I")
+        .arg(root.join("ffi/include"))
+        .arg("-L")
+        .arg(lib_dir)
+        .arg("-lcistern")
+        .output()
+        .ok()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(exe)
+}
+
+struct Holder {
+    child: Child,
+    pid: u32,
+}
+
+fn spawn(exe: &Path, libs: &str, registry: &Path, tag: &str, mib: u64, mode: &str) -> Holder {
+    let mut child = Command::new(exe)
+        .args([tag, &mib.to_string(), mode])
+        .env("LD_LIBRARY_PATH", libs)
+        .env("CISTERN_FAKECUDA", "1")
+        .env("CISTERN_FAKECUDA_CAPACITY", "4GiB")
+        .env("CISTERN_DRIVER", "cuda")
+        .env(
+            "CISTERN_CONF",
+            format!("registry_dir:{}", registry.display()),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn holder");
+    let pid = child.id();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready", "holder {tag} did not start");
+    Holder { child, pid }
+}
+
+fn cistern(registry: &Path, args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cistern"))
+        .args(args)
+        .arg("--registry-dir")
+        .arg(registry)
+        .env("NO_COLOR", "1")
+        .env_remove("CISTERN_FAKE_NVML")
+        .output()
+        .unwrap();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn process(ps: &serde_json::Value, pid: u32) -> Option<&serde_json::Value> {
+    ps["processes"]
+        .as_array()?
+        .iter()
+        .find(|p| p["pid"].as_u64() == Some(pid as u64))
+}
+
+/// Polls `ps --json` until `ok` holds (records refresh at most once a second).
+fn wait_for(registry: &Path, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        let (_, ps, err) = cistern(registry, &["ps", "--json"]);
+        if ok(&ps) {
+            return ps;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out; last ps: {ps}\n{err}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn three_processes_one_killed_one_exited() {
+    if Command::new("cc").arg("--version").output().is_err() {
+        eprintln!("skipping: no C compiler (cc) to build the holder program");
+        return;
+    }
+    build_libraries();
+    let work = tmpdir("work");
+    let registry = tmpdir("registry");
+    // Registry directories must be private.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // The fake driver under libcuda's names, in a private directory (never in target/).
+    let fake = work.join("fake");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::copy(
+        profile_dir().join("libcistern_fakecuda.so"),
+        fake.join("libcuda.so"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("libcuda.so", fake.join("libcuda.so.1")).unwrap();
+    let libs = format!("{}:{}", fake.display(), profile_dir().display());
+    let Some(exe) = compile_holder(&work, &profile_dir()) else {
+        eprintln!("skipping: cc could not run");
+        return;
+    };
+
+    let mut weights = spawn(&exe, &libs, &registry, "weights", 40, "wait");
+    let mut acts = spawn(&exe, &libs, &registry, "activations", 24, "wait");
+    let exited = spawn(&exe, &libs, &registry, "loader", 8, "exit");
+    let exited_pid = exited.pid;
+    let status = exited.child.wait_with_output().unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+
+    // All three appear, with their tags' live bytes.
+    let ps = wait_for(&registry, |ps| {
+        [weights.pid, acts.pid, exited_pid]
+            .iter()
+            .all(|&p| process(ps, p).is_some_and(|p| p["live"].as_u64().unwrap_or(0) > 0))
+    });
+    let w = process(&ps, weights.pid).unwrap();
+    assert_eq!(w["state"], "running", "{w}");
+    assert!(w["live"].as_u64().unwrap() >= 40 * MIB, "{w}");
+    assert!(w.to_string().contains("weights"), "{w}");
+    let e = process(&ps, exited_pid).unwrap();
+    assert_eq!(e["record_state"], "exited", "{e}");
+
+    // SIGKILL one: it stays listed, as dead, with its last state.
+    weights.child.kill().unwrap();
+    weights.child.wait().unwrap();
+    let ps = wait_for(&registry, |ps| {
+        process(ps, weights.pid).is_some_and(|p| p["state"] != "running")
+    });
+    let w = process(&ps, weights.pid).unwrap();
+    assert!(
+        w["state"].as_str().unwrap().starts_with("dead"),
+        "killed process not shown as dead: {w}"
+    );
+    assert!(
+        w["live"].as_u64().unwrap() >= 40 * MIB,
+        "last state lost: {w}"
+    );
+    assert_eq!(
+        process(&ps, acts.pid).unwrap()["state"],
+        "running",
+        "the other holder is still alive"
+    );
+
+    // leaks of the dead process: its live bytes by tag, summing to what it held.
+    let (code, leaks, err) = cistern(&registry, &["leaks", &weights.pid.to_string(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let total = leaks["total_bytes"].as_u64().unwrap();
+    assert_eq!(
+        total,
+        leaks["record_live_bytes"].as_u64().unwrap(),
+        "{leaks}"
+    );
+    assert!(total >= 40 * MIB, "{leaks}");
+    assert!(leaks.to_string().contains("weights"), "{leaks}");
+
+    // The clean exit left a leak summary naming the block it never freed.
+    let (code, leaks, err) = cistern(&registry, &["leaks", &exited_pid.to_string(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(leaks["source"], "leak-summary", "{leaks}");
+    assert!(leaks.to_string().contains("loader"), "{leaks}");
+    assert!(leaks["total_bytes"].as_u64().unwrap() >= 8 * MIB, "{leaks}");
+
+    // doctor: the dead record needs attention once the grace period is over.
+    let (code, _, err) = cistern(&registry, &["doctor", "--json", "--grace", "0"]);
+    assert_eq!(
+        code, 1,
+        "doctor should flag the killed process's record: {err}"
+    );
+
+    acts.child.kill().unwrap();
+    acts.child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&work);
+    let _ = std::fs::remove_dir_all(&registry);
+}
