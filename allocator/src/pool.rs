@@ -1780,7 +1780,7 @@ impl<D: Driver> DevicePool<D> {
                 for seg in kh.segments.iter().flatten() {
                     let expandable = matches!(seg.backing, Backing::Vmm { .. });
                     let mut run: Option<SegmentSnapshot> = None;
-                    for (_, s) in kh.heap.segment_spans(seg.first) {
+                    for (id, s) in kh.heap.segment_spans(seg.first) {
                         let state = match s.state {
                             SpanState::Live => BlockState::Allocated,
                             SpanState::Pending => BlockState::PendingFree,
@@ -1809,6 +1809,13 @@ impl<D: Driver> DevicePool<D> {
                                 s.requested
                             },
                             state,
+                            tag: match state {
+                                BlockState::Free => None,
+                                _ => match kh.heap.meta(id).tag {
+                                    0 => None,
+                                    t => crate::provenance::tag_name(t),
+                                },
+                            },
                         });
                     }
                     out.extend(run.take());
@@ -2153,7 +2160,7 @@ pub struct SegmentSnapshot {
 }
 
 /// One block of a [`SegmentSnapshot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct BlockSnapshot {
     /// First address.
     pub address: u64,
@@ -2163,6 +2170,8 @@ pub struct BlockSnapshot {
     pub requested_size: u64,
     /// What the block is.
     pub state: BlockState,
+    /// The tag the block was allocated under, for live and pending blocks that have one.
+    pub tag: Option<String>,
 }
 
 /// The state of a block in a snapshot, named as in PyTorch's snapshots.

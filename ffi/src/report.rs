@@ -91,13 +91,17 @@ fn segment_json(s: &SegmentSnapshot) -> Value {
                 BlockState::PendingFree => active += b.size,
                 BlockState::Free => {}
             }
-            json!({
+            let mut v = json!({
                 "address": b.address,
                 "size": b.size,
                 "requested_size": b.requested_size,
                 "state": b.state.as_str(),
                 "frames": [],
-            })
+            });
+            if let Some(tag) = &b.tag {
+                v["tag"] = json!(tag);
+            }
+            v
         })
         .collect();
     json!({
