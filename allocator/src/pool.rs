@@ -809,20 +809,12 @@ impl<D: Driver> DevicePool<D> {
             usize::MAX
         };
         if cached + by_limit.min(by_device) < need {
-            if !retried && self.any_pending(arena, a) {
-                return Ok(Grow::Retry);
-            }
             // Blame the limit only when a limit below the device's size is what stops the
             // request; when the device could not hold it either, it is out of memory.
             let limit_hit = cached + by_limit < need
                 && dev.limit < c.caps.total_memory
                 && cached.saturating_add(by_device) >= need;
-            let why = if limit_hit {
-                "the per-process limit would be exceeded"
-            } else {
-                "the device has too little free memory for it"
-            };
-            return Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, limit_hit, why));
+            return self.give_up(dev, arena, a, size, rounded, limit_hit, retried);
         }
 
         // Gather physical pages: stitch cached ones first, then create new ones.
@@ -916,15 +908,7 @@ impl<D: Driver> DevicePool<D> {
             return Err(e.into());
         }
         if short {
-            if !retried && self.any_pending(arena, a) {
-                return Ok(Grow::Retry);
-            }
-            let why = if limit_hit {
-                "the per-process limit would be exceeded"
-            } else {
-                "the device has no free memory"
-            };
-            return Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, limit_hit, why));
+            return self.give_up(dev, arena, a, size, rounded, limit_hit, retried);
         }
         match a.try_take(kind, rounded, size, &c.shared) {
             Some((p, _)) => {
@@ -959,6 +943,30 @@ impl<D: Driver> DevicePool<D> {
             .write()
             .insert(base, (base + extent, Arc::downgrade(arena)));
         Ok(s)
+    }
+
+    /// A request that cannot be met now: ask for one retry of the OOM protocol when frees are
+    /// waiting on events (their memory may be all that is missing), else fail with a report.
+    #[allow(clippy::too_many_arguments)]
+    fn give_up(
+        &self,
+        dev: &mut DeviceState,
+        arena: &Arc<Arena<D>>,
+        a: &ArenaState,
+        size: u64,
+        rounded: u64,
+        limit_hit: bool,
+        retried: bool,
+    ) -> Result<Grow> {
+        if !retried && self.any_pending(arena, a) {
+            return Ok(Grow::Retry);
+        }
+        let why = if limit_hit {
+            "the per-process limit would be exceeded"
+        } else {
+            "the device has too little free memory for it"
+        };
+        Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, limit_hit, why))
     }
 
     /// Whether any arena has frees waiting on events (`a` is `arena`'s locked state).
@@ -1194,28 +1202,7 @@ impl<D: Driver> DevicePool<D> {
         }
         let mut a = arena.state.lock();
         let Some(base) = result else {
-            let pending = !a.pending.is_empty()
-                || self
-                    .all_arenas()
-                    .iter()
-                    .any(|o| !Arc::ptr_eq(o, arena) && !o.state.lock().pending.is_empty());
-            if !retried && pending {
-                return Ok(Grow::Retry);
-            }
-            let why = if limit_hit {
-                "the per-process limit would be exceeded"
-            } else {
-                "the device has no free memory"
-            };
-            return Err(self.oom_locked(
-                dev,
-                Some(&a),
-                arena.stream,
-                size,
-                rounded,
-                limit_hit,
-                why,
-            ));
+            return self.give_up(dev, arena, &a, size, rounded, limit_hit, retried);
         };
         c.counters.num_device_alloc.fetch_add(1, Relaxed);
         dev.add_reserved(kind, seg_size as i64);
