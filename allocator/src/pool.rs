@@ -194,7 +194,9 @@ impl<D: Driver> Arena<D> {
         if !a.pending.is_empty() {
             a.process_pending(true, c.dev, &*c.driver, &c.events, &c.shared);
         }
-        if !a.live.is_empty() {
+        // A block still pending (its events could not be waited for) may still be used by
+        // another stream: its pages stay mapped, like a live block's.
+        if !a.live.is_empty() || !a.pending.is_empty() {
             return false;
         }
         let d = &*c.driver;
@@ -232,10 +234,14 @@ impl<D: Driver> Arena<D> {
 impl<D: Driver> Drop for Arena<D> {
     fn drop(&mut self) {
         if !self.teardown() {
-            let n = self.state.lock().live.len();
+            let (n, p) = {
+                let a = self.state.lock();
+                (a.live.len(), a.pending.len())
+            };
             crate::log_rate_limited(&format!(
-                "cistern: {n} block(s) on device {} stream {} were never freed; their memory is \
-                 left mapped so their pointers stay valid",
+                "cistern: {n} block(s) on device {} stream {} were never freed and {p} freed \
+                 block(s) could not be waited for; their memory is left mapped so that their \
+                 pointers stay valid",
                 self.core.dev, self.stream
             ));
         }
@@ -1169,6 +1175,18 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Grow> {
         let c = &*self.core;
         const MIB: u64 = 1 << 20;
+        if rounded > c.caps.total_memory {
+            // Also keeps the segment arithmetic below far from overflow.
+            return Err(self.oom_locked(
+                dev,
+                None,
+                arena.stream,
+                size,
+                rounded,
+                false,
+                "the request is larger than the device",
+            ));
+        }
         let seg_size = if kind == SMALL {
             rounded.div_ceil(2 * MIB) * 2 * MIB
         } else if rounded < 10 * MIB {
@@ -1473,15 +1491,9 @@ impl<D: Driver> DevicePool<D> {
             add(h);
         }
         for arena in self.all_arenas() {
-            // The arena whose state the caller holds was counted above.
-            if let Some(p) = held_ptr {
-                if let Some(guard) = arena.state.try_lock() {
-                    if std::ptr::eq(&*guard, p) {
-                        continue;
-                    }
-                    add(&guard);
-                    continue;
-                }
+            // The arena whose state the caller holds was counted above; every other one is
+            // locked (the device lock is held, so holding two arena locks is allowed).
+            if held_ptr.is_some_and(|p| std::ptr::eq(arena.state.data_ptr(), p)) {
                 continue;
             }
             add(&arena.state.lock());
@@ -1679,9 +1691,11 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// Live bytes, blocks, peaks and total allocations per (tag, site) on this device, largest
-    /// live bytes first (empty with `provenance:off`). Sums the arenas' ledgers, taking each
-    /// arena's lock in turn.
+    /// live bytes first (empty with `provenance:off`). Sums the arenas' ledgers under the
+    /// device lock (it holds every arena's lock at once, which only the device lock's holder
+    /// may do: growth locks other arenas while holding its own).
     pub fn ledger(&self) -> Vec<LedgerEntry> {
+        let _dev = self.state.lock();
         let arenas = self.all_arenas();
         let guards: Vec<_> = arenas.iter().map(|a| a.state.lock()).collect();
         crate::provenance::merge_ledgers(guards.iter().map(|g| &g.ledger))
@@ -1849,7 +1863,6 @@ impl<D: Driver> DevicePool<D> {
 
 impl<D: Driver> Drop for DevicePool<D> {
     fn drop(&mut self) {
-        self.core.closed.store(true, Relaxed);
         let c = &*self.core;
         if let Some(r) = &c.recorder {
             r.flush();
@@ -1869,6 +1882,9 @@ impl<D: Driver> Drop for DevicePool<D> {
             let _ = c.driver.unmap(c.dev, addr, c.granularity);
             let _ = c.driver.release_physical(c.dev, h);
         }
+        // Only now may a buffer freed on another thread tear its arena down (and free its
+        // address range): the stuck pages inside it are gone.
+        c.closed.store(true, Relaxed);
         for arena in self.all_arenas() {
             arena.teardown();
         }
