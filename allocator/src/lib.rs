@@ -6,6 +6,15 @@
 // Gauges are indexed [gauge][pool] in several parallel arrays; index loops read best there.
 #![allow(clippy::needless_range_loop)]
 
+/// Writes a line to stderr, ignoring failure: `eprintln!` panics when stderr is a closed pipe,
+/// and nothing here may panic (code behind the C ABI, exit hooks).
+macro_rules! stderr_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 pub mod config;
 pub mod driver;
 pub mod error;
@@ -64,9 +73,9 @@ pub(crate) fn log_rate_limited(msg: &str) {
     if now > last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
         let n = SUPPRESSED.swap(0, Relaxed);
         if n > 0 {
-            eprintln!("{msg} ({n} similar messages suppressed)");
+            stderr_line!("{msg} ({n} similar messages suppressed)");
         } else {
-            eprintln!("{msg}");
+            stderr_line!("{msg}");
         }
     } else {
         SUPPRESSED.fetch_add(1, Relaxed);

@@ -166,6 +166,10 @@ pub struct Arena<D: Driver> {
 impl<D: Driver> Arena<D> {
     fn free_ptr(&self, ptr: u64) -> Result<()> {
         let c = &*self.core;
+        // Before the block can be reused (see `DevicePool::free_raw`).
+        if let Some(r) = &c.recorder {
+            r.free(ptr);
+        }
         let outcome =
             self.state
                 .lock()
@@ -176,9 +180,6 @@ impl<D: Driver> Arena<D> {
                 c.counters.num_pending_frees.fetch_add(1, Relaxed);
             }
             FreeOutcome::Freed => {}
-        }
-        if let Some(r) = &c.recorder {
-            r.free(ptr);
         }
         if c.closed.load(Relaxed) {
             self.teardown();
@@ -606,23 +607,21 @@ impl<D: Driver> DevicePool<D> {
             return Ok(());
         }
         let c = &*self.core;
+        // The recorder hears of a free before the block can be handed out again, so another
+        // thread's reuse of the address is always recorded after it (it ignores unknown
+        // pointers, so an invalid free records nothing).
+        if let Some(r) = &c.recorder {
+            r.free(ptr);
+        }
         let hit = self.with_cached(stream, |a| {
             a.state
                 .lock()
                 .free(ptr, a.stream, c.dev, &*c.driver, &c.events, &c.shared)
         });
         match hit {
-            Some(FreeOutcome::Freed) => {
-                if let Some(r) = &c.recorder {
-                    r.free(ptr);
-                }
-                return Ok(());
-            }
+            Some(FreeOutcome::Freed) => return Ok(()),
             Some(FreeOutcome::Pending) => {
                 c.counters.num_pending_frees.fetch_add(1, Relaxed);
-                if let Some(r) = &c.recorder {
-                    r.free(ptr);
-                }
                 return Ok(());
             }
             _ => {}

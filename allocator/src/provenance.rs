@@ -68,8 +68,25 @@ fn tags() -> &'static RwLock<Interner> {
     })
 }
 
+/// The longest tag name kept, in bytes; longer names are cut at a character boundary.
+pub const MAX_TAG_BYTES: usize = 256;
+
+fn truncate_tag(name: &str) -> &str {
+    if name.len() <= MAX_TAG_BYTES {
+        return name;
+    }
+    let mut end = MAX_TAG_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
 /// The id of tag `name` (interned once; never 0).
 pub fn intern_tag(name: &str) -> u32 {
+    // Names are kept for the life of the process and published in registry records (capped
+    // at 1 MiB): a tag is a label, so only its first MAX_TAG_BYTES bytes count.
+    let name = truncate_tag(name);
     if let Some(&id) = tags().read().ids.get(name) {
         return id;
     }
@@ -626,6 +643,16 @@ pub(crate) fn merge_ledgers<'a>(ledgers: impl Iterator<Item = &'a Ledger>) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_tags_are_cut_at_a_character_boundary() {
+        let long = "é".repeat(400); // 800 bytes
+        let id = intern_tag(&long);
+        let name = tag_name(id).unwrap();
+        assert!(name.len() <= MAX_TAG_BYTES && name.len() >= MAX_TAG_BYTES - 1);
+        assert!(long.starts_with(&name));
+        assert_eq!(intern_tag(&name), id);
+    }
 
     #[test]
     fn tags_intern_and_nest() {

@@ -54,7 +54,16 @@ impl Recorder {
     /// Creates (truncates) the file for device `dev` and writes the header.
     pub fn create(path: &Path, dev: DeviceId) -> std::io::Result<Recorder> {
         let path = Self::path_for(path, dev);
-        let mut out = BufWriter::new(File::create(&path)?);
+        // Never follow a symlink planted at the (predictable) path.
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)?;
+        let mut out = BufWriter::new(file);
         writeln!(out, "# cistern-trace v1")?;
         writeln!(out, "# recorded by cistern {}", env!("CARGO_PKG_VERSION"))?;
         writeln!(out, "device {dev}")?;

@@ -1108,15 +1108,19 @@ static EXIT_HANDLES: Mutex<Vec<RegistryHandle>> = Mutex::new(Vec::new());
 static EXIT_HOOK: std::sync::Once = std::sync::Once::new();
 
 extern "C" fn run_exit_hook() {
-    let handles = match EXIT_HANDLES.try_lock() {
-        Ok(mut v) => std::mem::take(&mut *v),
-        Err(_) => return,
-    };
-    for h in handles {
-        if let Err(e) = h.finish_from_source() {
-            eprintln!("cistern: {e}");
+    // Nothing may unwind out of an `extern "C"` function: a panic here would abort the
+    // process at exit and replace its exit status.
+    let _ = std::panic::catch_unwind(|| {
+        let handles = match EXIT_HANDLES.try_lock() {
+            Ok(mut v) => std::mem::take(&mut *v),
+            Err(_) => return,
+        };
+        for h in handles {
+            if let Err(e) = h.finish_from_source() {
+                stderr_line!("cistern: {e}");
+            }
         }
-    }
+    });
 }
 
 /// Arranges for `handle`'s final record to be written when the process exits normally.

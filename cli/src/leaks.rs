@@ -63,7 +63,11 @@ pub fn build(r: &Record, liveness: Liveness) -> LeaksReport {
             .find(|d| d.index == dev)
             .and_then(|d| d.uuid.clone())
     };
-    let record_live: u64 = r.devices.iter().map(|d| d.live).sum();
+    let record_live: u64 = r
+        .devices
+        .iter()
+        .map(|d| d.live)
+        .fold(0, u64::saturating_add);
     let summary = r.state == State::Exited || !r.leaks.is_empty();
     let mut groups: Vec<Group> = Vec::new();
     if summary {
@@ -84,7 +88,7 @@ pub fn build(r: &Record, liveness: Liveness) -> LeaksReport {
                     .iter()
                     .filter(|l| l.device == d.index)
                     .map(|l| l.bytes)
-                    .sum();
+                    .fold(0, u64::saturating_add);
                 if d.live > listed {
                     groups.push(other(d.index, d.uuid.clone(), d.live - listed, 0));
                 }
@@ -143,8 +147,8 @@ pub fn build(r: &Record, liveness: Liveness) -> LeaksReport {
         } else {
             "live-by-tag"
         },
-        total_bytes: groups.iter().map(|g| g.bytes).sum(),
-        total_blocks: groups.iter().map(|g| g.blocks).sum(),
+        total_bytes: groups.iter().map(|g| g.bytes).fold(0, u64::saturating_add),
+        total_blocks: groups.iter().map(|g| g.blocks).fold(0, u64::saturating_add),
         groups,
         record_live_bytes: record_live,
         leaks_truncated: r.leaks_truncated,

@@ -347,8 +347,8 @@ pub fn build(s: &Snapshot) -> PsReport {
             updated_unix_ms: Some(r.updated_unix_ms),
             record: Some(path.clone()),
             nvml_used: sum_opt(devs.iter().map(|d| d.nvml_used)),
-            reserved: devs.iter().map(|d| d.reserved).sum(),
-            live: devs.iter().map(|d| d.live).sum(),
+            reserved: devs.iter().map(|d| d.reserved).fold(0, u64::saturating_add),
+            live: devs.iter().map(|d| d.live).fold(0, u64::saturating_add),
             gpus: devs,
         });
     }
@@ -406,7 +406,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                 .iter()
                 .filter(|((u, _), _)| *u == g.uuid)
                 .filter_map(|(_, (b, _))| *b)
-                .sum();
+                .fold(0, u64::saturating_add);
             let driver_reserved = g.reserved.unwrap_or(0);
             let used = g.total.saturating_sub(g.free);
             let mine = rows
@@ -414,11 +414,12 @@ pub fn build(s: &Snapshot) -> PsReport {
                 .filter(|r| r.state == PsState::Running || r.state == PsState::Zombie)
                 .flat_map(|r| r.gpus.iter())
                 .filter(|d| d.uuid.as_deref() == Some(g.uuid.as_str()));
-            let (mut cr, mut cl, mut cc) = (0, 0, 0);
+            // Records are untrusted input: sums saturate rather than overflow.
+            let (mut cr, mut cl, mut cc) = (0u64, 0u64, 0u64);
             for d in mine {
-                cr += d.reserved;
-                cl += d.live;
-                cc += d.cached;
+                cr = cr.saturating_add(d.reserved);
+                cl = cl.saturating_add(d.live);
+                cc = cc.saturating_add(d.cached);
             }
             GpuRow {
                 index: g.index,

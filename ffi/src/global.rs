@@ -117,7 +117,7 @@ fn publish(pool: &'static AnyPool) {
         Ok(handle) => {
             registry::install_exit_hook(handle);
         }
-        Err(e) => eprintln!(
+        Err(e) => stderr_line!(
 "cistern: this process is not published for `cistern ps` (the pool works without it): {e}"
         ),
     }

@@ -102,8 +102,8 @@ fn log_rate_limited(msg: &str) {
     let last = LAST.load(Relaxed);
     if now > last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
         match SUPPRESSED.swap(0, Relaxed) {
-            0 => eprintln!("{msg}"),
-            n => eprintln!("{msg} ({n} similar messages suppressed)"),
+            0 => stderr_line!("{msg}"),
+            n => stderr_line!("{msg} ({n} similar messages suppressed)"),
         }
     } else {
         SUPPRESSED.fetch_add(1, Relaxed);

@@ -49,6 +49,15 @@ use std::ptr;
 
 use cistern_alloc::{Error, StreamId};
 
+/// Writes a line to stderr, ignoring failure: `eprintln!` panics when stderr is a closed pipe,
+/// and nothing here may panic (code behind the C ABI, exit hooks).
+macro_rules! stderr_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod global;
 mod guard;
 mod report;
