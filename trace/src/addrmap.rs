@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::sequence::{AllocSequence, Op};
+use crate::sequence::{AllocSequence, Op, SequenceError};
 
 /// Something in an address-keyed event stream that does not fit itself; worked around.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +38,15 @@ pub enum AddrAnomaly {
         /// Size at free.
         free_size: u64,
     },
+}
+
+/// Why [`AddrSequencer::finish`] could not build a replayable sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FinishError {
+    /// The reader's event whose op broke the sequence (`None` for an initial block).
+    pub event: Option<usize>,
+    /// What broke.
+    pub error: SequenceError,
 }
 
 /// The result of [`AddrSequencer::finish`].
@@ -123,7 +132,9 @@ impl AddrSequencer {
         }
     }
 
-    pub(crate) fn finish(self, initial_from_frees: usize) -> AddrSequence {
+    /// The replayable sequence. Addresses make every sequence well formed except one whose
+    /// live bytes overflow u64 (absurd sizes): that is an error naming the event of the op.
+    pub(crate) fn finish(self, initial_from_frees: usize) -> Result<AddrSequence, FinishError> {
         let mut id_of = vec![0u64; self.next_key];
         let n = self.initial.len() + self.steps.len();
         let mut ops = Vec::with_capacity(n);
@@ -155,12 +166,23 @@ impl AddrSequencer {
             op_events.push(Some(event));
         }
         let initially_live = self.initial.len();
-        // Keys are fresh per alloc and only live keys are freed, so the replay cannot fail
-        // except by overflowing u64 live bytes; report a zero peak then rather than panic.
-        let peak_live_requested = crate::sequence::replay(&ops)
-            .map(|s| s.peak_live)
-            .unwrap_or(0);
-        AddrSequence {
+        // Keys are fresh per alloc and only live keys are freed, so the replay can fail only by
+        // overflowing u64 live bytes.
+        let peak_live_requested = match crate::sequence::replay(&ops) {
+            Ok(stats) => stats.peak_live,
+            Err(error) => {
+                let op = match error {
+                    SequenceError::DuplicateId { op_index, .. }
+                    | SequenceError::FreeOfDead { op_index, .. }
+                    | SequenceError::Overflow { op_index } => op_index,
+                };
+                return Err(FinishError {
+                    event: op_events.get(op).copied().flatten(),
+                    error,
+                });
+            }
+        };
+        Ok(AddrSequence {
             sequence: AllocSequence {
                 ops,
                 peak_live_requested,
@@ -169,7 +191,7 @@ impl AddrSequencer {
             op_events,
             initial_from_frees,
             anomalies: self.anomalies,
-        }
+        })
     }
 
     /// How many initial blocks came from frees so far.
@@ -191,7 +213,7 @@ mod tests {
         s.free(3, 0x10, 5, 1); // size mismatch
         s.free(4, 0x10, 4, 1); // double free
         let n = s.initial_count();
-        let r = s.finish(n);
+        let r = s.finish(n).unwrap();
         assert_eq!(
             r.sequence.ops,
             vec![

@@ -280,15 +280,12 @@ pub fn from_bytes_with(
         if opts.untracked_as_block && untracked > 0 {
             seq.add_initial(untracked, 0);
         }
-        let r = seq.finish(from_frees);
         // Only absurd sizes (live bytes beyond u64) make the sequence unreplayable.
-        if let Err(e) = r.sequence.replay() {
-            return Err(KinetoError::Shape {
-                path: format!("traceEvents (device {device})"),
-                expected: "sizes whose live total fits in 64 bits".into(),
-                found: e.to_string(),
-            });
-        }
+        let r = seq.finish(from_frees).map_err(|e| KinetoError::Shape {
+            path: format!("traceEvents (device {device})"),
+            expected: "sizes whose live total fits in 64 bits".into(),
+            found: e.error.to_string(),
+        })?;
         let reserved_at = |k: usize| -> Option<u64> {
             evs.get(k)
                 .and_then(|e| e.total_reserved)

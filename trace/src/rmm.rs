@@ -223,27 +223,21 @@ pub fn parse(text: &str) -> Result<RmmLog, RmmError> {
         }
     }
     let from_frees = seq.initial_count();
-    let r = seq.finish(from_frees);
-    // Addresses make every sequence well formed except one whose live bytes overflow u64
-    // (absurd sizes): report the row that did it rather than hand on an unreplayable trace.
-    if let Err(e) = r.sequence.replay() {
-        let op = match e {
-            crate::sequence::SequenceError::DuplicateId { op_index, .. }
-            | crate::sequence::SequenceError::FreeOfDead { op_index, .. }
-            | crate::sequence::SequenceError::Overflow { op_index } => op_index,
-        };
-        let line = r
-            .op_events
-            .get(op)
-            .copied()
-            .flatten()
+    // Only absurd sizes (live bytes beyond u64) make the sequence unreplayable: report the
+    // row that did it rather than hand on an unreplayable trace.
+    let r = seq.finish(from_frees).map_err(|e| {
+        let line = e
+            .event
             .and_then(|row| row_lines.get(row).copied())
             .unwrap_or(1);
-        return Err(err(
+        err(
             line,
-            format!("live bytes exceed 2^64 here: the sizes are not plausible ({e})"),
-        ));
-    }
+            format!(
+                "live bytes exceed 2^64 here: the sizes are not plausible ({})",
+                e.error
+            ),
+        )
+    })?;
     Ok(RmmLog {
         sequence: r.sequence,
         op_rows: r.op_events,
