@@ -1,22 +1,42 @@
 //! An arena: one stream's share of a device pool.
 //!
-//! Each stream that allocates gets an arena with two heaps (small and large requests), each over
-//! its own segments. A block freed on the stream is reusable at once by the next allocation on
-//! the same stream, because work on one stream runs in order. Other streams never reuse an
-//! arena's *blocks*; they can only take its whole free *pages* through the device pool (after
-//! the stream's work has finished, see [`crate::pool`]). One lock per arena; the hot path takes
-//! it once and makes no driver call.
+//! Each stream that allocates gets an [`Arena`] with two heaps (small and large requests), each
+//! over its own segments. A block freed on the stream is reusable at once by the next
+//! allocation on the same stream, because work on one stream runs in order. Other streams never
+//! reuse an arena's *blocks*; they can only take its whole free *pages* through the device pool
+//! (after the stream's work has finished, see [`crate::pool`]). One lock per arena; the hot
+//! path takes it once and makes no driver call.
 //!
-//! This module owns the arena's bookkeeping: its heaps, its segments and their page tables, its
-//! map of live pointers, its pending frees and its share of the statistics. It never calls the
-//! driver except to record and poll the events of `record_stream`ed blocks.
+//! This module owns the arena whole: the [`Arena`] (its stream, the [`DeviceCore`] every arena
+//! of a device shares, its lock, its teardown) and, behind the lock, [`ArenaState`]: its heaps,
+//! its segments and their page tables ([`segment`]), its map of live pointers ([`live`]), its
+//! pending frees and its share of the statistics, with the invariant check ([`check`]). It
+//! never calls the driver except to record and poll the events of `record_stream`ed blocks and,
+//! at teardown, to give its memory back.
+//!
+//! It names nothing of [`crate::pool`]: the device pool above it decides *when* arenas grow,
+//! shrink and trade pages; the arena only keeps its own books straight.
 
+mod check;
+mod live;
+mod segment;
+mod shared;
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use crate::driver::{Driver, EventId, PhysHandle, StreamId};
-use crate::heap::{Heap, SpanId, SpanState};
+use crate::driver::{Driver, EventId, StreamId};
+use crate::error::Result;
+use crate::heap::{SpanId, SpanState};
 use crate::provenance::{Ledger, Origin};
-use crate::stats::{Gauge, LocalGauges, SharedGauges};
+use crate::stats::{LocalGauges, SharedGauges};
+
+pub(crate) use live::{LiveMap, LiveRef};
+pub(crate) use segment::{Backing, KindHeap, Segment};
+pub(crate) use shared::{Counters, DeviceCore, EventCache};
 
 /// Small or large heap.
 pub(crate) const SMALL: usize = 0;
@@ -29,66 +49,6 @@ pub(crate) fn pool_index(kind: usize) -> usize {
     kind + 1
 }
 
-/// How a segment's memory is backed.
-#[derive(Debug)]
-pub(crate) enum Backing {
-    /// A virtual reservation whose pages are mapped on demand; `pages[i]` is the handle mapped
-    /// at `base + i * granularity`.
-    Vmm { pages: Vec<Option<PhysHandle>> },
-    /// One `cuMemAlloc` allocation.
-    Linear,
-}
-
-/// A contiguous address range owned by one heap.
-#[derive(Debug)]
-pub(crate) struct Segment {
-    pub base: u64,
-    pub len: u64,
-    pub first: SpanId,
-    pub backing: Backing,
-}
-
-/// One heap with its segments.
-#[derive(Debug, Default)]
-pub(crate) struct KindHeap {
-    pub heap: Heap,
-    /// Segments by index (`Span::seg`); `None` for removed ones.
-    pub segments: Vec<Option<Segment>>,
-    /// The indices of the VMM segments (virtual extents), in the order they were reserved.
-    pub vmm_segs: Vec<u32>,
-}
-
-impl KindHeap {
-    pub fn add_segment(&mut self, base: u64, len: u64, backing: Backing) -> u32 {
-        let idx = match self.segments.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                self.segments.push(None);
-                self.segments.len() - 1
-            }
-        } as u32;
-        let state = match backing {
-            Backing::Vmm { .. } => SpanState::Hole,
-            Backing::Linear => SpanState::Free,
-        };
-        let first = self.heap.add_segment(idx, base, len, state);
-        self.segments[idx as usize] = Some(Segment {
-            base,
-            len,
-            first,
-            backing,
-        });
-        idx
-    }
-
-    pub fn segment(&self, idx: u32) -> &Segment {
-        // Segment indices come from spans of live segments only.
-        self.segments[idx as usize]
-            .as_ref()
-            .expect("span refers to a removed segment")
-    }
-}
-
 /// A block freed while other streams may still use it.
 #[derive(Debug)]
 pub(crate) struct Pending {
@@ -98,59 +58,6 @@ pub(crate) struct Pending {
     /// Some stream's use could not be captured by an event and the device could not be
     /// synchronised: the block waits for a successful device synchronisation.
     pub needs_device_sync: bool,
-}
-
-/// Live pointers to their spans.
-///
-/// # Note [An address-ordered hash]
-///
-/// The map is a hash table whose bucket index is the block's address in 512 B units (the low
-/// bits of the hash), with mixed bits only in the top seven bits that hashbrown uses as tags.
-/// Blocks that are neighbours in memory are neighbours in the table, so a program that frees
-/// in allocation order (queues of activations, KV caches) walks the table sequentially instead
-/// of missing the cache on every free; random frees cost the same as with a mixing hash.
-pub(crate) type LiveMap = std::collections::HashMap<u64, LiveRef, AddressHash>;
-
-/// The hasher of [`LiveMap`] (see the note there).
-#[derive(Clone, Copy, Default, Debug)]
-pub(crate) struct AddressHash;
-
-impl std::hash::BuildHasher for AddressHash {
-    type Hasher = AddressHasher;
-    #[inline]
-    fn build_hasher(&self) -> AddressHasher {
-        AddressHasher(0)
-    }
-}
-
-/// Hashes one `u64` address as described in [`LiveMap`].
-#[derive(Default, Debug)]
-pub(crate) struct AddressHasher(u64);
-
-impl std::hash::Hasher for AddressHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u64 keys are hashed; this path exists for completeness.
-        for &b in bytes {
-            self.write_u64(self.0.rotate_left(8) ^ b as u64);
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, addr: u64) {
-        let tag = addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) & (0x7F << 57);
-        self.0 = (addr >> 9) & !(0x7F << 57) | tag;
-    }
-}
-
-/// Where a live block is: heap kind and span.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LiveRef {
-    pub kind: u8,
-    pub span: SpanId,
 }
 
 /// Everything behind an arena's lock.
@@ -177,6 +84,109 @@ pub(crate) enum FreeOutcome {
     Pending,
     /// The pointer is not a live block of this arena.
     Unknown,
+}
+
+/// One stream's share of a device pool.
+pub(crate) struct Arena<D: Driver> {
+    /// The stream whose allocations this arena serves.
+    pub(crate) stream: StreamId,
+    /// What every arena of the device shares.
+    pub(crate) core: Arc<DeviceCore<D>>,
+    /// The arena's books; see the lock order in [`crate::pool`].
+    pub(crate) state: Mutex<ArenaState>,
+}
+
+impl<D: Driver> Arena<D> {
+    /// A new, empty arena for `stream`.
+    pub(crate) fn new(stream: StreamId, core: Arc<DeviceCore<D>>) -> Self {
+        Arena {
+            stream,
+            core,
+            state: Mutex::new(ArenaState::default()),
+        }
+    }
+
+    /// Frees `ptr`, a block of this arena (found by address, not through a stream's cache).
+    pub(crate) fn free_ptr(&self, ptr: u64) -> Result<()> {
+        let c = &*self.core;
+        // Before the block can be reused (see `DevicePool::free_raw`).
+        if let Some(r) = &c.recorder {
+            r.free(ptr);
+        }
+        let outcome = self.state.lock().free(ptr, self.stream, c);
+        match outcome {
+            FreeOutcome::Unknown => return Err(c.invalid_free(ptr, "unknown or already freed")),
+            FreeOutcome::Pending => {
+                c.counters.num_pending_frees.fetch_add(1, Relaxed);
+            }
+            FreeOutcome::Freed => {}
+        }
+        if c.closed.load(Relaxed) {
+            self.teardown();
+        }
+        Ok(())
+    }
+
+    /// Releases everything the arena holds when no block is live or pending (after the device
+    /// pool was dropped). Returns whether it did.
+    pub(crate) fn teardown(&self) -> bool {
+        let c = &*self.core;
+        let mut a = self.state.lock();
+        if !a.pending.is_empty() {
+            a.process_pending(true, c);
+        }
+        // A block still pending (its events could not be waited for) may still be used by
+        // another stream: its pages stay mapped, like a live block's.
+        if !a.live.is_empty() || !a.pending.is_empty() {
+            return false;
+        }
+        let d = &*c.driver;
+        let mut synced = false;
+        for kh in &mut a.kinds {
+            for slot in &mut kh.segments {
+                let Some(seg) = slot.take() else { continue };
+                if !synced {
+                    c.sync_stream(self.stream);
+                    synced = true;
+                }
+                match seg.backing {
+                    Backing::Vmm { pages } => {
+                        for (i, p) in pages.iter().enumerate() {
+                            if let Some(h) = p {
+                                let addr = seg.base + i as u64 * c.granularity;
+                                let _ = d.unmap(c.dev, addr, c.granularity);
+                                let _ = d.release_physical(c.dev, *h);
+                            }
+                        }
+                        let _ = d.free_va(c.dev, seg.base, seg.len);
+                    }
+                    Backing::Linear => {
+                        let _ = d.mem_free(c.dev, seg.base);
+                    }
+                }
+                kh.heap.remove_segment(seg.first);
+            }
+            kh.vmm_segs.clear();
+        }
+        true
+    }
+}
+
+impl<D: Driver> Drop for Arena<D> {
+    fn drop(&mut self) {
+        if !self.teardown() {
+            let (n, p) = {
+                let a = self.state.lock();
+                (a.live.len(), a.pending.len())
+            };
+            crate::log_rate_limited(&format!(
+                "cistern: {n} block(s) on device {} stream {} were never freed and {p} freed \
+                 block(s) could not be waited for; their memory is left mapped so that their \
+                 pointers stay valid",
+                self.core.dev, self.stream
+            ));
+        }
+    }
 }
 
 impl ArenaState {
@@ -288,15 +298,13 @@ impl ArenaState {
 
     /// Frees the live block at `ptr`. Blocks used by other streams become pending: an event is
     /// recorded on each of those streams and the block returns to the heap once all complete.
-    pub fn free<D: Driver + ?Sized>(
+    pub fn free<D: Driver>(
         &mut self,
         ptr: u64,
         own_stream: StreamId,
-        dev: usize,
-        driver: &D,
-        events: &crate::pool::EventCache,
-        shared: &SharedGauges,
+        core: &DeviceCore<D>,
     ) -> FreeOutcome {
+        let (dev, driver, events, shared) = (core.dev, &*core.driver, &core.events, &core.shared);
         let Some(r) = self.live.remove(&ptr) else {
             return FreeOutcome::Unknown;
         };
@@ -348,14 +356,8 @@ impl ArenaState {
 
     /// Frees pending blocks whose events have all completed. With `wait`, blocks on the events
     /// first (the OOM protocol). Returns how many blocks were freed.
-    pub fn process_pending<D: Driver + ?Sized>(
-        &mut self,
-        wait: bool,
-        dev: usize,
-        driver: &D,
-        events: &crate::pool::EventCache,
-        shared: &SharedGauges,
-    ) -> usize {
+    pub fn process_pending<D: Driver>(&mut self, wait: bool, core: &DeviceCore<D>) -> usize {
+        let (dev, driver, events, shared) = (core.dev, &*core.driver, &core.events, &core.shared);
         let mut freed = 0;
         let mut i = 0;
         while i < self.pending.len() {
@@ -392,7 +394,8 @@ impl ArenaState {
 
     /// Retries the device synchronisation that blocks pending frees whose uses no event could
     /// capture (slow paths only: it blocks the host). Returns whether none is left waiting.
-    pub fn retry_device_sync<D: Driver + ?Sized>(&mut self, dev: usize, driver: &D) -> bool {
+    pub fn retry_device_sync<D: Driver>(&mut self, core: &DeviceCore<D>) -> bool {
+        let (dev, driver) = (core.dev, &*core.driver);
         if !self.pending.iter().any(|p| p.needs_device_sync) {
             return true;
         }
@@ -444,116 +447,5 @@ impl ArenaState {
             }
         }
         best
-    }
-
-    /// Checks this arena's consistency: heaps, page tables, live map and gauges. `granularity`
-    /// is the page size. Returns the number of mapped pages (for the device-wide check).
-    pub fn check(&self, granularity: u64) -> Result<u64, String> {
-        let mut mapped = 0u64;
-        let mut live_count = [0i64; 2];
-        let mut live_bytes = [0i64; 2];
-        let mut requested = [0i64; 2];
-        let mut pending = [0i64; 2];
-        let mut pending_bytes = [0i64; 2];
-        for (k, kh) in self.kinds.iter().enumerate() {
-            let segs: Vec<_> = kh
-                .segments
-                .iter()
-                .flatten()
-                .map(|s| (s.first, s.base, s.len))
-                .collect();
-            kh.heap.check(&segs).map_err(|e| format!("heap {k}: {e}"))?;
-            for seg in kh.segments.iter().flatten() {
-                for (id, s) in kh.heap.segment_spans(seg.first) {
-                    match s.state {
-                        SpanState::Live => {
-                            live_count[k] += 1;
-                            live_bytes[k] += s.len as i64;
-                            requested[k] += s.requested as i64;
-                            match self.live.get(&s.start) {
-                                Some(r) if r.span == id && r.kind as usize == k => {}
-                                _ => {
-                                    return Err(format!(
-                                        "live span {id} at {:#x} not in the live map",
-                                        s.start
-                                    ))
-                                }
-                            }
-                        }
-                        SpanState::Pending => {
-                            pending[k] += 1;
-                            pending_bytes[k] += s.len as i64;
-                            if !self.pending.iter().any(|p| p.span == id && p.kind == k) {
-                                return Err(format!(
-                                    "pending span {id} is not in the pending list"
-                                ));
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                if let Backing::Vmm { pages } = &seg.backing {
-                    // A page must be mapped iff some non-hole span overlaps it.
-                    let mut need = vec![false; pages.len()];
-                    for (_, s) in kh.heap.segment_spans(seg.first) {
-                        if s.state != SpanState::Hole {
-                            let lo = (s.start - seg.base) / granularity;
-                            let hi = (s.end() - seg.base).div_ceil(granularity);
-                            for n in &mut need[lo as usize..hi as usize] {
-                                *n = true;
-                            }
-                        } else if s.start % granularity != 0 || s.len % granularity != 0 {
-                            return Err(format!("hole at {:#x} is not page-aligned", s.start));
-                        }
-                    }
-                    for (i, (p, n)) in pages.iter().zip(&need).enumerate() {
-                        if p.is_some() != *n {
-                            return Err(format!(
-                                "page {i} of segment {:#x}: mapped={} but needed={}",
-                                seg.base,
-                                p.is_some(),
-                                n
-                            ));
-                        }
-                    }
-                    mapped += pages.iter().filter(|p| p.is_some()).count() as u64;
-                }
-            }
-        }
-        if self.live.len() as i64 != live_count[0] + live_count[1] {
-            return Err(format!(
-                "live map has {} entries, heaps {} live spans",
-                self.live.len(),
-                live_count[0] + live_count[1]
-            ));
-        }
-        let g = &self.gauges;
-        for k in 0..2 {
-            let p = pool_index(k);
-            let h = &self.kinds[k].heap;
-            let expect = [
-                (Gauge::Allocation, live_count[k]),
-                (Gauge::AllocatedBytes, live_bytes[k]),
-                (Gauge::Active, live_count[k] + pending[k]),
-                (Gauge::ActiveBytes, live_bytes[k] + pending_bytes[k]),
-                (Gauge::InactiveSplit, h.free_count() as i64),
-                (Gauge::InactiveSplitBytes, h.free_bytes() as i64),
-                (Gauge::RequestedBytes, requested[k]),
-            ];
-            for (gauge, v) in expect {
-                if g.cur[gauge as usize][p] != v {
-                    return Err(format!(
-                        "gauge {:?} of heap {k} is {}, blocks say {v}",
-                        gauge, g.cur[gauge as usize][p]
-                    ));
-                }
-            }
-        }
-        for gi in 0..crate::stats::GAUGES {
-            if g.cur[gi][0] != g.cur[gi][1] + g.cur[gi][2] {
-                return Err(format!("gauge {gi}: all != small + large"));
-            }
-        }
-        Ok(mapped)
     }
 }

@@ -1,0 +1,114 @@
+//! What every arena of one device shares: the driver, the settings, the published statistics,
+//! a cache of events and the slow-path counters ([`DeviceCore`]). The device pool creates one
+//! per device and hands an `Arc` of it to each arena, so that an arena can free, poll its
+//! pending frees and tear itself down without reaching back into the pool.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId};
+use crate::error::Error;
+use crate::stats::SharedGauges;
+
+/// A cache of driver events, so that pending frees do not create and destroy one each time.
+#[derive(Debug, Default)]
+pub(crate) struct EventCache {
+    free: Mutex<Vec<EventId>>,
+}
+
+impl EventCache {
+    /// An event, from the cache or freshly created.
+    pub(crate) fn get<D: Driver + ?Sized>(
+        &self,
+        driver: &D,
+        dev: DeviceId,
+    ) -> crate::driver::DriverResult<EventId> {
+        if let Some(ev) = self.free.lock().pop() {
+            return Ok(ev);
+        }
+        driver.event_create(dev)
+    }
+
+    /// Returns an event to the cache.
+    pub(crate) fn put(&self, ev: EventId) {
+        self.free.lock().push(ev);
+    }
+
+    /// Takes every cached event (to destroy them when the pool closes).
+    pub(crate) fn drain(&self) -> Vec<EventId> {
+        std::mem::take(&mut *self.free.lock())
+    }
+}
+
+/// Event counters of a device pool (slow-path events; read into [`crate::Stats`]).
+#[derive(Debug, Default)]
+#[allow(missing_docs)]
+pub(crate) struct Counters {
+    pub(crate) num_alloc_retries: AtomicU64,
+    pub(crate) num_ooms: AtomicU64,
+    pub(crate) num_limit_ooms: AtomicU64,
+    pub(crate) num_invalid_frees: AtomicU64,
+    pub(crate) num_stitches: AtomicU64,
+    pub(crate) num_stitched_pages: AtomicU64,
+    pub(crate) num_cross_stream_pages: AtomicU64,
+    pub(crate) num_device_alloc: AtomicU64,
+    pub(crate) num_device_free: AtomicU64,
+    pub(crate) num_sync_all_streams: AtomicU64,
+    pub(crate) num_stream_syncs: AtomicU64,
+    pub(crate) num_pending_frees: AtomicU64,
+    pub(crate) num_released_pages: AtomicU64,
+    pub(crate) num_driver_errors: AtomicU64,
+    pub(crate) num_record_streams: AtomicU64,
+}
+
+/// What every arena of a device shares: the driver, the settings, the published statistics.
+pub(crate) struct DeviceCore<D: Driver> {
+    pub(crate) uid: u64,
+    pub(crate) dev: DeviceId,
+    pub(crate) driver: Arc<D>,
+    pub(crate) caps: DeviceCaps,
+    pub(crate) config: Config,
+    pub(crate) granularity: u64,
+    pub(crate) vmm: bool,
+    pub(crate) shared: SharedGauges,
+    pub(crate) events: EventCache,
+    pub(crate) counters: Counters,
+    pub(crate) closed: AtomicBool,
+    pub(crate) recorder: Option<crate::record::Recorder>,
+}
+
+impl<D: Driver> DeviceCore<D> {
+    /// Counts, logs (or aborts, with `strict`) and describes the free of an unknown pointer.
+    pub(crate) fn invalid_free(&self, ptr: u64, why: &str) -> Error {
+        self.counters.num_invalid_frees.fetch_add(1, Relaxed);
+        let msg = format!(
+            "cistern: ignoring free of {ptr:#x} on device {}: {why} (counted in num_invalid_frees)",
+            self.dev
+        );
+        if self.config.strict {
+            eprintln!("{msg}; aborting because strict:true is set");
+            std::process::abort();
+        }
+        crate::log_rate_limited(&msg);
+        Error::InvalidArgument(format!("{ptr:#x} is not a live allocation: {why}"))
+    }
+
+    /// Records an event on `stream` and waits for it: all work queued there so far is done.
+    pub(crate) fn sync_stream(&self, stream: StreamId) -> bool {
+        self.counters.num_stream_syncs.fetch_add(1, Relaxed);
+        let d = &*self.driver;
+        if let Ok(ev) = self.events.get(d, self.dev) {
+            let ok = d.event_record(self.dev, ev, stream).is_ok()
+                && d.event_synchronize(self.dev, ev).is_ok();
+            self.events.put(ev);
+            if ok {
+                return true;
+            }
+        }
+        self.counters.num_sync_all_streams.fetch_add(1, Relaxed);
+        d.device_synchronize(self.dev).is_ok()
+    }
+}

@@ -1,0 +1,453 @@
+//! [`DevicePool`]: one device's pool of per-stream arenas, the state behind its device lock, the
+//! thread-local arena cache and the hot path (alloc, free, `record_stream`), and its teardown.
+//! The slow path it falls into on a miss is in `grow.rs`.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+
+use parking_lot::{Mutex, RwLock};
+use rustc_hash::FxHashMap;
+
+use super::buffer::Buffer;
+use super::round_size;
+use crate::arena::{
+    pool_index, Arena, Counters, DeviceCore, EventCache, FreeOutcome, LARGE, SMALL,
+};
+use crate::config::Config;
+use crate::driver::{DeviceCaps, DeviceId, Driver, PhysHandle, StreamId};
+use crate::error::{Error, OomReport, Result};
+use crate::heap::ALIGN;
+use crate::provenance::{Mode, Origin};
+use crate::stats::{ExactGauge, SharedGauges};
+
+/// Device-level state behind the device lock: reserved memory and the limit.
+#[derive(Debug)]
+pub(super) struct DeviceState {
+    /// Reserved bytes by pool (0 all, 1 small, 2 large).
+    pub(super) reserved: [ExactGauge; 3],
+    /// Physical handles or linear segments by pool.
+    pub(super) segments: [ExactGauge; 3],
+    pub(super) limit: u64,
+    pub(super) fraction: f64,
+    /// Physical handles (with their heap kind) whose release failed: unmapped, still reserved.
+    /// Growth maps them again before creating new pages; `empty_cache` retries releasing them.
+    pub(super) lost: Vec<(usize, PhysHandle)>,
+    /// Handles mapped at an address (kind, handle, address) whose access could not be granted
+    /// and which could not be unmapped either: still reserved, outside every heap's page
+    /// table. `empty_cache` retries the unmap and the release.
+    pub(super) stuck: Vec<(usize, PhysHandle, u64)>,
+    /// Reserved bytes right after the limit was last lowered (and cached memory released):
+    /// live blocks may keep reserved above a lowered limit, never above this.
+    pub(super) over_limit: u64,
+    /// The report of the last failed request (for the registry's record).
+    pub(super) last_oom: Option<Box<OomReport>>,
+}
+
+impl DeviceState {
+    pub(super) fn add_reserved(&mut self, kind: usize, bytes: i64) {
+        self.reserved[0].add(bytes);
+        self.reserved[pool_index(kind)].add(bytes);
+    }
+    pub(super) fn add_segments(&mut self, kind: usize, n: i64) {
+        self.segments[0].add(n);
+        self.segments[pool_index(kind)].add(n);
+    }
+}
+
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+struct CacheEntry {
+    uid: u64,
+    stream: StreamId,
+    arena: Arc<dyn Any + Send + Sync>,
+}
+
+const TLS_ENTRIES: usize = 4;
+
+thread_local! {
+    /// The arenas this thread used last: (pool uid, stream) -> arena. Saves a shared lock on
+    /// every allocation.
+    static ARENA_CACHE: RefCell<Vec<CacheEntry>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Segment base -> (end, owning arena).
+type RangeIndex<D> = BTreeMap<u64, (u64, Weak<Arena<D>>)>;
+
+/// The pool of one device: an arena per stream, plus the state that all of them share.
+pub struct DevicePool<D: Driver> {
+    pub(super) core: Arc<DeviceCore<D>>,
+    pub(super) arenas: RwLock<FxHashMap<StreamId, Arc<Arena<D>>>>,
+    /// Segment base -> (end, owning arena), to find a pointer's arena without its stream.
+    pub(super) ranges: RwLock<RangeIndex<D>>,
+    pub(super) state: Mutex<DeviceState>,
+}
+
+impl<D: Driver> DevicePool<D> {
+    /// A pool for device `dev`, using `driver` and `config`.
+    pub fn new(driver: Arc<D>, dev: DeviceId, config: Config) -> Result<Self> {
+        config.validate()?;
+        let caps = driver.capabilities(dev)?;
+        if caps.granularity == 0 || !caps.granularity.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "device {dev} reports granularity {} (not a power of two)",
+                caps.granularity
+            )));
+        }
+        let vmm = config.vmm && caps.vmm;
+        // Starts the provenance clock no later than the first pool.
+        crate::provenance::now_ns();
+        let limit = config.limit_for(caps.total_memory);
+        let recorder = match &config.record {
+            Some(path) => Some(crate::record::Recorder::create(path, dev).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "{}: record: cannot create {}: {e}",
+                    crate::config::ENV_VAR,
+                    crate::record::Recorder::path_for(path, dev).display()
+                ))
+            })?),
+            None => None,
+        };
+        Ok(DevicePool {
+            core: Arc::new(DeviceCore {
+                uid: NEXT_UID.fetch_add(1, Relaxed),
+                dev,
+                granularity: caps.granularity.max(ALIGN),
+                caps,
+                vmm,
+                config: config.clone(),
+                driver,
+                shared: SharedGauges::default(),
+                events: EventCache::default(),
+                counters: Counters::default(),
+                closed: AtomicBool::new(false),
+                recorder,
+            }),
+            arenas: RwLock::new(FxHashMap::default()),
+            ranges: RwLock::new(BTreeMap::new()),
+            state: Mutex::new(DeviceState {
+                reserved: Default::default(),
+                segments: Default::default(),
+                limit,
+                fraction: config.memory_fraction,
+                over_limit: 0,
+                last_oom: None,
+                lost: Vec::new(),
+                stuck: Vec::new(),
+            }),
+        })
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> DeviceId {
+        self.core.dev
+    }
+
+    /// What the device can do.
+    pub fn caps(&self) -> &DeviceCaps {
+        &self.core.caps
+    }
+
+    /// Whether this pool maps pages itself (VMM) rather than using `cuMemAlloc` segments.
+    pub fn uses_vmm(&self) -> bool {
+        self.core.vmm
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.core.driver
+    }
+
+    /// The per-process limit on reserved bytes.
+    pub fn limit(&self) -> u64 {
+        self.state.lock().limit
+    }
+
+    pub(super) fn arena(&self, stream: StreamId) -> Arc<Arena<D>> {
+        if let Some(a) = self.arenas.read().get(&stream) {
+            return a.clone();
+        }
+        let mut map = self.arenas.write();
+        map.entry(stream)
+            .or_insert_with(|| Arc::new(Arena::new(stream, self.core.clone())))
+            .clone()
+    }
+
+    /// Runs `f` on the cached arena of `stream`, if this thread has it cached.
+    #[inline]
+    pub(super) fn with_cached<R>(
+        &self,
+        stream: StreamId,
+        f: impl FnOnce(&Arena<D>) -> R,
+    ) -> Option<R> {
+        let uid = self.core.uid;
+        ARENA_CACHE
+            .try_with(|cell| {
+                let cache = cell.try_borrow().ok()?;
+                let e = cache.iter().find(|e| e.uid == uid && e.stream == stream)?;
+                let arena = e.arena.downcast_ref::<Arena<D>>()?;
+                Some(f(arena))
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// The arena of `stream`, caching it for this thread.
+    pub(super) fn arena_cached(&self, stream: StreamId) -> Arc<Arena<D>> {
+        let arena = self.arena(stream);
+        let uid = self.core.uid;
+        let _ = ARENA_CACHE.try_with(|cell| {
+            if let Ok(mut cache) = cell.try_borrow_mut() {
+                cache.retain(|e| !(e.uid == uid && e.stream == stream));
+                if cache.len() >= TLS_ENTRIES {
+                    cache.remove(0);
+                }
+                cache.push(CacheEntry {
+                    uid,
+                    stream,
+                    arena: arena.clone(),
+                });
+            }
+        });
+        arena
+    }
+
+    #[inline]
+    pub(super) fn kind_of(&self, rounded: u64) -> usize {
+        if rounded <= self.core.config.small_size {
+            SMALL
+        } else {
+            LARGE
+        }
+    }
+
+    /// The hot path on one arena: `Some(ptr)` on a cache hit.
+    #[inline]
+    pub(super) fn fast_alloc(
+        &self,
+        arena: &Arena<D>,
+        kind: usize,
+        rounded: u64,
+        size: u64,
+        o: Option<&Origin>,
+    ) -> Option<u64> {
+        let c = &*self.core;
+        let mut a = arena.state.lock();
+        if !a.pending.is_empty() {
+            a.process_pending(false, c);
+        }
+        let (p, id) = a.try_take(kind, rounded, size, &c.shared)?;
+        if let Some(o) = o {
+            a.record(kind, id, rounded, o);
+        }
+        Some(p)
+    }
+
+    /// This allocation's provenance (see Note [Provenance on the hot path]); `None` when off.
+    #[inline]
+    pub(super) fn origin(&self) -> Option<Origin> {
+        let c = &self.core.config;
+        match c.provenance {
+            Mode::Off => None,
+            m => Some(crate::provenance::origin(
+                m == Mode::Stacks,
+                c.stack_sample_rate,
+            )),
+        }
+    }
+
+    /// Allocates `size` bytes for use on `stream`; returns the device pointer (0 for size 0).
+    pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64> {
+        self.alloc_inner(size, stream).map(|(p, _)| p)
+    }
+
+    /// Allocates and returns the pointer with the arena it came from (when needed).
+    pub(super) fn alloc_inner(
+        &self,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<(u64, Option<Arc<Arena<D>>>)> {
+        if size == 0 {
+            return Ok((0, None));
+        }
+        let rounded = round_size(size)
+            .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
+        let kind = self.kind_of(rounded);
+        let o = self.origin();
+        if let Some(Some(ptr)) = self.with_cached(stream, |a| {
+            self.fast_alloc(a, kind, rounded, size, o.as_ref())
+        }) {
+            self.handed_out(ptr, rounded, size, stream);
+            return Ok((ptr, None));
+        }
+        let arena = self.arena_cached(stream);
+        let ptr = match self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
+            Some(p) => p,
+            None => {
+                let p = self.alloc_slow(&arena, kind, rounded, size)?;
+                if let Some(o) = &o {
+                    arena.state.lock().record_ptr(p, o);
+                }
+                p
+            }
+        };
+        self.handed_out(ptr, rounded, size, stream);
+        Ok((ptr, Some(arena)))
+    }
+
+    /// What every successful allocation does last: the hazard hook and the recorder.
+    #[inline]
+    pub(super) fn handed_out(&self, ptr: u64, rounded: u64, size: u64, stream: StreamId) {
+        let c = &*self.core;
+        c.driver.note_handout(c.dev, ptr, rounded, stream);
+        if let Some(r) = &c.recorder {
+            r.alloc(ptr, size, stream);
+        }
+    }
+
+    /// Allocates a [`Buffer`] that frees itself on drop.
+    pub fn try_alloc(&self, size: u64, stream: StreamId) -> Result<Buffer<D>> {
+        let (ptr, arena) = self.alloc_inner(size, stream)?;
+        let arena = match (ptr, arena) {
+            (0, _) => None,
+            (_, Some(a)) => Some(a),
+            (_, None) => Some(self.arena_cached(stream)),
+        };
+        Ok(Buffer {
+            ptr,
+            len: size,
+            stream,
+            device: self.core.dev,
+            arena,
+        })
+    }
+
+    #[cold]
+    pub(super) fn alloc_slow(
+        &self,
+        arena: &Arc<Arena<D>>,
+        kind: usize,
+        rounded: u64,
+        size: u64,
+    ) -> Result<u64> {
+        let r = self.grow_with_retry(arena, kind, rounded, size);
+        if let Some(rec) = &self.core.recorder {
+            rec.reserved(self.state.lock().reserved[0].current.max(0) as u64);
+        }
+        r
+    }
+
+    /// Frees the block at `ptr`. `stream` is a hint (the allocation's stream makes it fast).
+    /// Freeing 0 is a no-op; an unknown pointer is counted, logged and reported as an error,
+    /// and changes nothing.
+    pub fn free_raw(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let c = &*self.core;
+        // The recorder hears of a free before the block can be handed out again, so another
+        // thread's reuse of the address is always recorded after it (it ignores unknown
+        // pointers, so an invalid free records nothing).
+        if let Some(r) = &c.recorder {
+            r.free(ptr);
+        }
+        let hit = self.with_cached(stream, |a| a.state.lock().free(ptr, a.stream, c));
+        match hit {
+            Some(FreeOutcome::Freed) => return Ok(()),
+            Some(FreeOutcome::Pending) => {
+                c.counters.num_pending_frees.fetch_add(1, Relaxed);
+                return Ok(());
+            }
+            _ => {}
+        }
+        match self.arena_of(ptr) {
+            Some(a) => a.free_ptr(ptr),
+            None => Err(c.invalid_free(ptr, "not an address of this pool")),
+        }
+    }
+
+    /// The arena whose segments contain `addr`.
+    pub(super) fn arena_of(&self, addr: u64) -> Option<Arc<Arena<D>>> {
+        let ranges = self.ranges.read();
+        let (_, (end, arena)) = ranges.range(..=addr).next_back()?;
+        if addr < *end {
+            arena.upgrade()
+        } else {
+            None
+        }
+    }
+
+    /// Whether `addr` lies in memory this pool manages.
+    pub fn owns(&self, addr: u64) -> bool {
+        self.arena_of(addr).is_some()
+    }
+
+    /// Marks the block containing `ptr` (its base or any address inside it) as used by
+    /// `stream`: when it is freed, it is not reused until the work queued on `stream` by then
+    /// has completed.
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        let c = &*self.core;
+        let Some(arena) = self.arena_of(ptr) else {
+            c.counters.num_invalid_frees.fetch_add(1, Relaxed);
+            return Err(Error::InvalidArgument(format!(
+                "record_stream: {ptr:#x} is not memory of this pool"
+            )));
+        };
+        c.counters.num_record_streams.fetch_add(1, Relaxed);
+        let mut a = arena.state.lock();
+        let Some(base) = a.block_containing(ptr) else {
+            return Err(Error::InvalidArgument(format!(
+                "record_stream: {ptr:#x} is not inside a live block"
+            )));
+        };
+        if stream != arena.stream {
+            let uses = a.uses.entry(base).or_default();
+            if !uses.contains(&stream) {
+                uses.push(stream);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn all_arenas(&self) -> Vec<Arc<Arena<D>>> {
+        let mut v: Vec<_> = self.arenas.read().values().cloned().collect();
+        v.sort_by_key(|a| a.stream);
+        v
+    }
+}
+
+impl<D: Driver> Drop for DevicePool<D> {
+    fn drop(&mut self) {
+        let c = &*self.core;
+        if let Some(r) = &c.recorder {
+            r.flush();
+        }
+        let (lost, stuck) = {
+            let mut dev = self.state.lock();
+            (
+                std::mem::take(&mut dev.lost),
+                std::mem::take(&mut dev.stuck),
+            )
+        };
+        for (_, h) in lost {
+            let _ = c.driver.release_physical(c.dev, h);
+        }
+        // Before the arenas free their address ranges, which must hold no mapping.
+        for (_, h, addr) in stuck {
+            let _ = c.driver.unmap(c.dev, addr, c.granularity);
+            let _ = c.driver.release_physical(c.dev, h);
+        }
+        // Only now may a buffer freed on another thread tear its arena down (and free its
+        // address range): the stuck pages inside it are gone.
+        c.closed.store(true, Relaxed);
+        for arena in self.all_arenas() {
+            arena.teardown();
+        }
+        self.arenas.write().clear();
+        for ev in c.events.drain() {
+            let _ = c.driver.event_destroy(c.dev, ev);
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! The pool: per-device pools of per-stream arenas, growth, stitching, release and the OOM
+//! protocol.
+//!
+//! # One allocation, end to end
+//!
+//! `alloc_raw(size, stream)` rounds `size` up to 512 B and picks the small heap (at most
+//! `small_size`, 1 MiB by default) or the large one. It finds the stream's [`Arena`] through a
+//! small thread-local cache (no shared lock), locks it, and asks the heap for a free span
+//! (O(1), see [`crate::heap`]). On a hit it updates the arena's share of the statistics, tells
+//! the driver's hazard hook, and returns: one uncontended lock, no driver call.
+//!
+//! On a miss it takes the slow path, [`DevicePool::grow`], under the device lock:
+//!
+//! 1. poll the events of pending (`record_stream`ed) frees;
+//! 2. with VMM, choose a *window* in the arena's virtual segment for the request: the run of free
+//!    space and unmapped holes that needs the fewest new pages (often the growing end);
+//! 3. find physical pages for the unmapped part of the window, cheapest first: **stitch** whole
+//!    free pages cached anywhere in the device pool (any arena, either heap), unmapping them
+//!    where they are (after the owning stream's work has finished), then create new pages with
+//!    the driver while the per-process limit allows;
+//! 4. if that is not enough: wait for pending frees' events, free them, and retry once; then
+//!    fail with an [`OomReport`] (pages already gathered stay mapped in the window as cache);
+//! 5. map the pages into the window, grant access, and take the block.
+//!
+//! Without VMM the arena grows by `cuMemAlloc` segments (2 MiB for small requests, 20 MiB for
+//! requests under 10 MiB, else the request rounded to 2 MiB, as PyTorch does), and the OOM
+//! protocol releases wholly free segments of every arena before retrying.
+//!
+//! # Note [Why pages move, not blocks]
+//!
+//! A block freed on stream S may still be read by queued work on S. S itself can reuse it at
+//! once (stream order), but another stream cannot without an event. Rather than recording an
+//! event on every free (a driver call on the hot path), arenas never lend blocks across
+//! streams; whole free *pages* move instead, on the slow path, after an event recorded on the
+//! donor stream has completed. This keeps the hot path free of driver calls and still lets
+//! every stream's cache serve every other stream: physical fragmentation is bounded by the
+//! partially used pages at the edges of live runs.
+//!
+//! # Locks
+//!
+//! Order: device lock, then arena locks (the target arena first), then the range index (a
+//! leaf). The hot path takes one arena lock and nothing else. Any path that holds two arena
+//! locks holds the device lock, so arena locks cannot deadlock.
+//!
+//! # Layout
+//!
+//! | module | owns |
+//! |---|---|
+//! | `mod.rs` | [`Pool`] over every device, this contract and the lock order |
+//! | `device.rs` | [`DevicePool`], its device-lock state, the thread-local arena cache, the hot path (alloc, free, `record_stream`) and teardown |
+//! | `grow.rs` | the slow path: [`DevicePool::grow`]'s two strategies, the give-up rule and the OOM report |
+//! | `vmm.rs` | VMM growth in named phases, mapping, stitching and page stealing |
+//! | `window.rs` | the pure window arithmetic (which pages a request needs, which pages are free) |
+//! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
+//! | `report.rs` | statistics, invariant checks, live views, snapshots, reports |
+//! | `buffer.rs` | [`Buffer`], the owning handle |
+//!
+//! An arena's own books (heaps, page tables, live map, pending frees) are [`crate::arena`]'s,
+//! one layer down; nothing there names the pool.
+//!
+//! # The contract between the hot path and growth
+//!
+//! The hot path ([`DevicePool::alloc_raw`], `free_raw`) only ever asks an arena's heap for a
+//! free span of the request's heap kind, and gives spans back. Either growth strategy (VMM
+//! extents in `vmm.rs`, `cuMemAlloc` segments in `grow.rs`) must supply, under the device lock
+//! and the target arena's lock:
+//!
+//! 1. **Backed free space.** After growth returns `Done(ptr)`, `ptr` is a live span of the
+//!    target arena taken for the request; every byte of every free or live span is backed by
+//!    mapped, accessible memory; holes (unmapped VMM pages) are never handed out.
+//! 2. **Ranges indexed.** Every segment added to a heap is entered in the range index (segment
+//!    base → end, arena) before any of its spans is handed out, so that a free without the
+//!    right stream finds its arena; a segment leaves the index only once it holds no span.
+//! 3. **Feasibility first.** A request that cannot succeed changes neither reserved memory nor
+//!    the counters of another request (ACCEPTANCE B8); memory moved for it stays cached.
+//! 4. **Accounting.** `DeviceState::reserved` and `segments` equal what the driver holds for
+//!    this pool (mapped pages, linear segments, and handles whose release or unmap failed), by
+//!    heap kind, and reserved never exceeds the limit except by what live blocks kept after the
+//!    limit was lowered.
+//! 5. **Cross-stream safety.** Memory moves between arenas only as whole free pages (VMM) after
+//!    the donor stream's work on them is known finished, or as wholly free segments returned
+//!    to the driver (`cuMemFree` synchronises); no block is ever reused by another stream.
+//! 6. **Give up once.** When memory is short and frees are waiting on events, growth asks for
+//!    one retry of the OOM protocol ([`grow::Grow::Retry`]); otherwise it fails with an
+//!    [`OomReport`].
+//!
+//! [`check_invariants`](DevicePool::check_invariants) checks 1, 2 and 4 after every operation in
+//! the tests.
+
+mod buffer;
+mod device;
+mod grow;
+mod release;
+mod report;
+mod vmm;
+mod window;
+
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::driver::{DeviceId, Driver, StreamId};
+use crate::error::{Error, Result};
+use crate::heap::ALIGN;
+use crate::stats::Stats;
+
+pub use buffer::Buffer;
+pub use device::DevicePool;
+pub use report::{BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
+
+/// Rounds a request up to the pool's 512 B unit; `None` on overflow.
+#[inline]
+pub fn round_size(size: u64) -> Option<u64> {
+    size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1))
+}
+
+/// The pool for every device of a driver: per-device pools created on first use.
+///
+/// # Publishing to the cross-process registry
+///
+/// A Rust program that wants `cistern ps / leaks / doctor` to see its pool keeps the pool in an
+/// `Arc` and calls [`Pool::start_registry`] once (`libcistern.so` does it for its global pool):
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use cistern::{Config, Pool, SimConfig, SimDriver};
+/// let pool = Arc::new(Pool::new(SimDriver::new(SimConfig::default()), Config::default())?);
+/// if let Err(e) = pool.start_registry() {
+///     eprintln!("cistern: not published: {e}");
+/// }
+/// # Ok::<(), cistern::Error>(())
+/// ```
+pub struct Pool<D: Driver> {
+    driver: Arc<D>,
+    config: Config,
+    devices: Vec<OnceLock<Arc<DevicePool<D>>>>,
+    create: Mutex<()>,
+}
+
+impl<D: Driver> Pool<D> {
+    /// A pool over `driver` with `config`. Fails when the configuration is invalid or the
+    /// driver cannot count its devices.
+    pub fn new(driver: D, config: Config) -> Result<Self> {
+        config.validate()?;
+        let driver = Arc::new(driver);
+        let n = driver.device_count()?;
+        Ok(Pool {
+            driver,
+            config,
+            devices: (0..n).map(|_| OnceLock::new()).collect(),
+            create: Mutex::new(()),
+        })
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// How many devices there are.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The pool of device `dev`, created on first use.
+    pub fn device(&self, dev: DeviceId) -> Result<&Arc<DevicePool<D>>> {
+        let slot = self.devices.get(dev).ok_or(Error::InvalidDevice {
+            device: dev,
+            count: self.devices.len(),
+        })?;
+        if let Some(p) = slot.get() {
+            return Ok(p);
+        }
+        let _g = self.create.lock();
+        if let Some(p) = slot.get() {
+            return Ok(p);
+        }
+        let p = Arc::new(DevicePool::new(
+            self.driver.clone(),
+            dev,
+            self.config.clone(),
+        )?);
+        Ok(slot.get_or_init(|| p))
+    }
+
+    /// The device pools created so far.
+    pub fn devices(&self) -> impl Iterator<Item = &Arc<DevicePool<D>>> {
+        self.devices.iter().filter_map(|d| d.get())
+    }
+
+    /// Allocates a buffer of `size` bytes on device `dev` for use on `stream`.
+    pub fn try_alloc(&self, dev: DeviceId, size: u64, stream: StreamId) -> Result<Buffer<D>> {
+        self.device(dev)?.try_alloc(size, stream)
+    }
+
+    /// Like [`Pool::try_alloc`], but panics on failure (with the OOM report).
+    pub fn alloc(&self, dev: DeviceId, size: u64, stream: StreamId) -> Buffer<D> {
+        match self.try_alloc(dev, size, stream) {
+            Ok(b) => b,
+            Err(e) => panic!("cistern: allocation of {size} bytes failed: {e}"),
+        }
+    }
+
+    /// Allocates `size` bytes on device `dev` and returns the raw pointer (0 for size 0).
+    pub fn alloc_raw(&self, dev: DeviceId, size: u64, stream: StreamId) -> Result<u64> {
+        self.device(dev)?.alloc_raw(size, stream)
+    }
+
+    /// Frees a raw pointer from [`Pool::alloc_raw`], on whichever device owns it.
+    pub fn free_raw(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        for d in self.devices() {
+            if d.owns(ptr) {
+                return d.free_raw(ptr, stream);
+            }
+        }
+        match self.devices().next() {
+            // Counted and logged by the device pool.
+            Some(d) => d.free_raw(ptr, stream),
+            None => Err(Error::InvalidArgument(format!(
+                "{ptr:#x} is not a live allocation: no device pool exists yet"
+            ))),
+        }
+    }
+
+    /// Declares that `stream` uses the block containing `ptr` (see
+    /// [`DevicePool::record_stream`]).
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        for d in self.devices() {
+            if d.owns(ptr) {
+                return d.record_stream(ptr, stream);
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "record_stream: {ptr:#x} is not memory of this pool"
+        )))
+    }
+
+    /// Statistics of device `dev`.
+    pub fn stats(&self, dev: DeviceId) -> Result<Stats> {
+        Ok(self.device(dev)?.stats())
+    }
+
+    /// Resets the peaks of device `dev`.
+    pub fn reset_peak_stats(&self, dev: DeviceId) -> Result<()> {
+        self.device(dev)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// Returns every device's cached memory to the driver.
+    pub fn empty_cache(&self) {
+        for d in self.devices() {
+            d.empty_cache();
+        }
+    }
+
+    /// Sets device `dev`'s per-process limit as a fraction of its memory.
+    pub fn set_memory_fraction(&self, dev: DeviceId, fraction: f64) -> Result<()> {
+        self.device(dev)?.set_memory_fraction(fraction)
+    }
+
+    /// Checks every device pool's invariants.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for d in self.devices() {
+            d.check_invariants()
+                .map_err(|e| format!("device {}: {e}", d.device()))?;
+        }
+        Ok(())
+    }
+
+    /// Publishes this pool in the cross-process registry ([`crate::registry`]), when the
+    /// configuration's `registry` setting is on (the default): opens the directory
+    /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
+    /// record, starts the background thread that republishes it at most once a second when it
+    /// changed, and installs the `atexit` hook that writes the final record (state `exited`,
+    /// with the blocks still live) when the process exits normally
+    /// ([`crate::registry::install_exit_hook`]).
+    ///
+    /// Returns `Ok(None)` with `registry:off`, and the error when the directory is unsafe or
+    /// cannot be written: the pool works the same either way, and the caller decides whether
+    /// to log it. Nothing is added to the allocation path. The registry's thread and the exit
+    /// hook hold a clone of the `Arc`, so the pool lives until the process exits. Call it once
+    /// per process: every call publishes this process's one record.
+    pub fn start_registry(
+        self: &Arc<Self>,
+    ) -> std::result::Result<Option<crate::registry::RegistryHandle>, crate::registry::RegistryError>
+    {
+        let Some(dir) = crate::registry::dir_for(&self.config) else {
+            return Ok(None);
+        };
+        let source: Arc<dyn crate::registry::RecordSource + Send + Sync> = self.clone();
+        let handle =
+            crate::registry::Registry::start(dir, source, crate::registry::DEFAULT_INTERVAL)?;
+        crate::registry::install_exit_hook(handle.clone());
+        Ok(Some(handle))
+    }
+
+    /// A summary of every device pool created so far.
+    pub fn report(&self) -> PoolReport {
+        PoolReport {
+            devices: self.devices().map(|d| d.report()).collect(),
+        }
+    }
+}
+
+/// A summary of a whole pool.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PoolReport {
+    /// One entry per device pool in use.
+    pub devices: Vec<DeviceReport>,
+}
+
+impl std::fmt::Display for PoolReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.devices.is_empty() {
+            return f.write_str("no device pool in use");
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{d}")?;
+        }
+        Ok(())
+    }
+}

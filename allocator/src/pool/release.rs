@@ -1,0 +1,216 @@
+//! Giving memory back: `empty_cache`, `trim`, the memory fraction and the release threshold.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use super::device::DeviceState;
+use super::DevicePool;
+use crate::arena::{Arena, ArenaState, LARGE, SMALL};
+use crate::driver::{Driver, StreamId};
+use crate::error::{Error, Result};
+use crate::heap::SpanState;
+
+impl<D: Driver> DevicePool<D> {
+    /// Releases all cached memory (whole free pages, wholly free linear segments) of every
+    /// arena. Returns the bytes released.
+    pub(super) fn release_cached(&self, dev: &mut DeviceState) -> u64 {
+        let mut released = 0;
+        for arena in self.all_arenas() {
+            let mut st = arena.state.lock();
+            released += self.release_arena(dev, arena.stream, &mut st, u64::MAX);
+        }
+        released
+    }
+
+    /// Releases up to `budget` bytes of cached memory from one arena.
+    pub(super) fn release_arena(
+        &self,
+        dev: &mut DeviceState,
+        stream: StreamId,
+        a: &mut ArenaState,
+        budget: u64,
+    ) -> u64 {
+        let c = &*self.core;
+        let g = c.granularity;
+        let mut released = 0u64;
+        if c.vmm {
+            for kind in [LARGE, SMALL] {
+                if released >= budget {
+                    break;
+                }
+                let want = ((budget - released) / g).min(usize::MAX as u64) as usize;
+                if want == 0 {
+                    break;
+                }
+                let handles = self.steal_pages(a, stream, None, want, dev, kind);
+                for h in handles {
+                    self.release_handle(dev, kind, h);
+                    c.counters.num_released_pages.fetch_add(1, Relaxed);
+                    released += g;
+                }
+            }
+        } else {
+            let mut synced = false;
+            for kind in [LARGE, SMALL] {
+                let free_segs: Vec<(u32, u64, u64)> = a.kinds[kind]
+                    .segments
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| {
+                        let s = s.as_ref()?;
+                        let first = a.kinds[kind].heap.span(s.first);
+                        (first.state == SpanState::Free && first.len == s.len)
+                            .then_some((i as u32, s.base, s.len))
+                    })
+                    .collect();
+                for (idx, base, len) in free_segs {
+                    if released >= budget {
+                        break;
+                    }
+                    if !synced {
+                        // cuMemFree synchronises on its own; no event needed.
+                        synced = true;
+                    }
+                    if c.driver.mem_free(c.dev, base).is_err() {
+                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    c.counters.num_device_free.fetch_add(1, Relaxed);
+                    let before = a.free_totals(kind);
+                    let Some(seg) = a.kinds[kind].segments[idx as usize].take() else {
+                        continue;
+                    };
+                    a.kinds[kind].heap.remove_segment(seg.first);
+                    a.note_free_change(kind, before, &c.shared);
+                    self.ranges.write().remove(&base);
+                    dev.add_reserved(kind, -(len as i64));
+                    dev.add_segments(kind, -1);
+                    released += len;
+                }
+            }
+        }
+        released
+    }
+
+    /// Applies `release_threshold` after growth.
+    pub(super) fn release_over_threshold(
+        &self,
+        dev: &mut DeviceState,
+        held: Option<(&Arc<Arena<D>>, &mut ArenaState)>,
+    ) {
+        let Some(threshold) = self.core.config.release_threshold else {
+            return;
+        };
+        let reserved = dev.reserved[0].current as u64;
+        let live = self.bytes_with(
+            held.as_ref().map(|(a, s)| (*a, &**s)),
+            crate::stats::Gauge::ActiveBytes,
+        );
+        let cached = reserved.saturating_sub(live);
+        if cached <= threshold {
+            return;
+        }
+        let mut budget = cached - threshold;
+        let mut held = held;
+        for arena in self.all_arenas() {
+            if budget == 0 {
+                break;
+            }
+            let got = match held {
+                Some((h, ref mut hs)) if Arc::ptr_eq(h, &arena) => {
+                    self.release_arena(dev, arena.stream, hs, budget)
+                }
+                _ => {
+                    let mut st = arena.state.lock();
+                    self.release_arena(dev, arena.stream, &mut st, budget)
+                }
+            };
+            budget = budget.saturating_sub(got);
+        }
+    }
+
+    /// The device-wide current value of a byte gauge; `held` is an arena whose lock the caller
+    /// holds.
+    pub(super) fn bytes_with(
+        &self,
+        held: Option<(&Arc<Arena<D>>, &ArenaState)>,
+        gauge: crate::stats::Gauge,
+    ) -> u64 {
+        let mut live = 0i64;
+        for arena in self.all_arenas() {
+            match held {
+                Some((h, hs)) if Arc::ptr_eq(h, &arena) => live += hs.gauges.cur[gauge as usize][0],
+                _ => live += arena.state.lock().gauges.cur[gauge as usize][0],
+            }
+        }
+        live.max(0) as u64
+    }
+
+    /// Returns every cached page (and wholly free segment) to the driver. Live blocks and the
+    /// virtual reservations stay.
+    pub fn empty_cache(&self) {
+        let c = &*self.core;
+        let mut dev = self.state.lock();
+        for arena in self.all_arenas() {
+            let mut a = arena.state.lock();
+            a.retry_device_sync(c);
+            a.process_pending(false, c);
+        }
+        self.release_cached(&mut dev);
+        for (kind, h) in std::mem::take(&mut dev.lost) {
+            self.release_handle(&mut dev, kind, h);
+        }
+        for (kind, h, addr) in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, addr, c.granularity).is_ok() {
+                self.release_handle(&mut dev, kind, h);
+            } else {
+                dev.stuck.push((kind, h, addr));
+            }
+        }
+        if let Some(rec) = &c.recorder {
+            rec.reserved(dev.reserved[0].current.max(0) as u64);
+        }
+    }
+
+    /// Releases cached memory above `release_threshold` (nothing when no threshold is set;
+    /// `empty_cache` releases all of it).
+    pub fn trim(&self) {
+        let mut dev = self.state.lock();
+        self.release_over_threshold(&mut dev, None);
+    }
+
+    /// Sets the per-process limit as a fraction of device memory (`[0, 1]`).
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) || fraction.is_nan() {
+            return Err(Error::InvalidArgument(format!(
+                "memory fraction {fraction} is outside [0, 1]"
+            )));
+        }
+        let mut cfg = self.core.config.clone();
+        cfg.memory_fraction = fraction;
+        let mut dev = self.state.lock();
+        dev.limit = cfg.limit_for(self.core.caps.total_memory);
+        dev.fraction = fraction;
+        // A limit lowered below what is reserved: give cached memory back down to the limit.
+        // What live blocks keep above it stays (it can only shrink from here: growth stops at
+        // the limit), and the invariant checker allows exactly that much.
+        let mut over = (dev.reserved[0].current.max(0) as u64).saturating_sub(dev.limit);
+        if over > 0 {
+            for arena in self.all_arenas() {
+                if over == 0 {
+                    break;
+                }
+                let mut st = arena.state.lock();
+                over =
+                    over.saturating_sub(self.release_arena(&mut dev, arena.stream, &mut st, over));
+            }
+        }
+        dev.over_limit = dev.reserved[0].current.max(0) as u64;
+        Ok(())
+    }
+
+    /// The fraction last set (or configured).
+    pub fn memory_fraction(&self) -> f64 {
+        self.state.lock().fraction
+    }
+}

@@ -1,0 +1,267 @@
+//! The pure window arithmetic of VMM growth: where in an extent a request should go (the window
+//! needing the fewest new pages), which whole pages of an arena are free, and how large an
+//! extent is. No driver, no lock: it reads an [`ArenaState`] and is tested on its own.
+
+use crate::arena::{ArenaState, Backing, LARGE};
+use crate::heap::SpanState;
+
+/// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
+/// run of free space and holes that needs the fewest newly mapped pages (ties: the smallest
+/// run). Returns the window's start and its unmapped pages.
+pub(super) fn choose_window(
+    a: &ArenaState,
+    kind: usize,
+    seg_idx: u32,
+    size: u64,
+    g: u64,
+) -> Option<(u64, Vec<u64>)> {
+    let kh = &a.kinds[kind];
+    let seg = kh.segment(seg_idx);
+    let Backing::Vmm { pages } = &seg.backing else {
+        return None;
+    };
+    let missing_in = |lo: u64| -> Vec<u64> {
+        let first = (lo - seg.base) / g;
+        let last = (lo + size - seg.base).div_ceil(g);
+        (first..last)
+            .filter(|&i| pages[i as usize].is_none())
+            .map(|i| seg.base + i * g)
+            .collect()
+    };
+    let mut best: Option<(usize, u64, u64)> = None; // (missing, run len, lo)
+    let consider = |start: u64, end: u64, best: &mut Option<(usize, u64, u64)>| {
+        let len = end - start;
+        if len < size {
+            return;
+        }
+        let missing = missing_in(start).len();
+        let better = match best {
+            None => true,
+            Some((m, l, _)) => missing < *m || (missing == *m && len < *l),
+        };
+        if better {
+            *best = Some((missing, len, start));
+        }
+    };
+    // Free spans coalesce, and none alone is large enough (the fast path looked), so a window
+    // that fits always contains a hole: build the run of free space and holes around each hole.
+    let heap = &kh.heap;
+    let open = |st: SpanState| matches!(st, SpanState::Free | SpanState::Hole);
+    let mut covered_until = 0u64;
+    for hole in heap.holes() {
+        let h = heap.span(hole);
+        if h.seg != seg_idx || h.start < covered_until {
+            continue;
+        }
+        let (mut start, mut end) = (h.start, h.end());
+        let mut p = h.prev;
+        while p != crate::heap::NIL && open(heap.span(p).state) {
+            start = heap.span(p).start;
+            p = heap.span(p).prev;
+        }
+        let mut n = h.next;
+        while n != crate::heap::NIL && open(heap.span(n).state) {
+            end = heap.span(n).end();
+            n = heap.span(n).next;
+        }
+        covered_until = end;
+        consider(start, end, &mut best);
+    }
+    best.map(|(_, _, lo)| (lo, missing_in(lo)))
+}
+
+/// Runs of whole free pages in heap `kind`'s VMM segment, as `(span, lo, hi)`, leaving out the
+/// pages that overlap `exclude` (`(kind, lo, hi)`), until `want` pages are found.
+pub(super) fn free_page_runs(
+    a: &ArenaState,
+    kind: usize,
+    exclude: Option<(usize, u64, u64)>,
+    g: u64,
+    want: usize,
+) -> Vec<(u32, crate::heap::SpanId, u64, u64)> {
+    let mut runs = Vec::new();
+    let kh = &a.kinds[kind];
+    if kh.vmm_segs.is_empty() {
+        return runs;
+    }
+    let mut avail = 0usize;
+    // Only free spans of at least a page can hold a whole page.
+    for id in kh.heap.free_spans_at_least(g) {
+        let s = kh.heap.span(id);
+        if avail >= want {
+            break;
+        }
+        if !matches!(kh.segment(s.seg).backing, Backing::Vmm { .. }) {
+            continue;
+        }
+        let mut lo = s.start.div_ceil(g) * g;
+        let mut hi = s.end() / g * g;
+        if let Some((k, xlo, xhi)) = exclude {
+            if k == kind && lo < xhi && xlo < hi {
+                // Keep the pages that overlap the window; take the larger side outside it.
+                let xlo_p = xlo / g * g;
+                let xhi_p = xhi.div_ceil(g) * g;
+                if xlo_p.saturating_sub(lo) >= hi.saturating_sub(xhi_p) {
+                    hi = hi.min(xlo_p);
+                } else {
+                    lo = lo.max(xhi_p);
+                }
+            }
+        }
+        if hi > lo {
+            avail += ((hi - lo) / g) as usize;
+            runs.push((s.seg, id, lo, hi));
+        }
+    }
+    runs
+}
+
+/// Whole free pages an arena could give up (both heaps), leaving out `exclude`.
+pub(super) fn count_free_pages(
+    a: &ArenaState,
+    exclude: Option<(usize, u64, u64)>,
+    g: u64,
+) -> usize {
+    (0..2)
+        .flat_map(|k| free_page_runs(a, k, exclude, g, usize::MAX))
+        .map(|(_, _, lo, hi)| ((hi - lo) / g) as usize)
+        .sum()
+}
+
+/// The virtual extent reserved for one heap of one stream.
+///
+/// # Note [Virtual extents]
+///
+/// Address space is cheap but not free (a reservation costs page-table setup, and 47 bits go
+/// only so far when many streams allocate), so each stream's large heap reserves twice the
+/// device's memory, which leaves room to place any request that fits in physical memory next to
+/// live blocks scattered through the range; the small heap (blocks of at most 64 MiB) reserves
+/// the device's memory.
+pub(super) fn vmm_extent(total: u64, g: u64, kind: usize) -> u64 {
+    let t = total.div_ceil(g) * g;
+    if kind == LARGE {
+        t.saturating_mul(2)
+    } else {
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The window arithmetic on hand-built arenas: no driver, no pool.
+
+    use super::*;
+    use crate::arena::SMALL;
+    use crate::driver::PhysHandle;
+    use crate::stats::SharedGauges;
+
+    const G: u64 = 2 << 20;
+    const BASE: u64 = 1 << 40;
+
+    /// An arena whose large heap has one VMM extent of `pages` pages, with the pages listed in
+    /// `mapped` mapped and free.
+    fn arena(pages: usize, mapped: &[usize]) -> ArenaState {
+        let mut a = ArenaState::default();
+        let kh = &mut a.kinds[LARGE];
+        let seg = kh.add_segment(
+            BASE,
+            pages as u64 * G,
+            Backing::Vmm {
+                pages: vec![None; pages],
+            },
+        );
+        kh.vmm_segs.push(seg);
+        for &p in mapped {
+            map_free(&mut a, p);
+        }
+        a
+    }
+
+    /// Maps page `p` of the extent and makes it free space.
+    fn map_free(a: &mut ArenaState, p: usize) {
+        let kh = &mut a.kinds[LARGE];
+        if let Some(s) = kh.segments[0].as_mut() {
+            if let Backing::Vmm { pages } = &mut s.backing {
+                pages[p] = Some(PhysHandle(p as u64 + 1));
+            }
+        }
+        let (lo, hi) = (BASE + p as u64 * G, BASE + (p as u64 + 1) * G);
+        let first = kh.segment(0).first;
+        let hole = kh
+            .heap
+            .segment_spans(first)
+            .find(|(_, s)| s.state == SpanState::Hole && s.start <= lo && hi <= s.end())
+            .map(|(id, _)| id)
+            .unwrap();
+        a.fill(LARGE, hole, lo, hi, &SharedGauges::default());
+    }
+
+    #[test]
+    fn an_empty_extent_places_the_request_at_its_start() {
+        let a = arena(8, &[]);
+        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G, G).unwrap();
+        assert_eq!(lo, BASE);
+        assert_eq!(missing, vec![BASE, BASE + G, BASE + 2 * G]);
+    }
+
+    #[test]
+    fn the_run_needing_fewest_new_pages_wins() {
+        // Page 3 holds a live block, so the extent has two runs of free space and holes:
+        // pages 0..3 (all unmapped) and 4..8 (pages 5 and 6 mapped and free). A 3-page request
+        // goes to the start of the second run, which needs one new page instead of three.
+        let mut a = arena(8, &[3]);
+        let (ptr, _) = a.try_take(LARGE, G, G, &SharedGauges::default()).unwrap();
+        assert_eq!(ptr, BASE + 3 * G);
+        map_free(&mut a, 5);
+        map_free(&mut a, 6);
+        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G, G).unwrap();
+        assert_eq!((lo, missing), (BASE + 4 * G, vec![BASE + 4 * G]));
+        // A request that ends inside a page needs that page too.
+        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G + 512, G).unwrap();
+        assert_eq!(
+            (lo, missing),
+            (BASE + 4 * G, vec![BASE + 4 * G, BASE + 7 * G])
+        );
+        // Neither run holds five pages.
+        assert!(choose_window(&a, LARGE, 0, 5 * G, G).is_none());
+    }
+
+    #[test]
+    fn no_window_when_the_extent_is_too_small() {
+        let a = arena(2, &[]);
+        assert!(choose_window(&a, LARGE, 0, 3 * G, G).is_none());
+        // A linear heap has no window at all.
+        let mut b = ArenaState::default();
+        let seg = b.kinds[SMALL].add_segment(BASE, 4 * G, Backing::Linear);
+        assert!(choose_window(&b, SMALL, seg, G, G).is_none());
+    }
+
+    #[test]
+    fn free_page_runs_leave_out_the_window_and_stop_at_want() {
+        let a = arena(8, &[0, 1, 2, 3, 6]);
+        assert_eq!(count_free_pages(&a, None, G), 5);
+        let runs = free_page_runs(&a, LARGE, None, G, 1);
+        assert_eq!(runs.len(), 1, "stops once `want` pages are found");
+        // Excluding pages 1..2 of the run 0..4 keeps the larger side (pages 2 and 3).
+        let x = Some((LARGE, BASE + G, BASE + 2 * G));
+        let pages: usize = free_page_runs(&a, LARGE, x, G, usize::MAX)
+            .iter()
+            .map(|r| ((r.3 - r.2) / G) as usize)
+            .sum();
+        assert_eq!(pages, 3);
+        // An exclusion of the other heap changes nothing.
+        assert_eq!(
+            count_free_pages(&a, Some((SMALL, BASE, BASE + 8 * G)), G),
+            5
+        );
+        // The small heap has no extent: nothing.
+        assert!(free_page_runs(&a, SMALL, None, G, usize::MAX).is_empty());
+    }
+
+    #[test]
+    fn extents_are_twice_the_device_for_large_heaps() {
+        assert_eq!(vmm_extent(10 * G + 1, G, LARGE), 22 * G);
+        assert_eq!(vmm_extent(10 * G + 1, G, SMALL), 11 * G);
+        assert_eq!(vmm_extent(u64::MAX / 2 + G, G, LARGE), u64::MAX);
+    }
+}
