@@ -36,7 +36,8 @@ pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
 pub use open::{open_driver, DriverChoice};
 pub use pool::{
-    BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport, SegmentSnapshot,
+    BlockInfo, BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport,
+    SegmentSnapshot,
 };
 pub use provenance::{
     group_live, site_frames, tag_name, tag_pop, tag_push, with_tag, LedgerEntry, LiveBlock,

@@ -874,9 +874,15 @@ fn e22_outstanding_and_invalid_frees() {
         let a = alloc(&pool, 1000, 3);
         let b = alloc(&pool, 5 * MIB + 1, 4);
         let blocks = pool.device(0).unwrap().live_blocks();
+        let block = |ptr, size, requested, stream| cistern::BlockInfo {
+            ptr,
+            size,
+            requested,
+            stream: StreamId(stream),
+        };
         let mut expect = vec![
-            (a, 1024, 1000, StreamId(3)),
-            (b, 5 * MIB + 512, 5 * MIB + 1, StreamId(4)),
+            block(a, 1024, 1000, 3),
+            block(b, 5 * MIB + 512, 5 * MIB + 1, 4),
         ];
         expect.sort_unstable();
         assert_eq!(blocks, expect);

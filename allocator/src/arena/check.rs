@@ -1,7 +1,7 @@
 //! The arena's invariant check: heaps, page tables, the live map and the gauges agree. Tests run
 //! it (through `DevicePool::check_invariants`) after every operation.
 
-use super::{pool_index, ArenaState, Backing};
+use super::{ArenaState, Backing, HeapKind};
 use crate::heap::SpanState;
 use crate::stats::Gauge;
 
@@ -15,7 +15,8 @@ impl ArenaState {
         let mut requested = [0i64; 2];
         let mut pending = [0i64; 2];
         let mut pending_bytes = [0i64; 2];
-        for (k, kh) in self.kinds.iter().enumerate() {
+        for (kind, kh) in self.kinds.iter() {
+            let k = kind as usize;
             let segs: Vec<_> = kh
                 .segments
                 .iter()
@@ -31,7 +32,7 @@ impl ArenaState {
                             live_bytes[k] += s.len as i64;
                             requested[k] += s.requested as i64;
                             match self.live.get(&s.start) {
-                                Some(r) if r.span == id && r.kind as usize == k => {}
+                                Some(r) if r.span == id && r.kind == kind => {}
                                 _ => {
                                     return Err(format!(
                                         "live span {id} at {:#x} not in the live map",
@@ -43,7 +44,7 @@ impl ArenaState {
                         SpanState::Pending => {
                             pending[k] += 1;
                             pending_bytes[k] += s.len as i64;
-                            if !self.pending.iter().any(|p| p.span == id && p.kind == k) {
+                            if !self.pending.iter().any(|p| p.span == id && p.kind == kind) {
                                 return Err(format!(
                                     "pending span {id} is not in the pending list"
                                 ));
@@ -88,9 +89,9 @@ impl ArenaState {
             ));
         }
         let g = &self.gauges;
-        for k in 0..2 {
-            let p = pool_index(k);
-            let h = &self.kinds[k].heap;
+        for kind in HeapKind::ALL {
+            let (k, p) = (kind as usize, kind.pool_index());
+            let h = &self.kinds[kind].heap;
             let expect = [
                 (Gauge::Allocation, live_count[k]),
                 (Gauge::AllocatedBytes, live_bytes[k]),

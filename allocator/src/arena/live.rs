@@ -1,5 +1,6 @@
 //! The arena's map of live pointers, hashed by address (see Note [An address-ordered hash]).
 
+use super::HeapKind;
 use crate::heap::SpanId;
 
 /// Live pointers to their spans.
@@ -51,6 +52,6 @@ impl std::hash::Hasher for AddressHasher {
 /// Where a live block is: heap kind and span.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LiveRef {
-    pub kind: u8,
+    pub kind: HeapKind,
     pub span: SpanId,
 }

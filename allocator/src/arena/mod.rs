@@ -35,24 +35,13 @@ use crate::provenance::{Ledger, Origin};
 use crate::stats::{LocalGauges, SharedGauges};
 
 pub(crate) use live::{LiveMap, LiveRef};
-pub(crate) use segment::{Backing, KindHeap, Segment};
+pub(crate) use segment::{Backing, HeapKind, Heaps, Segment};
 pub(crate) use shared::{Counters, DeviceCore, EventCache};
-
-/// Small or large heap.
-pub(crate) const SMALL: usize = 0;
-/// Large heap.
-pub(crate) const LARGE: usize = 1;
-
-/// The stats pool index (1 small, 2 large) of a heap kind.
-#[inline]
-pub(crate) fn pool_index(kind: usize) -> usize {
-    kind + 1
-}
 
 /// A block freed while other streams may still use it.
 #[derive(Debug)]
 pub(crate) struct Pending {
-    pub kind: usize,
+    pub kind: HeapKind,
     pub span: SpanId,
     pub events: Vec<EventId>,
     /// Some stream's use could not be captured by an event and the device could not be
@@ -63,7 +52,7 @@ pub(crate) struct Pending {
 /// Everything behind an arena's lock.
 #[derive(Debug, Default)]
 pub(crate) struct ArenaState {
-    pub kinds: [KindHeap; 2],
+    pub kinds: Heaps,
     pub live: LiveMap,
     /// Streams other than the arena's that used a live block (`record_stream`).
     pub uses: FxHashMap<u64, Vec<StreamId>>,
@@ -142,7 +131,7 @@ impl<D: Driver> Arena<D> {
         }
         let d = &*c.driver;
         let mut synced = false;
-        for kh in &mut a.kinds {
+        for kh in a.kinds.iter_mut() {
             for slot in &mut kh.segments {
                 let Some(seg) = slot.take() else { continue };
                 if !synced {
@@ -192,7 +181,7 @@ impl<D: Driver> Drop for Arena<D> {
 impl ArenaState {
     /// Updates the inactive-split gauges after heap `kind`'s free totals changed.
     #[inline]
-    pub fn note_free_change(&mut self, kind: usize, before: (u64, u64), shared: &SharedGauges) {
+    pub fn note_free_change(&mut self, kind: HeapKind, before: (u64, u64), shared: &SharedGauges) {
         let (c, b) = self.free_totals(kind);
         let d = [
             0,
@@ -203,11 +192,11 @@ impl ArenaState {
             b as i64 - before.1 as i64,
             0,
         ];
-        self.gauges.apply(pool_index(kind), &d, shared);
+        self.gauges.apply(kind.pool_index(), &d, shared);
     }
 
     #[inline]
-    pub fn free_totals(&self, kind: usize) -> (u64, u64) {
+    pub fn free_totals(&self, kind: HeapKind) -> (u64, u64) {
         let h = &self.kinds[kind].heap;
         (h.free_count(), h.free_bytes())
     }
@@ -216,7 +205,7 @@ impl ArenaState {
     #[inline]
     pub fn try_take(
         &mut self,
-        kind: usize,
+        kind: HeapKind,
         size: u64,
         requested: u64,
         shared: &SharedGauges,
@@ -227,13 +216,7 @@ impl ArenaState {
         let id = h.take(id, size);
         let ptr = h.span(id).start;
         h.set_requested(id, requested);
-        self.live.insert(
-            ptr,
-            LiveRef {
-                kind: kind as u8,
-                span: id,
-            },
-        );
+        self.live.insert(ptr, LiveRef { kind, span: id });
         let (fc, fb) = self.free_totals(kind);
         let d = [
             1,
@@ -244,14 +227,14 @@ impl ArenaState {
             fb as i64 - before.1 as i64,
             requested as i64,
         ];
-        self.gauges.apply(pool_index(kind), &d, shared);
+        self.gauges.apply(kind.pool_index(), &d, shared);
         Some((ptr, id))
     }
 
     /// Records the provenance of the block just taken (span `id` of heap `kind`, `size` bytes
     /// rounded): its meta and the ledger. Only for pools with provenance on.
     #[inline]
-    pub fn record(&mut self, kind: usize, id: SpanId, size: u64, o: &Origin) {
+    pub fn record(&mut self, kind: HeapKind, id: SpanId, size: u64, o: &Origin) {
         self.seq += 1;
         let slot = self.ledger.add(o.tag, o.site, size);
         *self.kinds[kind].heap.meta_mut(id) = crate::heap::BlockMeta {
@@ -267,15 +250,21 @@ impl ArenaState {
     /// [`ArenaState::record`] for the live block at `ptr` (after the slow path).
     pub fn record_ptr(&mut self, ptr: u64, o: &Origin) {
         if let Some(r) = self.live.get(&ptr).copied() {
-            let len = self.kinds[r.kind as usize].heap.span(r.span).len;
-            self.record(r.kind as usize, r.span, len, o);
+            let len = self.kinds[r.kind].heap.span(r.span).len;
+            self.record(r.kind, r.span, len, o);
         }
     }
 
     /// Returns a live or pending span to its heap's free space. `live` also ends its life as
     /// an allocation (`requested` bytes asked for), for a span that was not pending.
     #[inline]
-    fn release_span(&mut self, kind: usize, id: SpanId, live: Option<u64>, shared: &SharedGauges) {
+    fn release_span(
+        &mut self,
+        kind: HeapKind,
+        id: SpanId,
+        live: Option<u64>,
+        shared: &SharedGauges,
+    ) {
         let before = self.free_totals(kind);
         let len = self.kinds[kind].heap.span(id).len as i64;
         self.kinds[kind].heap.free(id);
@@ -293,7 +282,7 @@ impl ArenaState {
             fb as i64 - before.1 as i64,
             -req,
         ];
-        self.gauges.apply(pool_index(kind), &d, shared);
+        self.gauges.apply(kind.pool_index(), &d, shared);
     }
 
     /// Frees the live block at `ptr`. Blocks used by other streams become pending: an event is
@@ -308,7 +297,7 @@ impl ArenaState {
         let Some(r) = self.live.remove(&ptr) else {
             return FreeOutcome::Unknown;
         };
-        let kind = r.kind as usize;
+        let kind = r.kind;
         let (len, requested) = {
             let s = self.kinds[kind].heap.span(r.span);
             (s.len, s.requested)
@@ -339,7 +328,7 @@ impl ArenaState {
             let needs_device_sync = !ok && driver.device_synchronize(dev).is_err();
             if !evs.is_empty() || needs_device_sync {
                 let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
-                self.gauges.apply(pool_index(kind), &d, shared);
+                self.gauges.apply(kind.pool_index(), &d, shared);
                 self.kinds[kind].heap.set_pending(r.span);
                 self.pending.push(Pending {
                     kind,
@@ -409,14 +398,14 @@ impl ArenaState {
     }
 
     /// Turns `[lo, hi)` inside free span `id` of heap `kind` into a hole, keeping the gauges.
-    pub fn carve(&mut self, kind: usize, id: SpanId, lo: u64, hi: u64, shared: &SharedGauges) {
+    pub fn carve(&mut self, kind: HeapKind, id: SpanId, lo: u64, hi: u64, shared: &SharedGauges) {
         let before = self.free_totals(kind);
         self.kinds[kind].heap.carve_hole(id, lo, hi);
         self.note_free_change(kind, before, shared);
     }
 
     /// Turns `[lo, hi)` inside hole `id` of heap `kind` into free space, keeping the gauges.
-    pub fn fill(&mut self, kind: usize, id: SpanId, lo: u64, hi: u64, shared: &SharedGauges) {
+    pub fn fill(&mut self, kind: HeapKind, id: SpanId, lo: u64, hi: u64, shared: &SharedGauges) {
         let before = self.free_totals(kind);
         self.kinds[kind].heap.fill_hole(id, lo, hi);
         self.note_free_change(kind, before, shared);
@@ -429,7 +418,7 @@ impl ArenaState {
         }
         // Interior pointers are rare (record_stream on a view): a scan is acceptable here.
         self.live.iter().find_map(|(&ptr, r)| {
-            let s = self.kinds[r.kind as usize].heap.span(r.span);
+            let s = self.kinds[r.kind].heap.span(r.span);
             (addr >= s.start && addr < s.end()).then_some(ptr)
         })
     }
@@ -437,7 +426,7 @@ impl ArenaState {
     /// Bytes of the largest free span in either heap (for OOM reports).
     pub fn largest_free(&self) -> u64 {
         let mut best = 0;
-        for kh in &self.kinds {
+        for (_, kh) in self.kinds.iter() {
             for seg in kh.segments.iter().flatten() {
                 for (_, s) in kh.heap.segment_spans(seg.first) {
                     if s.state == SpanState::Free {

@@ -1,8 +1,62 @@
 //! Segments: the address ranges a heap owns and how they are backed (a VMM extent with its page
 //! table, or one `cuMemAlloc` allocation).
 
+use std::ops::{Index, IndexMut};
+
 use crate::driver::PhysHandle;
 use crate::heap::{Heap, SpanId, SpanState};
+
+/// Which of an arena's two heaps: requests of at most `small_size` bytes, or larger ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub(crate) enum HeapKind {
+    /// Requests of at most `small_size` (1 MiB by default).
+    Small = 0,
+    /// Larger requests.
+    Large = 1,
+}
+
+impl HeapKind {
+    /// Both kinds, small first.
+    pub const ALL: [HeapKind; 2] = [HeapKind::Small, HeapKind::Large];
+
+    /// The statistics' pool index of the kind (0 is "all", 1 small, 2 large).
+    #[inline]
+    pub fn pool_index(self) -> usize {
+        self as usize + 1
+    }
+}
+
+/// An arena's two heaps, indexed by [`HeapKind`].
+#[derive(Debug, Default)]
+pub(crate) struct Heaps([KindHeap; 2]);
+
+impl Heaps {
+    /// Each heap with its kind, small first.
+    pub fn iter(&self) -> impl Iterator<Item = (HeapKind, &KindHeap)> {
+        HeapKind::ALL.into_iter().zip(self.0.iter())
+    }
+
+    /// Each heap, mutably.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut KindHeap> {
+        self.0.iter_mut()
+    }
+}
+
+impl Index<HeapKind> for Heaps {
+    type Output = KindHeap;
+    #[inline]
+    fn index(&self, k: HeapKind) -> &KindHeap {
+        &self.0[k as usize]
+    }
+}
+
+impl IndexMut<HeapKind> for Heaps {
+    #[inline]
+    fn index_mut(&mut self, k: HeapKind) -> &mut KindHeap {
+        &mut self.0[k as usize]
+    }
+}
 
 /// How a segment's memory is backed.
 #[derive(Debug)]

@@ -13,15 +13,29 @@ use rustc_hash::FxHashMap;
 
 use super::buffer::Buffer;
 use super::round_size;
-use crate::arena::{
-    pool_index, Arena, Counters, DeviceCore, EventCache, FreeOutcome, LARGE, SMALL,
-};
+use crate::arena::{Arena, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind};
 use crate::config::Config;
 use crate::driver::{DeviceCaps, DeviceId, Driver, PhysHandle, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
 use crate::stats::{ExactGauge, SharedGauges};
+
+/// A physical handle whose release failed: unmapped, still reserved (in heap `kind`'s count).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Lost {
+    pub kind: HeapKind,
+    pub handle: PhysHandle,
+}
+
+/// A handle mapped at `addr` whose access could not be granted and which could not be unmapped
+/// either: still reserved, outside every heap's page table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stuck {
+    pub kind: HeapKind,
+    pub handle: PhysHandle,
+    pub addr: u64,
+}
 
 /// Device-level state behind the device lock: reserved memory and the limit.
 #[derive(Debug)]
@@ -34,11 +48,11 @@ pub(super) struct DeviceState {
     pub(super) fraction: f64,
     /// Physical handles (with their heap kind) whose release failed: unmapped, still reserved.
     /// Growth maps them again before creating new pages; `empty_cache` retries releasing them.
-    pub(super) lost: Vec<(usize, PhysHandle)>,
+    pub(super) lost: Vec<Lost>,
     /// Handles mapped at an address (kind, handle, address) whose access could not be granted
     /// and which could not be unmapped either: still reserved, outside every heap's page
     /// table. `empty_cache` retries the unmap and the release.
-    pub(super) stuck: Vec<(usize, PhysHandle, u64)>,
+    pub(super) stuck: Vec<Stuck>,
     /// Reserved bytes right after the limit was last lowered (and cached memory released):
     /// live blocks may keep reserved above a lowered limit, never above this.
     pub(super) over_limit: u64,
@@ -47,13 +61,13 @@ pub(super) struct DeviceState {
 }
 
 impl DeviceState {
-    pub(super) fn add_reserved(&mut self, kind: usize, bytes: i64) {
+    pub(super) fn add_reserved(&mut self, kind: HeapKind, bytes: i64) {
         self.reserved[0].add(bytes);
-        self.reserved[pool_index(kind)].add(bytes);
+        self.reserved[kind.pool_index()].add(bytes);
     }
-    pub(super) fn add_segments(&mut self, kind: usize, n: i64) {
+    pub(super) fn add_segments(&mut self, kind: HeapKind, n: i64) {
         self.segments[0].add(n);
-        self.segments[pool_index(kind)].add(n);
+        self.segments[kind.pool_index()].add(n);
     }
 }
 
@@ -215,11 +229,11 @@ impl<D: Driver> DevicePool<D> {
     }
 
     #[inline]
-    pub(super) fn kind_of(&self, rounded: u64) -> usize {
+    pub(super) fn kind_of(&self, rounded: u64) -> HeapKind {
         if rounded <= self.core.config.small_size {
-            SMALL
+            HeapKind::Small
         } else {
-            LARGE
+            HeapKind::Large
         }
     }
 
@@ -228,7 +242,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn fast_alloc(
         &self,
         arena: &Arena<D>,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
         o: Option<&Origin>,
@@ -328,7 +342,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn alloc_slow(
         &self,
         arena: &Arc<Arena<D>>,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
     ) -> Result<u64> {
@@ -431,11 +445,14 @@ impl<D: Driver> Drop for DevicePool<D> {
                 std::mem::take(&mut dev.stuck),
             )
         };
-        for (_, h) in lost {
+        for Lost { handle: h, .. } in lost {
             let _ = c.driver.release_physical(c.dev, h);
         }
         // Before the arenas free their address ranges, which must hold no mapping.
-        for (_, h, addr) in stuck {
+        for Stuck {
+            handle: h, addr, ..
+        } in stuck
+        {
             let _ = c.driver.unmap(c.dev, addr, c.granularity);
             let _ = c.driver.release_physical(c.dev, h);
         }

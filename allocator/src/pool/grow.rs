@@ -10,7 +10,7 @@ use rustc_hash::FxHashMap;
 
 use super::device::DeviceState;
 use super::DevicePool;
-use crate::arena::{Arena, ArenaState, Backing, SMALL};
+use crate::arena::{Arena, ArenaState, Backing, HeapKind};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, OomReport, Result};
 
@@ -24,7 +24,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn grow_with_retry(
         &self,
         arena: &Arc<Arena<D>>,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
     ) -> Result<u64> {
@@ -49,7 +49,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn grow(
         &self,
         arena: &Arc<Arena<D>>,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
         retried: bool,
@@ -112,7 +112,7 @@ impl<D: Driver> DevicePool<D> {
         &self,
         dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
         retried: bool,
@@ -131,7 +131,7 @@ impl<D: Driver> DevicePool<D> {
                 "the request is larger than the device",
             ));
         }
-        let seg_size = if kind == SMALL {
+        let seg_size = if kind == HeapKind::Small {
             rounded.div_ceil(2 * MIB) * 2 * MIB
         } else if rounded < 10 * MIB {
             20 * MIB

@@ -107,7 +107,7 @@ use crate::stats::Stats;
 
 pub use buffer::Buffer;
 pub use device::DevicePool;
-pub use report::{BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
+pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
 
 /// Rounds a request up to the pool's 512 B unit; `None` on overflow.
 #[inline]

@@ -3,9 +3,9 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::device::DeviceState;
+use super::device::{DeviceState, Lost, Stuck};
 use super::DevicePool;
-use crate::arena::{Arena, ArenaState, LARGE, SMALL};
+use crate::arena::{Arena, ArenaState, HeapKind};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::heap::SpanState;
@@ -34,7 +34,7 @@ impl<D: Driver> DevicePool<D> {
         let g = c.granularity;
         let mut released = 0u64;
         if c.vmm {
-            for kind in [LARGE, SMALL] {
+            for kind in [HeapKind::Large, HeapKind::Small] {
                 if released >= budget {
                     break;
                 }
@@ -51,7 +51,7 @@ impl<D: Driver> DevicePool<D> {
             }
         } else {
             let mut synced = false;
-            for kind in [LARGE, SMALL] {
+            for kind in [HeapKind::Large, HeapKind::Small] {
                 let free_segs: Vec<(u32, u64, u64)> = a.kinds[kind]
                     .segments
                     .iter()
@@ -157,14 +157,19 @@ impl<D: Driver> DevicePool<D> {
             a.process_pending(false, c);
         }
         self.release_cached(&mut dev);
-        for (kind, h) in std::mem::take(&mut dev.lost) {
-            self.release_handle(&mut dev, kind, h);
+        for Lost { kind, handle } in std::mem::take(&mut dev.lost) {
+            self.release_handle(&mut dev, kind, handle);
         }
-        for (kind, h, addr) in std::mem::take(&mut dev.stuck) {
+        for s in std::mem::take(&mut dev.stuck) {
+            let Stuck {
+                kind,
+                handle: h,
+                addr,
+            } = s;
             if c.driver.unmap(c.dev, addr, c.granularity).is_ok() {
                 self.release_handle(&mut dev, kind, h);
             } else {
-                dev.stuck.push((kind, h, addr));
+                dev.stuck.push(s);
             }
         }
         if let Some(rec) = &c.recorder {

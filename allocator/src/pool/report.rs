@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::DevicePool;
-use crate::arena::{Backing, LARGE};
+use crate::arena::{Backing, HeapKind};
 use crate::driver::{DeviceId, Driver, StreamId};
 use crate::error::OomReport;
 use crate::heap::SpanState;
@@ -120,7 +120,8 @@ impl<D: Driver> DevicePool<D> {
             mapped += a
                 .check(c.granularity)
                 .map_err(|e| format!("arena of stream {}: {e}", arena.stream))?;
-            for (k, kh) in a.kinds.iter().enumerate() {
+            for (kind, kh) in a.kinds.iter() {
+                let k = kind as usize;
                 for seg in kh.segments.iter().flatten() {
                     if matches!(seg.backing, Backing::Linear) {
                         linear[k] += seg.len;
@@ -162,14 +163,20 @@ impl<D: Driver> DevicePool<D> {
         Ok(())
     }
 
-    /// Live blocks as `(ptr, rounded size, requested size, stream)`, for reports and tests.
-    pub fn live_blocks(&self) -> Vec<(u64, u64, u64, StreamId)> {
+    /// Live blocks sorted by address, for reports and tests (with provenance:
+    /// [`DevicePool::live_blocks_detailed`]).
+    pub fn live_blocks(&self) -> Vec<BlockInfo> {
         let mut out = Vec::new();
         for arena in self.all_arenas() {
             let a = arena.state.lock();
             for (&ptr, r) in &a.live {
-                let s = a.kinds[r.kind as usize].heap.span(r.span);
-                out.push((ptr, s.len, s.requested, arena.stream));
+                let s = a.kinds[r.kind].heap.span(r.span);
+                out.push(BlockInfo {
+                    ptr,
+                    size: s.len,
+                    requested: s.requested,
+                    stream: arena.stream,
+                });
             }
         }
         out.sort_unstable();
@@ -225,7 +232,7 @@ impl<D: Driver> DevicePool<D> {
             let seq = after(arena.stream);
             let a = arena.state.lock();
             for (&ptr, r) in &a.live {
-                let h = &a.kinds[r.kind as usize].heap;
+                let h = &a.kinds[r.kind].heap;
                 let m = h.meta(r.span);
                 if seq.is_some_and(|q| m.seq <= q) {
                     continue;
@@ -263,7 +270,7 @@ impl<D: Driver> DevicePool<D> {
         let mut out = Vec::new();
         for arena in self.all_arenas() {
             let a = arena.state.lock();
-            for (kind, kh) in a.kinds.iter().enumerate() {
+            for (kind, kh) in a.kinds.iter() {
                 for seg in kh.segments.iter().flatten() {
                     let expandable = matches!(seg.backing, Backing::Vmm { .. });
                     let mut run: Option<SegmentSnapshot> = None;
@@ -282,7 +289,7 @@ impl<D: Driver> DevicePool<D> {
                             address: s.start,
                             total_size: 0,
                             stream: arena.stream.0,
-                            large: kind == LARGE,
+                            large: kind == HeapKind::Large,
                             expandable,
                             blocks: Vec::new(),
                         });
@@ -345,6 +352,19 @@ impl<D: Driver> DevicePool<D> {
             invalid_frees: s.get("num_invalid_frees") as u64,
         }
     }
+}
+
+/// A live block, as [`DevicePool::live_blocks`] lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockInfo {
+    /// Its address.
+    pub ptr: u64,
+    /// Its size, rounded to the pool's 512 B unit.
+    pub size: u64,
+    /// The size that was asked for.
+    pub requested: u64,
+    /// The stream it was allocated on.
+    pub stream: StreamId,
 }
 
 /// A summary of one device's pool: plain data with `Display` and serde.

@@ -5,11 +5,11 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::device::DeviceState;
+use super::device::{DeviceState, Lost, Stuck};
 use super::grow::Grow;
-use super::window::{choose_window, count_free_pages, free_page_runs, vmm_extent};
+use super::window::{choose_window, count_free_pages, free_page_runs, vmm_extent, Exclude};
 use super::DevicePool;
-use crate::arena::{Arena, ArenaState, Backing};
+use crate::arena::{Arena, ArenaState, Backing, HeapKind};
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::{Error, Result};
 use crate::heap::SpanState;
@@ -25,6 +25,17 @@ pub(super) struct Window {
     pub hi: u64,
     /// The window's pages that are not mapped yet, in address order.
     pub missing: Vec<u64>,
+}
+
+impl Window {
+    /// The window as a range page searches leave out.
+    fn exclude(&self, kind: HeapKind) -> Exclude {
+        Exclude {
+            kind,
+            lo: self.lo,
+            hi: self.hi,
+        }
+    }
 }
 
 /// What the gather phase found for a window.
@@ -49,7 +60,7 @@ impl<D: Driver> DevicePool<D> {
         dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
         retried: bool,
@@ -74,7 +85,7 @@ impl<D: Driver> DevicePool<D> {
         dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         rounded: u64,
         size: u64,
     ) -> Result<Window> {
@@ -97,12 +108,15 @@ impl<D: Driver> DevicePool<D> {
         }
         // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
         // window there tries to map over it; its handle is then reused like any lost one.
-        for (k, h, addr) in std::mem::take(&mut dev.stuck) {
-            if c.driver.unmap(c.dev, addr, g).is_ok() {
-                dev.lost.push((k, h));
+        for s in std::mem::take(&mut dev.stuck) {
+            if c.driver.unmap(c.dev, s.addr, g).is_ok() {
+                dev.lost.push(Lost {
+                    kind: s.kind,
+                    handle: s.handle,
+                });
             } else {
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                dev.stuck.push((k, h, addr));
+                dev.stuck.push(s);
             }
         }
         let mut choice: Option<Window> = None;
@@ -155,14 +169,14 @@ impl<D: Driver> DevicePool<D> {
         dev: &DeviceState,
         arena: &Arc<Arena<D>>,
         a: &ArenaState,
-        kind: usize,
+        kind: HeapKind,
         w: &Window,
     ) -> std::result::Result<usize, bool> {
         let c = &*self.core;
         let g = c.granularity;
         let need = w.missing.len();
         let cached = if need > 0 {
-            let mut n = count_free_pages(a, Some((kind, w.lo, w.hi)), g) + dev.lost.len();
+            let mut n = count_free_pages(a, Some(w.exclude(kind)), g) + dev.lost.len();
             for other in self.all_arenas() {
                 if !Arc::ptr_eq(&other, arena) {
                     n += count_free_pages(&other.state.lock(), None, g);
@@ -202,7 +216,7 @@ impl<D: Driver> DevicePool<D> {
         dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         w: &Window,
         cached: usize,
     ) -> Gathered {
@@ -213,7 +227,7 @@ impl<D: Driver> DevicePool<D> {
         let mut moved = 0u64;
         if need > 0 && cached > 0 {
             let stream = arena.stream;
-            let got = self.steal_pages(a, stream, Some((kind, w.lo, w.hi)), need, dev, kind);
+            let got = self.steal_pages(a, stream, Some(w.exclude(kind)), need, dev, kind);
             moved += got.len() as u64;
             handles.extend(got);
             if handles.len() < need {
@@ -247,7 +261,9 @@ impl<D: Driver> DevicePool<D> {
         }
         // Handles whose release failed earlier are good memory: use them before new ones.
         while handles.len() < need {
-            let Some((k, h)) = dev.lost.pop() else { break };
+            let Some(Lost { kind: k, handle: h }) = dev.lost.pop() else {
+                break;
+            };
             if k != kind {
                 dev.add_reserved(k, -(g as i64));
                 dev.add_segments(k, -1);
@@ -304,7 +320,7 @@ impl<D: Driver> DevicePool<D> {
         dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         size: u64,
         retried: bool,
         w: Window,
@@ -339,7 +355,7 @@ impl<D: Driver> DevicePool<D> {
         &self,
         arena: &Arc<Arena<D>>,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         extent: u64,
     ) -> Result<u32> {
         let c = &*self.core;
@@ -365,7 +381,7 @@ impl<D: Driver> DevicePool<D> {
         &self,
         dev: &mut DeviceState,
         a: &mut ArenaState,
-        kind: usize,
+        kind: HeapKind,
         seg_idx: u32,
         missing: &[u64],
         handles: Vec<PhysHandle>,
@@ -397,7 +413,11 @@ impl<D: Driver> DevicePool<D> {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
                     if stuck {
                         // Still mapped: releasing it now would fail and lose the mapping.
-                        dev.stuck.push((kind, h, page));
+                        dev.stuck.push(Stuck {
+                            kind,
+                            handle: h,
+                            addr: page,
+                        });
                     } else {
                         self.release_handle(dev, kind, h);
                     }
@@ -433,7 +453,7 @@ impl<D: Driver> DevicePool<D> {
         result
     }
 
-    pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: usize, h: PhysHandle) {
+    pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, h: PhysHandle) {
         let c = &*self.core;
         match c.driver.release_physical(c.dev, h) {
             Ok(()) => {
@@ -445,31 +465,32 @@ impl<D: Driver> DevicePool<D> {
                 // The handle is lost to us; it stays counted as reserved so the numbers keep
                 // matching the driver's (and the invariant checker knows why).
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                dev.lost.push((kind, h));
+                dev.lost.push(Lost { kind, handle: h });
             }
         }
     }
 
     /// Takes up to `want` whole free pages out of arena `a` (whose stream is `stream`),
-    /// skipping `exclude` (kind, lo, hi). Waits for the stream's work first. The pages'
+    /// skipping `exclude`. Waits for the stream's work first. The pages'
     /// handles are unmapped and returned; their address ranges become holes. `to_kind` is the
     /// heap the pages are for (for per-pool reserved accounting).
     pub(super) fn steal_pages(
         &self,
         a: &mut ArenaState,
         stream: StreamId,
-        exclude: Option<(usize, u64, u64)>,
+        exclude: Option<Exclude>,
         want: usize,
         dev: &mut DeviceState,
-        to_kind: usize,
+        to_kind: HeapKind,
     ) -> Vec<PhysHandle> {
         let c = &*self.core;
         let g = c.granularity;
         let mut out = Vec::new();
         let mut synced = false;
-        for kind in 0..2 {
+        for kind in HeapKind::ALL {
             let runs = free_page_runs(a, kind, exclude, g, want - out.len());
-            for (seg_idx, id, lo, hi) in runs {
+            for run in runs {
+                let (seg_idx, id, lo, hi) = (run.seg, run.span, run.lo, run.hi);
                 if out.len() >= want {
                     break;
                 }
@@ -526,7 +547,14 @@ impl<D: Driver> DevicePool<D> {
 
     /// Turns the (still mapped) range `[lo, hi)`, which was carved into a hole, back into free
     /// space.
-    pub(super) fn refill(&self, a: &mut ArenaState, kind: usize, seg_idx: u32, lo: u64, hi: u64) {
+    pub(super) fn refill(
+        &self,
+        a: &mut ArenaState,
+        kind: HeapKind,
+        seg_idx: u32,
+        lo: u64,
+        hi: u64,
+    ) {
         let first = a.kinds[kind].segment(seg_idx).first;
         let hole = a.kinds[kind]
             .heap

@@ -2,15 +2,15 @@
 //! needing the fewest new pages), which whole pages of an arena are free, and how large an
 //! extent is. No driver, no lock: it reads an [`ArenaState`] and is tested on its own.
 
-use crate::arena::{ArenaState, Backing, LARGE};
-use crate::heap::SpanState;
+use crate::arena::{ArenaState, Backing, HeapKind};
+use crate::heap::{SpanId, SpanState};
 
 /// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
 /// run of free space and holes that needs the fewest newly mapped pages (ties: the smallest
 /// run). Returns the window's start and its unmapped pages.
 pub(super) fn choose_window(
     a: &ArenaState,
-    kind: usize,
+    kind: HeapKind,
     seg_idx: u32,
     size: u64,
     g: u64,
@@ -70,15 +70,40 @@ pub(super) fn choose_window(
     best.map(|(_, _, lo)| (lo, missing_in(lo)))
 }
 
-/// Runs of whole free pages in heap `kind`'s VMM segment, as `(span, lo, hi)`, leaving out the
-/// pages that overlap `exclude` (`(kind, lo, hi)`), until `want` pages are found.
+/// An address range of one heap that page searches leave out: the window being filled.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Exclude {
+    pub kind: HeapKind,
+    pub lo: u64,
+    pub hi: u64,
+}
+
+/// A run of whole free pages: `[lo, hi)`, page-aligned, inside free span `span` of segment
+/// `seg`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PageRun {
+    pub seg: u32,
+    pub span: SpanId,
+    pub lo: u64,
+    pub hi: u64,
+}
+
+impl PageRun {
+    /// Its pages.
+    pub fn pages(&self, g: u64) -> usize {
+        ((self.hi - self.lo) / g) as usize
+    }
+}
+
+/// Runs of whole free pages in heap `kind`'s VMM segments, leaving out the pages that overlap
+/// `exclude`, until `want` pages are found.
 pub(super) fn free_page_runs(
     a: &ArenaState,
-    kind: usize,
-    exclude: Option<(usize, u64, u64)>,
+    kind: HeapKind,
+    exclude: Option<Exclude>,
     g: u64,
     want: usize,
-) -> Vec<(u32, crate::heap::SpanId, u64, u64)> {
+) -> Vec<PageRun> {
     let mut runs = Vec::new();
     let kh = &a.kinds[kind];
     if kh.vmm_segs.is_empty() {
@@ -96,7 +121,12 @@ pub(super) fn free_page_runs(
         }
         let mut lo = s.start.div_ceil(g) * g;
         let mut hi = s.end() / g * g;
-        if let Some((k, xlo, xhi)) = exclude {
+        if let Some(Exclude {
+            kind: k,
+            lo: xlo,
+            hi: xhi,
+        }) = exclude
+        {
             if k == kind && lo < xhi && xlo < hi {
                 // Keep the pages that overlap the window; take the larger side outside it.
                 let xlo_p = xlo / g * g;
@@ -110,21 +140,23 @@ pub(super) fn free_page_runs(
         }
         if hi > lo {
             avail += ((hi - lo) / g) as usize;
-            runs.push((s.seg, id, lo, hi));
+            runs.push(PageRun {
+                seg: s.seg,
+                span: id,
+                lo,
+                hi,
+            });
         }
     }
     runs
 }
 
 /// Whole free pages an arena could give up (both heaps), leaving out `exclude`.
-pub(super) fn count_free_pages(
-    a: &ArenaState,
-    exclude: Option<(usize, u64, u64)>,
-    g: u64,
-) -> usize {
-    (0..2)
+pub(super) fn count_free_pages(a: &ArenaState, exclude: Option<Exclude>, g: u64) -> usize {
+    HeapKind::ALL
+        .into_iter()
         .flat_map(|k| free_page_runs(a, k, exclude, g, usize::MAX))
-        .map(|(_, _, lo, hi)| ((hi - lo) / g) as usize)
+        .map(|r| r.pages(g))
         .sum()
 }
 
@@ -137,9 +169,9 @@ pub(super) fn count_free_pages(
 /// device's memory, which leaves room to place any request that fits in physical memory next to
 /// live blocks scattered through the range; the small heap (blocks of at most 64 MiB) reserves
 /// the device's memory.
-pub(super) fn vmm_extent(total: u64, g: u64, kind: usize) -> u64 {
+pub(super) fn vmm_extent(total: u64, g: u64, kind: HeapKind) -> u64 {
     let t = total.div_ceil(g) * g;
-    if kind == LARGE {
+    if kind == HeapKind::Large {
         t.saturating_mul(2)
     } else {
         t
@@ -151,7 +183,6 @@ mod tests {
     //! The window arithmetic on hand-built arenas: no driver, no pool.
 
     use super::*;
-    use crate::arena::SMALL;
     use crate::driver::PhysHandle;
     use crate::stats::SharedGauges;
 
@@ -162,7 +193,7 @@ mod tests {
     /// `mapped` mapped and free.
     fn arena(pages: usize, mapped: &[usize]) -> ArenaState {
         let mut a = ArenaState::default();
-        let kh = &mut a.kinds[LARGE];
+        let kh = &mut a.kinds[HeapKind::Large];
         let seg = kh.add_segment(
             BASE,
             pages as u64 * G,
@@ -179,7 +210,7 @@ mod tests {
 
     /// Maps page `p` of the extent and makes it free space.
     fn map_free(a: &mut ArenaState, p: usize) {
-        let kh = &mut a.kinds[LARGE];
+        let kh = &mut a.kinds[HeapKind::Large];
         if let Some(s) = kh.segments[0].as_mut() {
             if let Backing::Vmm { pages } = &mut s.backing {
                 pages[p] = Some(PhysHandle(p as u64 + 1));
@@ -193,13 +224,13 @@ mod tests {
             .find(|(_, s)| s.state == SpanState::Hole && s.start <= lo && hi <= s.end())
             .map(|(id, _)| id)
             .unwrap();
-        a.fill(LARGE, hole, lo, hi, &SharedGauges::default());
+        a.fill(HeapKind::Large, hole, lo, hi, &SharedGauges::default());
     }
 
     #[test]
     fn an_empty_extent_places_the_request_at_its_start() {
         let a = arena(8, &[]);
-        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
         assert_eq!(lo, BASE);
         assert_eq!(missing, vec![BASE, BASE + G, BASE + 2 * G]);
     }
@@ -210,58 +241,72 @@ mod tests {
         // pages 0..3 (all unmapped) and 4..8 (pages 5 and 6 mapped and free). A 3-page request
         // goes to the start of the second run, which needs one new page instead of three.
         let mut a = arena(8, &[3]);
-        let (ptr, _) = a.try_take(LARGE, G, G, &SharedGauges::default()).unwrap();
+        let (ptr, _) = a
+            .try_take(HeapKind::Large, G, G, &SharedGauges::default())
+            .unwrap();
         assert_eq!(ptr, BASE + 3 * G);
         map_free(&mut a, 5);
         map_free(&mut a, 6);
-        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
         assert_eq!((lo, missing), (BASE + 4 * G, vec![BASE + 4 * G]));
         // A request that ends inside a page needs that page too.
-        let (lo, missing) = choose_window(&a, LARGE, 0, 3 * G + 512, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G + 512, G).unwrap();
         assert_eq!(
             (lo, missing),
             (BASE + 4 * G, vec![BASE + 4 * G, BASE + 7 * G])
         );
         // Neither run holds five pages.
-        assert!(choose_window(&a, LARGE, 0, 5 * G, G).is_none());
+        assert!(choose_window(&a, HeapKind::Large, 0, 5 * G, G).is_none());
     }
 
     #[test]
     fn no_window_when_the_extent_is_too_small() {
         let a = arena(2, &[]);
-        assert!(choose_window(&a, LARGE, 0, 3 * G, G).is_none());
+        assert!(choose_window(&a, HeapKind::Large, 0, 3 * G, G).is_none());
         // A linear heap has no window at all.
         let mut b = ArenaState::default();
-        let seg = b.kinds[SMALL].add_segment(BASE, 4 * G, Backing::Linear);
-        assert!(choose_window(&b, SMALL, seg, G, G).is_none());
+        let seg = b.kinds[HeapKind::Small].add_segment(BASE, 4 * G, Backing::Linear);
+        assert!(choose_window(&b, HeapKind::Small, seg, G, G).is_none());
     }
 
     #[test]
     fn free_page_runs_leave_out_the_window_and_stop_at_want() {
         let a = arena(8, &[0, 1, 2, 3, 6]);
         assert_eq!(count_free_pages(&a, None, G), 5);
-        let runs = free_page_runs(&a, LARGE, None, G, 1);
+        let runs = free_page_runs(&a, HeapKind::Large, None, G, 1);
         assert_eq!(runs.len(), 1, "stops once `want` pages are found");
         // Excluding pages 1..2 of the run 0..4 keeps the larger side (pages 2 and 3).
-        let x = Some((LARGE, BASE + G, BASE + 2 * G));
-        let pages: usize = free_page_runs(&a, LARGE, x, G, usize::MAX)
+        let x = Some(Exclude {
+            kind: HeapKind::Large,
+            lo: BASE + G,
+            hi: BASE + 2 * G,
+        });
+        let pages: usize = free_page_runs(&a, HeapKind::Large, x, G, usize::MAX)
             .iter()
-            .map(|r| ((r.3 - r.2) / G) as usize)
+            .map(|r| r.pages(G))
             .sum();
         assert_eq!(pages, 3);
         // An exclusion of the other heap changes nothing.
         assert_eq!(
-            count_free_pages(&a, Some((SMALL, BASE, BASE + 8 * G)), G),
+            count_free_pages(
+                &a,
+                Some(Exclude {
+                    kind: HeapKind::Small,
+                    lo: BASE,
+                    hi: BASE + 8 * G
+                }),
+                G
+            ),
             5
         );
         // The small heap has no extent: nothing.
-        assert!(free_page_runs(&a, SMALL, None, G, usize::MAX).is_empty());
+        assert!(free_page_runs(&a, HeapKind::Small, None, G, usize::MAX).is_empty());
     }
 
     #[test]
     fn extents_are_twice_the_device_for_large_heaps() {
-        assert_eq!(vmm_extent(10 * G + 1, G, LARGE), 22 * G);
-        assert_eq!(vmm_extent(10 * G + 1, G, SMALL), 11 * G);
-        assert_eq!(vmm_extent(u64::MAX / 2 + G, G, LARGE), u64::MAX);
+        assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Large), 22 * G);
+        assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Small), 11 * G);
+        assert_eq!(vmm_extent(u64::MAX / 2 + G, G, HeapKind::Large), u64::MAX);
     }
 }

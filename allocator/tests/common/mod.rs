@@ -78,14 +78,13 @@ pub fn stat(pool: &SimPool, key: &str) -> i64 {
 pub fn assert_disjoint(pool: &SimPool) {
     let blocks = pool.device(0).unwrap().live_blocks();
     for w in blocks.windows(2) {
-        let (a, alen, _, _) = w[0];
-        let (b, _, _, _) = w[1];
+        let (a, alen, b) = (w[0].ptr, w[0].size, w[1].ptr);
         assert!(
             a + alen <= b,
             "live blocks overlap: {a:#x}+{alen} and {b:#x}"
         );
     }
-    for (p, _, _, _) in &blocks {
+    for p in blocks.iter().map(|b| b.ptr) {
         assert_eq!(p % 512, 0, "{p:#x} is not 512 B aligned");
     }
 }
