@@ -2,6 +2,8 @@
 //! events), the work model and its hazards, host backing, fault injection, latencies, and the
 //! address-range set underneath.
 
+use std::time::{Duration, Instant};
+
 use super::*;
 
 const G: u64 = 2 * MIB;
