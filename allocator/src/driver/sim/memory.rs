@@ -366,7 +366,8 @@ impl SimDriver {
     }
 
     /// Writes `data` at device address `ptr` through the current mappings (needs
-    /// [`SimConfig::backing`]; every byte must be mapped with access granted, or linear).
+    /// [`SimConfig::backing`](super::SimConfig::backing); every byte must be mapped with access
+    /// granted, or linear).
     pub fn write(&self, dev: DeviceId, ptr: u64, data: &[u8]) -> Result<(), DriverError> {
         let d = self.backing_device(dev)?;
         let mut st = d.state.lock();
@@ -386,7 +387,7 @@ impl SimDriver {
     }
 
     /// Reads `len` bytes at device address `ptr` through the current mappings (needs
-    /// [`SimConfig::backing`]); bytes never written read as zero.
+    /// [`SimConfig::backing`](super::SimConfig::backing)); bytes never written read as zero.
     pub fn read(&self, dev: DeviceId, ptr: u64, len: usize) -> Result<Vec<u8>, DriverError> {
         let d = self.backing_device(dev)?;
         let st = d.state.lock();
