@@ -2,9 +2,11 @@
 //! events), the work model and its hazards, host backing, fault injection, latencies, and the
 //! address-range set underneath.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::driver::{Driver, EventId, PhysHandle, StreamId};
 
 const G: u64 = 2 * MIB;
 const S1: StreamId = StreamId(1);
