@@ -1,0 +1,296 @@
+//! The simulated GPU: [`SimDriver`], a [`Driver`] with no hardware behind it.
+//!
+//! This module owns the simulator's whole state: per device, the virtual address space
+//! (reservations and their free list), physical handles, mappings and access rights, linear
+//! allocations, events, and the **work model** (synthetic kernels queued on streams); and, for the
+//! whole simulator, call counters, fault injection, optional latencies and the hazard log. It is
+//! used by tests, benches and `cistern replay`, and a later fake `libcuda.so` wraps it, so its
+//! semantics and error codes follow the real CUDA driver closely.
+//!
+//! Its `mod.rs` holds the model's state ([`SimDriver`] and each device's state) and the checks
+//! every call starts with; around it: `config` (how a simulator is set up), `memory` (address
+//! space, physical handles, mappings, linear allocations, host backing), `work` (streams, work,
+//! completion, events' ordering, hazards), `faults` (call entry, fault injection, counters and
+//! gauges), `driver` (the [`Driver`] calls themselves) and `tests`.
+//!
+//! # Model
+//!
+//! * Each device has its own disjoint address regions: VMM reservations come from
+//!   `0x7000_0000_0000 + dev * 2^45` (16 TiB, room for dozens of streams' reservations of an
+//!   80 GiB device), linear allocations from the next 16 TiB. Freed ranges
+//!   are reused (first fit). `0` is never handed out.
+//! * Physical handles and linear allocations count against the device's capacity (minus the
+//!   memory of simulated other processes). Nothing is backed by host memory unless
+//!   [`SimConfig::backing`] is set; then host storage is allocated lazily, 64 KiB at a time, and
+//!   belongs to the physical handle (or linear allocation), so data follows a page that is
+//!   unmapped and mapped elsewhere.
+//! * **Work**: [`SimDriver::launch`] queues one unit of work on a stream, touching address ranges.
+//!   Each range is translated at launch time into *physical pieces* (handle + offset, or linear
+//!   allocation + offset). Work stays unfinished until a test completes it
+//!   ([`SimDriver::complete_next`], [`SimDriver::complete_stream`], [`SimDriver::complete_all`])
+//!   or a synchronising call (`event_synchronize`, `mem_free`, `device_synchronize`) does.
+//!   Streams are FIFO. `stream_wait_event` makes later work on a stream depend on the event's
+//!   captured work: completing that later work completes the dependency first.
+//! * **Hazards**: [`Driver::note_handout`] records a [`Hazard`] when unfinished work on another
+//!   stream touches the same physical memory and the handout stream has not waited for it (an
+//!   ordering established through `stream_wait_event`, transitively through pending work). `unmap`
+//!   and `release_physical` of physical memory that unfinished work touches are hazards too.
+//!   When a device has no unfinished work, `note_handout` costs one relaxed atomic load.
+//! * Stream `0` is treated as an ordinary stream: the legacy default stream's implicit
+//!   synchronisation with other streams is not simulated.
+//!
+//! Operations that exist only in the simulator (`launch`, `read`, `write`) are not driver calls:
+//! they are not counted, delayed or subject to fault injection. Their errors name the closest
+//! call kind: [`DriverCall::StreamWaitEvent`] for `launch`, [`DriverCall::SetAccess`] for `read`
+//! and `write`.
+//!
+//! [`Driver`]: super::Driver
+//! [`Driver::note_handout`]: super::Driver::note_handout
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use super::{DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult};
+
+mod config;
+mod driver;
+mod faults;
+mod memory;
+mod work;
+
+pub use config::{SimConfig, SimLatencies};
+pub use work::{Hazard, HazardKind, WorkId};
+
+use faults::Faults;
+use memory::{
+    IntervalSet, LinearAlloc, Mapping, PhysAlloc, DEVICE_STRIDE, REGION_BASE, REGION_SPAN,
+};
+use work::{Pos, StreamState};
+
+/// The `CUresult` codes the simulator reports.
+pub mod codes {
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+    /// `CUDA_ERROR_INVALID_DEVICE`.
+    pub const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+    /// `CUDA_ERROR_NOT_READY` (an event query that is not complete; the trait reports it as
+    /// `Ok(false)`).
+    pub const CUDA_ERROR_NOT_READY: i32 = 600;
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+    /// `CUDA_ERROR_UNKNOWN`, used for injected faults on calls that cannot run out of memory.
+    pub const CUDA_ERROR_UNKNOWN: i32 = 999;
+}
+
+use codes::*;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+/// How many [`DriverCall`] kinds exist.
+const NCALLS: usize = DriverCall::ALL.len();
+
+// ---------------------------------------------------------------------------------------------
+// Internal state
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug)]
+struct DevState {
+    va_free: IntervalSet,
+    /// Reservation start -> size.
+    reservations: BTreeMap<u64, u64>,
+    reserved_bytes: u64,
+    handles: FxHashMap<u64, PhysAlloc>,
+    /// Mapping start -> mapping.
+    mappings: BTreeMap<u64, Mapping>,
+    mapped_bytes: u64,
+    /// Address ranges with access granted.
+    access: IntervalSet,
+    linear_free: IntervalSet,
+    /// Linear allocation base -> allocation.
+    linear: BTreeMap<u64, LinearAlloc>,
+    /// Linear allocation id -> base.
+    linear_ids: FxHashMap<u64, u64>,
+    committed: u64,
+    peak: u64,
+    /// Event id -> captured positions (empty: complete).
+    events: FxHashMap<u64, Vec<Pos>>,
+    streams: FxHashMap<u64, StreamState>,
+    next_work: u64,
+}
+
+impl DevState {
+    fn new(dev: DeviceId) -> Self {
+        let base = REGION_BASE.saturating_add((dev as u64).saturating_mul(DEVICE_STRIDE));
+        let linear = base.saturating_add(REGION_SPAN);
+        DevState {
+            va_free: IntervalSet::with(base, linear),
+            reservations: BTreeMap::new(),
+            reserved_bytes: 0,
+            handles: FxHashMap::default(),
+            mappings: BTreeMap::new(),
+            mapped_bytes: 0,
+            access: IntervalSet::default(),
+            linear_free: IntervalSet::with(linear, linear.saturating_add(REGION_SPAN)),
+            linear: BTreeMap::new(),
+            linear_ids: FxHashMap::default(),
+            committed: 0,
+            peak: 0,
+            events: FxHashMap::default(),
+            streams: FxHashMap::default(),
+            next_work: 1,
+        }
+    }
+}
+
+struct Device {
+    /// Unfinished work items on this device; read with one relaxed load by `note_handout`.
+    unfinished: AtomicUsize,
+    state: Mutex<DevState>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulator
+// ---------------------------------------------------------------------------------------------
+
+/// A simulated GPU implementing [`Driver`](super::Driver): see the [module documentation](self).
+///
+/// `SimDriver` is `Send + Sync`; share it with `Arc` (the trait is implemented for `Arc<D>`).
+pub struct SimDriver {
+    config: SimConfig,
+    devices: Vec<Device>,
+    counters: [AtomicU64; NCALLS],
+    other_process_bytes: AtomicU64,
+    /// Injected per-device budget of committed bytes (`u64::MAX`: none).
+    byte_budget: AtomicU64,
+    faults_armed: AtomicBool,
+    faults: Mutex<Faults>,
+    hazards: Mutex<Vec<Hazard>>,
+    /// Source of handle, event and linear allocation ids (never 0).
+    next_id: AtomicU64,
+}
+
+impl fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for SimDriver {
+    fn default() -> Self {
+        SimDriver::new(SimConfig::default())
+    }
+}
+
+fn err(call: DriverCall, kind: DriverErrorKind, code: i32, msg: impl Into<String>) -> DriverError {
+    DriverError::new(call, kind, code, msg)
+}
+
+fn invalid(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::InvalidValue,
+        CUDA_ERROR_INVALID_VALUE,
+        msg,
+    )
+}
+
+fn invalid_handle(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::InvalidValue,
+        CUDA_ERROR_INVALID_HANDLE,
+        msg,
+    )
+}
+
+fn oom(call: DriverCall, msg: impl Into<String>) -> DriverError {
+    err(
+        call,
+        DriverErrorKind::OutOfMemory,
+        CUDA_ERROR_OUT_OF_MEMORY,
+        msg,
+    )
+}
+
+impl SimDriver {
+    /// A simulator with the given configuration.
+    pub fn new(mut config: SimConfig) -> SimDriver {
+        if config.granularity == 0 {
+            config.granularity = SimConfig::default().granularity;
+        }
+        config.granularity = config.granularity.next_power_of_two();
+        let devices = (0..config.devices)
+            .map(|d| Device {
+                unfinished: AtomicUsize::new(0),
+                state: Mutex::new(DevState::new(d)),
+            })
+            .collect();
+        SimDriver {
+            other_process_bytes: AtomicU64::new(config.other_process_bytes),
+            config,
+            devices,
+            counters: std::array::from_fn(|_| AtomicU64::new(0)),
+            byte_budget: AtomicU64::new(u64::MAX),
+            faults_armed: AtomicBool::new(false),
+            faults: Mutex::new(Faults::default()),
+            hazards: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The configuration in effect (granularity normalised).
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Changes the bytes used on each device by simulated other processes.
+    pub fn set_other_process_bytes(&self, bytes: u64) {
+        self.other_process_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
+        self.devices.get(dev).ok_or_else(|| {
+            err(
+                call,
+                DriverErrorKind::InvalidDevice,
+                CUDA_ERROR_INVALID_DEVICE,
+                format!(
+                    "device {dev} does not exist ({} devices)",
+                    self.devices.len()
+                ),
+            )
+        })
+    }
+
+    /// `enter` + `device` + the VMM check.
+    fn vmm_device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        if !self.config.vmm {
+            return Err(err(
+                call,
+                DriverErrorKind::NotSupported,
+                CUDA_ERROR_NOT_SUPPORTED,
+                "virtual memory management is disabled on this simulated device",
+            ));
+        }
+        Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests;
