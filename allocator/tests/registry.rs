@@ -765,7 +765,7 @@ fn full_record() -> Vec<u8> {
         &ProcessSnapshot {
             devices: vec![device(0, 1 << 30, 5), device(1, 3, 0)],
             last_oom: Some(oom()),
-            marks: vec![Mark {
+            marks: vec![MarkRecord {
                 id: 1,
                 label: Some("epoch 3".into()),
                 unix_ms: 1,

@@ -16,8 +16,8 @@ use crate::error::OomReport;
 use super::dir::{ensure_dir, sweep_temporaries, write_atomic};
 use super::process::Identity;
 use super::record::{
-    encode_record, file_name, DeviceRecord, LeakEntry, Mark, Record, State, MAX_LEAKS, MAX_TOP,
-    RECORD_VERSION,
+    encode_record, file_name, DeviceRecord, LeakEntry, MarkRecord, Record, State, MAX_LEAKS,
+    MAX_TOP, RECORD_VERSION,
 };
 use super::{io_err, RegistryError};
 
@@ -35,7 +35,7 @@ pub struct ProcessSnapshot {
     /// The last out-of-memory report, if any.
     pub last_oom: Option<OomReport>,
     /// Marks, when provenance is on.
-    pub marks: Vec<Mark>,
+    pub marks: Vec<MarkRecord>,
 }
 
 /// Where the registry gets its snapshots: implemented by the pool (and by fakes in tests).

@@ -91,9 +91,10 @@ pub struct LeakEntry {
     pub oldest_age_ms: Option<u64>,
 }
 
-/// A `mark()` and what was allocated since it and is still live.
+/// A mark ([`crate::provenance::Mark`]) as published: its id and label, and what was allocated
+/// since it and is still live.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Mark {
+pub struct MarkRecord {
     /// The mark's id, as `mark()` returned it.
     pub id: u64,
     /// Its label, when given.
@@ -151,7 +152,7 @@ pub struct Record {
     pub leaks_truncated: bool,
     /// Marks, when provenance is on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub marks: Vec<Mark>,
+    pub marks: Vec<MarkRecord>,
 }
 
 impl Record {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use cistern::error::Attribution;
 use cistern::registry::{
-    self, DeviceRecord, Identity, LeakEntry, Mark, ProcessSnapshot, Registry, State,
+    self, DeviceRecord, Identity, LeakEntry, MarkRecord, ProcessSnapshot, Registry, State,
 };
 
 pub const MIB: u64 = 1 << 20;
@@ -107,7 +107,7 @@ pub fn publish(
     devices: Vec<DeviceRecord>,
     state: State,
     leaks: Vec<LeakEntry>,
-    marks: Vec<Mark>,
+    marks: Vec<MarkRecord>,
 ) -> PathBuf {
     let r = Registry::with_identity(dir, id).unwrap();
     r.publish(
