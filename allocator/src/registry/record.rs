@@ -285,4 +285,43 @@ mod tests {
             assert_eq!(parse_file_name(OsStr::new(bad)), None, "{bad}");
         }
     }
+
+    /// Records as the v1 writer wrote them (produced by the code before the registry had its own
+    /// record types), byte for byte: each must parse and re-encode to the same bytes, so that no
+    /// edit to a type elsewhere changes the format other processes read.
+    const V1_FULL: &str = include_str!("testdata/v1_full.json");
+    const V1_NO_MARKS: &str = include_str!("testdata/v1_no_marks.json");
+    /// A v1 record that leaves out every field with a default, and what it encodes to.
+    const V1_SPARSE: &str = include_str!("testdata/v1_sparse.json");
+    const V1_SPARSE_ENCODED: &str = include_str!("testdata/v1_sparse_encoded.json");
+
+    fn reencode(json: &str) -> String {
+        let mut r = parse_record(json.trim_end().as_bytes()).expect("a v1 record parses");
+        String::from_utf8(encode_record(&mut r)).unwrap()
+    }
+
+    #[test]
+    fn v1_records_reencode_identically() {
+        for json in [V1_FULL, V1_NO_MARKS] {
+            assert_eq!(reencode(json), json.trim_end());
+        }
+        assert_eq!(reencode(V1_SPARSE), V1_SPARSE_ENCODED.trim_end());
+        let r = parse_record(V1_FULL.trim_end().as_bytes()).unwrap();
+        let oom = r.last_oom.expect("the fixture has an OOM");
+        assert_eq!(oom.other_processes[0].pid, 77);
+        assert_eq!(oom.top_sites[0].name, "model.py:7 build");
+        assert_eq!(r.marks[1].label, None);
+    }
+
+    #[test]
+    fn v1_oom_fields_are_all_required() {
+        // The OOM part of a v1 record has no defaults: a record missing one of its fields is
+        // refused, as it always was.
+        let json = V1_SPARSE.trim_end().replace(r#","reason":"""#, "");
+        assert_ne!(json, V1_SPARSE.trim_end());
+        assert!(matches!(
+            parse_record(json.as_bytes()),
+            Err(RecordError::Parse(_))
+        ));
+    }
 }
