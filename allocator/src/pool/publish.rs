@@ -6,11 +6,11 @@
 use std::sync::{Arc, Mutex};
 
 use crate::driver::Driver;
-use crate::error::{Attribution, OomReport};
+use crate::error::{Attribution, OomReport, OtherProcess};
 use crate::pool::{DeviceReport, Pool};
 use crate::registry::{
-    self, DeviceRecord, LeakEntry, ProcessSnapshot, RecordSource, Registry, RegistryError,
-    RegistryHandle, MAX_TOP, NO_TAG,
+    self, AttributionRecord, DeviceRecord, LeakEntry, OomRecord, OtherProcessRecord,
+    ProcessSnapshot, RecordSource, Registry, RegistryError, RegistryHandle, MAX_TOP, NO_TAG,
 };
 
 impl<D: Driver> Pool<D> {
@@ -60,6 +60,82 @@ impl DeviceRecord {
     }
 }
 
+/// The published form of an OOM report. Destructured field by field, so that a field added to
+/// [`OomReport`] does not compile until it is given (or refused) a place in the record format.
+impl From<&OomReport> for OomRecord {
+    fn from(r: &OomReport) -> OomRecord {
+        let OomReport {
+            device,
+            stream,
+            requested,
+            rounded,
+            limit,
+            device_free,
+            device_total,
+            reserved,
+            live,
+            pending,
+            cached,
+            largest_free,
+            top_tags,
+            top_sites,
+            other_processes,
+            reason,
+        } = r;
+        OomRecord {
+            device: *device,
+            stream: *stream,
+            requested: *requested,
+            rounded: *rounded,
+            limit: *limit,
+            device_free: *device_free,
+            device_total: *device_total,
+            reserved: *reserved,
+            live: *live,
+            pending: *pending,
+            cached: *cached,
+            largest_free: *largest_free,
+            top_tags: top_tags.iter().map(AttributionRecord::from).collect(),
+            top_sites: top_sites.iter().map(AttributionRecord::from).collect(),
+            other_processes: other_processes
+                .iter()
+                .map(OtherProcessRecord::from)
+                .collect(),
+            reason: reason.clone(),
+        }
+    }
+}
+
+impl From<&Attribution> for AttributionRecord {
+    fn from(a: &Attribution) -> AttributionRecord {
+        let Attribution {
+            name,
+            bytes,
+            blocks,
+        } = a;
+        AttributionRecord {
+            name: name.clone(),
+            bytes: *bytes,
+            blocks: *blocks,
+        }
+    }
+}
+
+impl From<&OtherProcess> for OtherProcessRecord {
+    fn from(p: &OtherProcess) -> OtherProcessRecord {
+        let OtherProcess {
+            pid,
+            bytes,
+            command,
+        } = p;
+        OtherProcessRecord {
+            pid: *pid,
+            bytes: *bytes,
+            command: command.clone(),
+        }
+    }
+}
+
 /// The one-line label of call site `id` ([`crate::provenance::site_label`]), symbolised once per
 /// process and then remembered: site ids are interned for the life of the process, and
 /// symbolising takes milliseconds, too slow to repeat on every snapshot.
@@ -90,7 +166,7 @@ fn top_by<K: std::hash::Hash + Ord>(
     ledger: &[crate::provenance::LedgerEntry],
     key: impl Fn(&crate::provenance::LedgerEntry) -> Option<K>,
     name: impl Fn(&K) -> String,
-) -> Vec<Attribution> {
+) -> Vec<AttributionRecord> {
     let mut sums: std::collections::HashMap<K, (u64, u64)> = std::collections::HashMap::new();
     for e in ledger {
         if e.live_bytes == 0 && e.live_blocks == 0 {
@@ -108,7 +184,7 @@ fn top_by<K: std::hash::Hash + Ord>(
     v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
     v.truncate(MAX_TOP);
     v.into_iter()
-        .map(|(k, (bytes, blocks))| Attribution {
+        .map(|(k, (bytes, blocks))| AttributionRecord {
             name: name(&k),
             bytes,
             blocks,
@@ -133,7 +209,7 @@ fn top_by<K: std::hash::Hash + Ord>(
 impl<D: Driver> RecordSource for Pool<D> {
     fn snapshot(&self) -> ProcessSnapshot {
         let mut devices = Vec::new();
-        let mut last_oom: Option<OomReport> = None;
+        let mut last_oom: Option<OomRecord> = None;
         for d in self.devices() {
             let mut rec = DeviceRecord::from_report(&d.report(), d.caps().uuid.clone());
             let ledger = d.ledger();
@@ -152,7 +228,7 @@ impl<D: Driver> RecordSource for Pool<D> {
             devices.push(rec);
             // Several devices may have failed: the record keeps one, the last device's.
             if let Some(o) = d.last_oom() {
-                last_oom = Some(o);
+                last_oom = Some(OomRecord::from(&o));
             }
         }
         ProcessSnapshot {

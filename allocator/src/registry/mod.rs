@@ -53,9 +53,9 @@ pub use publisher::{
 };
 pub use read::{read_all, read_record, RecordFile};
 pub use record::{
-    encode_record, parse_file_name, parse_record, DeviceRecord, LeakEntry, MarkRecord, Record,
-    RecordError, State, MAX_CMDLINE_BYTES, MAX_LEAKS, MAX_RECORD_BYTES, MAX_TOP, NO_TAG,
-    RECORD_VERSION,
+    encode_record, parse_file_name, parse_record, AttributionRecord, DeviceRecord, LeakEntry,
+    MarkRecord, OomRecord, OtherProcessRecord, Record, RecordError, State, MAX_CMDLINE_BYTES,
+    MAX_LEAKS, MAX_RECORD_BYTES, MAX_TOP, NO_TAG, RECORD_VERSION,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -11,13 +11,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::error::OomReport;
-
 use super::dir::{ensure_dir, sweep_temporaries, write_atomic};
 use super::process::Identity;
 use super::record::{
-    encode_record, file_name, DeviceRecord, LeakEntry, MarkRecord, Record, State, MAX_LEAKS,
-    MAX_TOP, RECORD_VERSION,
+    encode_record, file_name, DeviceRecord, LeakEntry, MarkRecord, OomRecord, Record, State,
+    MAX_LEAKS, MAX_TOP, RECORD_VERSION,
 };
 use super::{io_err, RegistryError};
 
@@ -33,7 +31,7 @@ pub struct ProcessSnapshot {
     /// Each device the process has a pool on.
     pub devices: Vec<DeviceRecord>,
     /// The last out-of-memory report, if any.
-    pub last_oom: Option<OomReport>,
+    pub last_oom: Option<OomRecord>,
     /// Marks, when provenance is on.
     pub marks: Vec<MarkRecord>,
 }

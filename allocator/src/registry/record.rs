@@ -8,8 +8,6 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Attribution, OomReport};
-
 use super::process::{boot_id, is_alive, Liveness};
 
 /// The record format's version; readers refuse other versions with
@@ -66,10 +64,70 @@ pub struct DeviceRecord {
     pub peak_live: u64,
     /// Live bytes by tag, largest first (at most [`MAX_TOP`]).
     #[serde(default)]
-    pub top_tags: Vec<Attribution>,
+    pub top_tags: Vec<AttributionRecord>,
     /// Live bytes by call site, largest first (at most [`MAX_TOP`]).
     #[serde(default)]
-    pub top_sites: Vec<Attribution>,
+    pub top_sites: Vec<AttributionRecord>,
+}
+
+/// Bytes attributed to one tag or call site, as published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttributionRecord {
+    /// The tag or symbolised site.
+    pub name: String,
+    /// Live bytes.
+    pub bytes: u64,
+    /// Live blocks.
+    pub blocks: u64,
+}
+
+/// Another process's use of the device, as published in an [`OomRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OtherProcessRecord {
+    /// Process id.
+    pub pid: u32,
+    /// Bytes it holds on the device.
+    pub bytes: u64,
+    /// Its command line, when known.
+    pub command: String,
+}
+
+/// A process's last out-of-memory report ([`crate::OomReport`]), as published: what the
+/// allocator knew when a request failed. Every field is required (v1 has no defaults here).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OomRecord {
+    /// The device ordinal.
+    pub device: usize,
+    /// The stream of the request.
+    pub stream: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Bytes after rounding.
+    pub rounded: u64,
+    /// The per-process limit on reserved bytes.
+    pub limit: u64,
+    /// Device memory free (all processes), from the driver.
+    pub device_free: u64,
+    /// Device memory in total.
+    pub device_total: u64,
+    /// Bytes the process held from the driver.
+    pub reserved: u64,
+    /// Bytes in live blocks.
+    pub live: u64,
+    /// Bytes freed but waiting on other streams' work.
+    pub pending: u64,
+    /// Reserved bytes in no live or pending block.
+    pub cached: u64,
+    /// The largest free range in any arena.
+    pub largest_free: u64,
+    /// Live bytes by tag, largest first (empty until provenance is on).
+    pub top_tags: Vec<AttributionRecord>,
+    /// Live bytes by call site, largest first (empty until sampling is on).
+    pub top_sites: Vec<AttributionRecord>,
+    /// Other processes on the device, when known.
+    pub other_processes: Vec<OtherProcessRecord>,
+    /// Why the request failed, in words.
+    pub reason: String,
 }
 
 /// Blocks still live at exit (or now, for a `leaks` query), grouped by tag and site.
@@ -108,7 +166,7 @@ pub struct MarkRecord {
     pub live_blocks_since: u64,
 }
 
-/// The name under which untagged bytes are published (as in [`OomReport::top_tags`]).
+/// The name under which untagged bytes are published (as in [`crate::OomReport::top_tags`]).
 pub const NO_TAG: &str = "(no tag)";
 
 /// One process's record, as written to `<pid>-<start_time>.json`.
@@ -142,7 +200,7 @@ pub struct Record {
     pub devices: Vec<DeviceRecord>,
     /// The last out-of-memory report, if any.
     #[serde(default)]
-    pub last_oom: Option<OomReport>,
+    pub last_oom: Option<OomRecord>,
     /// In an `exited` record, the blocks still live at exit (at most [`MAX_LEAKS`] entries,
     /// largest first).
     #[serde(default)]
