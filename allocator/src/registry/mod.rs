@@ -20,18 +20,26 @@
 //! # Publishing
 //!
 //! [`Registry::start`] writes a first record, then a background thread asks a [`RecordSource`]
-//! (the pool) for a [`ProcessSnapshot`] every `interval` (1 s by default) and rewrites the record
-//! when the snapshot changed. Nothing runs on the allocation path. [`RegistryHandle::finish`]
-//! writes the final record (state `exited`, with the blocks still live as [`LeakEntry`]s); a Rust
-//! library has no destructor that runs at process exit (statics are never dropped), so
-//! [`install_exit_hook`] registers a C `atexit` callback that calls it. A process killed with
-//! SIGKILL leaves its last `running` record: its last known state.
+//! (the allocator) for a [`ProcessSnapshot`] every `interval` (1 s by default) and rewrites the
+//! record when the snapshot changed. Nothing runs on the allocation path.
+//! [`RegistryHandle::finish`] writes the final record (state `exited`, with the blocks still live
+//! as [`LeakEntry`]s); a Rust library has no destructor that runs at process exit (statics are
+//! never dropped), so [`install_exit_hook`] registers a C `atexit` callback that calls it. A
+//! process killed with SIGKILL leaves its last `running` record: its last known state.
 //!
 //! # Reading
 //!
 //! Records are untrusted input: [`read_all`] and [`read_record`] refuse symlinks and non-regular
 //! files, read at most [`MAX_RECORD_BYTES`], and return parse errors and unknown versions as
 //! values ([`RecordError`]); they never panic.
+//!
+//! # Files
+//!
+//! `record.rs` owns the v1 schema (its own types, never the allocator's in-memory ones), parsing
+//! and encoding; `process.rs` identity and liveness from `/proc`; `dir.rs` the directory, atomic
+//! writes and sweeping; `publisher.rs` the thread, its handle and the exit hook; `read.rs`
+//! reading records back. Nothing here names the allocator's types: the allocator implements
+//! [`RecordSource`] for itself.
 
 use std::fmt;
 use std::io;

@@ -24,11 +24,11 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// The default republishing interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// What the pool hands the registry: the changing part of a record. The registry adds the
+/// What the source hands the registry: the changing part of a record. The registry adds the
 /// process's identity and the time.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcessSnapshot {
-    /// Each device the process has a pool on.
+    /// Each device the process's allocator has set up.
     pub devices: Vec<DeviceRecord>,
     /// The last out-of-memory report, if any.
     pub last_oom: Option<OomRecord>,
@@ -36,7 +36,7 @@ pub struct ProcessSnapshot {
     pub marks: Vec<MarkRecord>,
 }
 
-/// Where the registry gets its snapshots: implemented by the pool (and by fakes in tests).
+/// Where the registry gets its snapshots: implemented by the allocator (and by fakes in tests).
 ///
 /// `snapshot` is called from the registry's background thread, at most once per interval.
 pub trait RecordSource {

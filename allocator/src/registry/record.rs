@@ -33,7 +33,7 @@ pub enum State {
     Exited,
 }
 
-/// One device of a process, as the pool sees it.
+/// One device of a process, as its allocator sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceRecord {
     /// The device ordinal in this process (after `CUDA_VISIBLE_DEVICES`).
@@ -50,7 +50,7 @@ pub struct DeviceRecord {
     /// This process's limit on reserved bytes.
     #[serde(default)]
     pub limit: u64,
-    /// Bytes the pool holds from the driver.
+    /// Bytes the allocator holds from the driver.
     pub reserved: u64,
     /// Bytes in live blocks.
     pub live: u64,
