@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cistern::error::{Attribution, OomReport};
 use cistern::registry::*;
 use proptest::prelude::*;
 
@@ -70,8 +69,8 @@ fn spawn_child(mode: &str, dir: &Path) -> ChildGuard {
     ChildGuard(Some(child))
 }
 
-fn attribution(name: &str, bytes: u64) -> Attribution {
-    Attribution {
+fn attribution(name: &str, bytes: u64) -> AttributionRecord {
+    AttributionRecord {
         name: name.into(),
         bytes,
         blocks: bytes / 4096 + 1,
@@ -98,8 +97,8 @@ fn device(index: u32, live: u64, tags: usize) -> DeviceRecord {
     }
 }
 
-fn oom() -> OomReport {
-    OomReport {
+fn oom() -> OomRecord {
+    OomRecord {
         device: 0,
         stream: 7,
         requested: 1 << 30,
@@ -765,7 +764,7 @@ fn full_record() -> Vec<u8> {
         &ProcessSnapshot {
             devices: vec![device(0, 1 << 30, 5), device(1, 3, 0)],
             last_oom: Some(oom()),
-            marks: vec![Mark {
+            marks: vec![MarkRecord {
                 id: 1,
                 label: Some("epoch 3".into()),
                 unix_ms: 1,

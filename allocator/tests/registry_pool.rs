@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cistern::registry::{read_all, read_record, Record, State, NO_TAG};
+use cistern::registry::{read_all, read_record, OomRecord, Record, State, NO_TAG};
 use cistern::{with_tag, Config, Pool, SimConfig, SimDriver, StreamId};
 
 const MIB: u64 = 1 << 20;
@@ -104,7 +104,14 @@ fn publishes_tags_last_oom_and_leaks() {
     let r = read_record(&h.record_path()).unwrap();
     let oom = r.last_oom.expect("the OOM is published");
     assert_eq!(oom.requested, 4 << 30);
-    assert_eq!(Some(oom), p.device(0).unwrap().last_oom());
+    assert_eq!(
+        Some(oom),
+        p.device(0)
+            .unwrap()
+            .last_oom()
+            .as_ref()
+            .map(OomRecord::from)
+    );
 
     // Free all but one activation block; the final record names its tag.
     for w in weights {

@@ -7,7 +7,7 @@
 //! not cover is one `(other)` group, so the groups always sum to the record's live bytes.
 
 use cistern::format_bytes;
-use cistern::registry::{Liveness, Mark, Record, State};
+use cistern::registry::{Liveness, MarkRecord, Record, State};
 use serde::Serialize;
 
 use crate::ps::{registry_dir, Snapshot};
@@ -52,7 +52,7 @@ pub struct LeaksReport {
     /// Live call sites per device, when stacks were sampled (running records).
     pub top_sites: Vec<Group>,
     /// Marks and what was allocated since each and is still live.
-    pub marks: Vec<Mark>,
+    pub marks: Vec<MarkRecord>,
 }
 
 /// Builds the document from one record.

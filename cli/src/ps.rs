@@ -10,9 +10,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use cistern::error::Attribution;
 use cistern::format_bytes;
-use cistern::registry::{self, Liveness, Record, State};
+use cistern::registry::{self, AttributionRecord, Liveness, Record, State};
 use serde::Serialize;
 
 use crate::gpu::{self, GpuInfo, GpuProcess, GpuView, ProcKind};
@@ -254,7 +253,7 @@ pub struct ProcGpu {
     pub pending: u64,
     /// nvml_used - reserved: context, kernels, libraries, other allocators.
     pub overhead: Option<i64>,
-    pub top_tags: Vec<Attribution>,
+    pub top_tags: Vec<AttributionRecord>,
 }
 
 /// Whether NVML's listing of `pid` belongs to the process a record describes.

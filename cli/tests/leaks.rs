@@ -2,7 +2,7 @@
 
 mod common;
 
-use cistern::registry::{LeakEntry, Mark, State};
+use cistern::registry::{LeakEntry, MarkRecord, State};
 use common::*;
 
 #[test]
@@ -98,7 +98,7 @@ fn leaks_of_a_running_record_group_by_tag_and_show_marks() {
         ],
         State::Running,
         vec![],
-        vec![Mark {
+        vec![MarkRecord {
             id: 2,
             label: Some("epoch 2".into()),
             unix_ms: 1,

@@ -5,7 +5,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use cistern::registry::{self, LeakEntry, Mark, State};
+use cistern::registry::{self, LeakEntry, MarkRecord, State};
 use common::*;
 use serde_json::{json, Value};
 
@@ -125,7 +125,7 @@ fn scenario() -> Scenario {
         vec![device(0, "GPU-aaaa", 32 * MIB, 16 * MIB, &[])],
         State::Running,
         vec![],
-        vec![Mark {
+        vec![MarkRecord {
             id: 1,
             label: Some("epoch".into()),
             unix_ms: 1,

@@ -54,6 +54,7 @@
 //! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
 //! | `report.rs` | statistics, invariant checks, live views, snapshots, reports |
 //! | `buffer.rs` | [`Buffer`], the owning handle |
+//! | `publish.rs` | the pool's side of the cross-process registry: its `RecordSource`, device records, [`Pool::start_registry`] |
 //!
 //! An arena's own books (heaps, page tables, live map, pending frees) are [`crate::arena`]'s,
 //! one layer down; nothing there names the pool.
@@ -90,6 +91,7 @@
 mod buffer;
 mod device;
 mod grow;
+mod publish;
 mod release;
 mod report;
 mod vmm;
@@ -274,33 +276,6 @@ impl<D: Driver> Pool<D> {
                 .map_err(|e| format!("device {}: {e}", d.device()))?;
         }
         Ok(())
-    }
-
-    /// Publishes this pool in the cross-process registry ([`crate::registry`]), when the
-    /// configuration's `registry` setting is on (the default): opens the directory
-    /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
-    /// record, starts the background thread that republishes it at most once a second when it
-    /// changed, and installs the `atexit` hook that writes the final record (state `exited`,
-    /// with the blocks still live) when the process exits normally
-    /// ([`crate::registry::install_exit_hook`]).
-    ///
-    /// Returns `Ok(None)` with `registry:off`, and the error when the directory is unsafe or
-    /// cannot be written: the pool works the same either way, and the caller decides whether
-    /// to log it. Nothing is added to the allocation path. The registry's thread and the exit
-    /// hook hold a clone of the `Arc`, so the pool lives until the process exits. Call it once
-    /// per process: every call publishes this process's one record.
-    pub fn start_registry(
-        self: &Arc<Self>,
-    ) -> std::result::Result<Option<crate::registry::RegistryHandle>, crate::registry::RegistryError>
-    {
-        let Some(dir) = crate::registry::dir_for(&self.config) else {
-            return Ok(None);
-        };
-        let source: Arc<dyn crate::registry::RecordSource + Send + Sync> = self.clone();
-        let handle =
-            crate::registry::Registry::start(dir, source, crate::registry::DEFAULT_INTERVAL)?;
-        crate::registry::install_exit_hook(handle.clone());
-        Ok(Some(handle))
     }
 
     /// A summary of every device pool created so far.

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use cistern::error::Attribution;
 use cistern::registry::{
-    self, DeviceRecord, Identity, LeakEntry, Mark, ProcessSnapshot, Registry, State,
+    self, AttributionRecord, DeviceRecord, Identity, LeakEntry, MarkRecord, ProcessSnapshot,
+    Registry, State,
 };
 
 pub const MIB: u64 = 1 << 20;
@@ -91,7 +91,7 @@ pub fn device(
         peak_live: live,
         top_tags: tags
             .iter()
-            .map(|(n, b, k)| Attribution {
+            .map(|(n, b, k)| AttributionRecord {
                 name: n.to_string(),
                 bytes: *b,
                 blocks: *k,
@@ -107,7 +107,7 @@ pub fn publish(
     devices: Vec<DeviceRecord>,
     state: State,
     leaks: Vec<LeakEntry>,
-    marks: Vec<Mark>,
+    marks: Vec<MarkRecord>,
 ) -> PathBuf {
     let r = Registry::with_identity(dir, id).unwrap();
     r.publish(

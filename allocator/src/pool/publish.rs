@@ -1,0 +1,262 @@
+//! The pool's side of the cross-process registry ([`crate::registry`]): the pool as a
+//! [`RecordSource`] (device records from its reports and ledgers, the last OOM report, the
+//! live blocks as leaks) and [`Pool::start_registry`]. The registry itself knows nothing of the
+//! pool; the dependency runs from here to it only.
+
+use std::sync::{Arc, Mutex};
+
+use crate::driver::Driver;
+use crate::error::{Attribution, OomReport, OtherProcess};
+use crate::pool::{DeviceReport, Pool};
+use crate::registry::{
+    self, AttributionRecord, DeviceRecord, LeakEntry, OomRecord, OtherProcessRecord,
+    ProcessSnapshot, RecordSource, Registry, RegistryError, RegistryHandle, MAX_TOP, NO_TAG,
+};
+
+impl<D: Driver> Pool<D> {
+    /// Publishes this pool in the cross-process registry ([`crate::registry`]), when the
+    /// configuration's `registry` setting is on (the default): opens the directory
+    /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
+    /// record, starts the background thread that republishes it at most once a second when it
+    /// changed, and installs the `atexit` hook that writes the final record (state `exited`,
+    /// with the blocks still live) when the process exits normally
+    /// ([`crate::registry::install_exit_hook`]).
+    ///
+    /// Returns `Ok(None)` with `registry:off`, and the error when the directory is unsafe or
+    /// cannot be written: the pool works the same either way, and the caller decides whether
+    /// to log it. Nothing is added to the allocation path. The registry's thread and the exit
+    /// hook hold a clone of the `Arc`, so the pool lives until the process exits. Call it once
+    /// per process: every call publishes this process's one record.
+    pub fn start_registry(self: &Arc<Self>) -> Result<Option<RegistryHandle>, RegistryError> {
+        let Some(dir) = registry::dir_for(&self.config) else {
+            return Ok(None);
+        };
+        let source: Arc<dyn RecordSource + Send + Sync> = self.clone();
+        let handle = Registry::start(dir, source, registry::DEFAULT_INTERVAL)?;
+        registry::install_exit_hook(handle.clone());
+        Ok(Some(handle))
+    }
+}
+
+impl DeviceRecord {
+    /// The record of a device from its pool's report and its UUID (`DevicePool::caps().uuid`);
+    /// tags and sites are left empty for the caller to fill.
+    pub fn from_report(r: &DeviceReport, uuid: Option<String>) -> DeviceRecord {
+        DeviceRecord {
+            index: r.device as u32,
+            uuid,
+            name: r.name.clone(),
+            total_memory: r.total_memory,
+            limit: r.limit,
+            reserved: r.reserved,
+            live: r.live,
+            cached: r.reserved.saturating_sub(r.live).saturating_sub(r.pending),
+            pending: r.pending,
+            peak_reserved: r.peak_reserved,
+            peak_live: r.peak_live,
+            top_tags: Vec::new(),
+            top_sites: Vec::new(),
+        }
+    }
+}
+
+/// The published form of an OOM report. Destructured field by field, so that a field added to
+/// [`OomReport`] does not compile until it is given (or refused) a place in the record format.
+impl From<&OomReport> for OomRecord {
+    fn from(r: &OomReport) -> OomRecord {
+        let OomReport {
+            device,
+            stream,
+            requested,
+            rounded,
+            limit,
+            device_free,
+            device_total,
+            reserved,
+            live,
+            pending,
+            cached,
+            largest_free,
+            top_tags,
+            top_sites,
+            other_processes,
+            reason,
+        } = r;
+        OomRecord {
+            device: *device,
+            stream: *stream,
+            requested: *requested,
+            rounded: *rounded,
+            limit: *limit,
+            device_free: *device_free,
+            device_total: *device_total,
+            reserved: *reserved,
+            live: *live,
+            pending: *pending,
+            cached: *cached,
+            largest_free: *largest_free,
+            top_tags: top_tags.iter().map(AttributionRecord::from).collect(),
+            top_sites: top_sites.iter().map(AttributionRecord::from).collect(),
+            other_processes: other_processes
+                .iter()
+                .map(OtherProcessRecord::from)
+                .collect(),
+            reason: reason.clone(),
+        }
+    }
+}
+
+impl From<&Attribution> for AttributionRecord {
+    fn from(a: &Attribution) -> AttributionRecord {
+        let Attribution {
+            name,
+            bytes,
+            blocks,
+        } = a;
+        AttributionRecord {
+            name: name.clone(),
+            bytes: *bytes,
+            blocks: *blocks,
+        }
+    }
+}
+
+impl From<&OtherProcess> for OtherProcessRecord {
+    fn from(p: &OtherProcess) -> OtherProcessRecord {
+        let OtherProcess {
+            pid,
+            bytes,
+            command,
+        } = p;
+        OtherProcessRecord {
+            pid: *pid,
+            bytes: *bytes,
+            command: command.clone(),
+        }
+    }
+}
+
+/// The one-line label of call site `id` ([`crate::provenance::site_label`]), symbolised once per
+/// process and then remembered: site ids are interned for the life of the process, and
+/// symbolising takes milliseconds, too slow to repeat on every snapshot.
+fn cached_site_label(id: u32) -> String {
+    static LABELS: Mutex<Option<std::collections::HashMap<u32, String>>> = Mutex::new(None);
+    if let Some(l) = LABELS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .and_then(|m| m.get(&id))
+    {
+        return l.clone();
+    }
+    // Symbolised without the lock held (two threads may both do it once; they agree).
+    let label = crate::provenance::site_label(id);
+    LABELS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(Default::default)
+        .insert(id, label.clone());
+    label
+}
+
+/// Live bytes and blocks of `ledger` summed by `key` (entries with a `None` key left out), as
+/// attributions: largest first, ties by key, at most [`MAX_TOP`]. Entries with nothing live
+/// are left out.
+fn top_by<K: std::hash::Hash + Ord>(
+    ledger: &[crate::provenance::LedgerEntry],
+    key: impl Fn(&crate::provenance::LedgerEntry) -> Option<K>,
+    name: impl Fn(&K) -> String,
+) -> Vec<AttributionRecord> {
+    let mut sums: std::collections::HashMap<K, (u64, u64)> = std::collections::HashMap::new();
+    for e in ledger {
+        if e.live_bytes == 0 && e.live_blocks == 0 {
+            continue;
+        }
+        if let Some(k) = key(e) {
+            let s = sums.entry(k).or_default();
+            s.0 += e.live_bytes;
+            s.1 += e.live_blocks;
+        }
+    }
+    // A total order (ties by key), so that equal states give equal snapshots; only the entries
+    // kept are named (site names are costly).
+    let mut v: Vec<(K, (u64, u64))> = sums.into_iter().collect();
+    v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
+    v.truncate(MAX_TOP);
+    v.into_iter()
+        .map(|(k, (bytes, blocks))| AttributionRecord {
+            name: name(&k),
+            bytes,
+            blocks,
+        })
+        .collect()
+}
+
+/// The pool's devices (those created so far), with provenance:
+///
+/// - each [`DeviceRecord`] has the numbers of the device's report, and live bytes by tag and by
+///   call site from its ledger ([`crate::DevicePool::ledger`]; empty with `provenance:off`);
+///   untagged bytes are named [`NO_TAG`], sites by their symbolised label (sampled stacks
+///   only; each site is symbolised once per process);
+/// - `last_oom` is the most recent of the devices' last OOM reports
+///   ([`crate::DevicePool::last_oom`]);
+/// - `leaks` are the live blocks of every device grouped by (tag, site), with the age of the
+///   oldest (when provenance is on), largest first.
+///
+/// A snapshot takes each device's locks briefly (its report, then its ledger: each arena's
+/// lock, no block is walked); it runs on the registry's thread, at most once per interval.
+/// Marks are not published.
+impl<D: Driver> RecordSource for Pool<D> {
+    fn snapshot(&self) -> ProcessSnapshot {
+        let mut devices = Vec::new();
+        let mut last_oom: Option<OomRecord> = None;
+        for d in self.devices() {
+            let mut rec = DeviceRecord::from_report(&d.report(), d.caps().uuid.clone());
+            let ledger = d.ledger();
+            rec.top_tags = top_by(
+                &ledger,
+                |e| Some(e.tag.clone()),
+                |t| {
+                    if t.is_empty() {
+                        NO_TAG.to_string()
+                    } else {
+                        t.clone()
+                    }
+                },
+            );
+            rec.top_sites = top_by(&ledger, |e| e.site, |&id| cached_site_label(id));
+            devices.push(rec);
+            // Several devices may have failed: the record keeps one, the last device's.
+            if let Some(o) = d.last_oom() {
+                last_oom = Some(OomRecord::from(&o));
+            }
+        }
+        ProcessSnapshot {
+            devices,
+            last_oom,
+            marks: Vec::new(),
+        }
+    }
+
+    fn leaks(&self) -> Vec<LeakEntry> {
+        let ages = self.config().provenance != crate::provenance::Mode::Off;
+        let mut out: Vec<LeakEntry> = self
+            .devices()
+            .flat_map(|d| {
+                let device = d.device() as u32;
+                crate::provenance::group_live(&d.live_blocks_detailed())
+                    .into_iter()
+                    .map(move |g| LeakEntry {
+                        tag: g.tag,
+                        site: g.site.map(cached_site_label),
+                        device,
+                        bytes: g.bytes,
+                        blocks: g.blocks,
+                        oldest_age_ms: ages.then_some(g.oldest.as_millis() as u64),
+                    })
+            })
+            .collect();
+        out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tag.cmp(&b.tag)));
+        out
+    }
+}

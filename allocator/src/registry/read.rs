@@ -1,0 +1,77 @@
+//! Reading records back: one file or a whole directory, as untrusted input (no symlinks,
+//! regular files only, bounded size), each refusal a value, never a panic.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use super::record::{parse_file_name, parse_record, Record, RecordError, MAX_RECORD_BYTES};
+use super::{io_err, RegistryError};
+
+/// Reads one record file: no symlinks, regular files only, at most [`MAX_RECORD_BYTES`]. When
+/// the file name is `<pid>-<start_time>.json`, the content must name the same process.
+pub fn read_record(path: &Path) -> Result<Record, RecordError> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path);
+    let f: File = match f {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(RecordError::Symlink),
+        Err(e) => return Err(RecordError::Io(e.to_string())),
+    };
+    let md = f.metadata().map_err(|e| RecordError::Io(e.to_string()))?;
+    if !md.is_file() {
+        return Err(RecordError::NotRegular);
+    }
+    if md.len() > MAX_RECORD_BYTES {
+        return Err(RecordError::TooLarge(md.len()));
+    }
+    let mut bytes = Vec::with_capacity(md.len() as usize);
+    f.take(MAX_RECORD_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| RecordError::Io(e.to_string()))?;
+    let record = parse_record(&bytes)?;
+    if let Some(file) = path.file_name().and_then(parse_file_name) {
+        let rec = (record.pid, record.start_time);
+        if file != rec {
+            return Err(RecordError::NameMismatch { file, record: rec });
+        }
+    }
+    Ok(record)
+}
+
+/// A record file's path, and its record or why it was refused.
+pub type RecordFile = (PathBuf, Result<Record, RecordError>);
+
+/// Reads every record file (`<pid>-<start_time>.json`) in `dir`, each as a record or the reason
+/// it was refused, sorted by file name. Temporary files and other names are skipped. A missing
+/// directory gives no records; a directory that is a symlink is refused.
+pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
+    match fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(format!("inspecting {}", dir.display()))(e)),
+        Ok(md) if md.file_type().is_symlink() => {
+            return Err(RegistryError::UnsafeDir {
+                path: dir.to_path_buf(),
+                reason: "is a symlink, which the registry never follows".into(),
+            })
+        }
+        Ok(_) => {}
+    }
+    let mut paths: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(io_err(format!("listing {}", dir.display())))?
+        .filter_map(|e| e.ok())
+        .filter(|e| parse_file_name(&e.file_name()).is_some())
+        .map(|e| e.path())
+        .collect();
+    paths.sort();
+    Ok(paths
+        .into_iter()
+        .map(|p| {
+            let r = read_record(&p);
+            (p, r)
+        })
+        .collect())
+}
