@@ -3,6 +3,8 @@
 //! See the README for the ideas the pool rests on, [`driver`] for the seam between the pool
 //! and a device, and [`interop`] for using pooled buffers as cudarc device memory.
 #![deny(missing_docs)]
+// `unsafe` lives only in `driver::cuda` (the driver API is FFI) and `sys` (libc calls).
+#![deny(unsafe_code)]
 // Gauges are indexed [gauge][pool] in several parallel arrays; index loops read best there.
 #![allow(clippy::needless_range_loop)]
 
@@ -18,13 +20,14 @@ macro_rules! stderr_line {
 pub mod config;
 pub mod driver;
 pub mod error;
-pub mod heap;
+pub(crate) mod heap;
 pub mod interop;
 pub mod open;
 pub mod provenance;
 pub mod record;
 pub mod registry;
 pub mod stats;
+mod sys;
 
 mod arena;
 pub mod pool;

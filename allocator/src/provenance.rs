@@ -219,14 +219,7 @@ pub fn thread_id() -> u32 {
 fn raw_clock_ns() -> u64 {
     #[cfg(target_os = "linux")]
     {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC_COARSE always exists on
-        // Linux (vDSO, no system call).
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+        crate::sys::monotonic_coarse_ns()
     }
     #[cfg(not(target_os = "linux"))]
     {

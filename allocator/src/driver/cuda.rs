@@ -33,6 +33,8 @@
 //! passing an event that was never created (or already destroyed) is outside the contract and the
 //! CUDA driver does not promise to detect it; the pool only passes handles it got from here.
 #![deny(clippy::undocumented_unsafe_blocks)]
+// The driver API is FFI: this module and `crate::sys` are the only ones allowed `unsafe`.
+#![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -11,8 +11,7 @@ use super::RegistryError;
 
 /// The effective user id.
 pub fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    crate::sys::euid()
 }
 
 /// This boot's id, from `/proc/sys/kernel/random/boot_id`.
@@ -145,12 +144,7 @@ impl Identity {
 }
 
 pub(super) fn pid_exists(pid: u32) -> bool {
-    if pid == 0 || pid > i32::MAX as u32 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    crate::sys::pid_exists(pid)
 }
 
 #[cfg(test)]

@@ -388,9 +388,9 @@ pub fn install_exit_hook(handle: RegistryHandle) -> bool {
         .push(handle);
     let mut ok = true;
     EXIT_HOOK.call_once(|| {
-        // SAFETY: registering a function with no captured state, which never unwinds across the
-        // C boundary (errors are printed, panics in it abort as any extern "C" fn does).
-        ok = unsafe { libc::atexit(run_exit_hook) } == 0;
+        // `run_exit_hook` never unwinds across the C boundary: errors are printed, and its body
+        // runs under catch_unwind.
+        ok = crate::sys::atexit(run_exit_hook);
     });
     ok
 }
