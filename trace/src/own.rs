@@ -21,33 +21,16 @@
 //! have time 0.
 
 use std::io::{self, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use crate::line_error::{read_text, LineError};
 use crate::sequence::{AllocSequence, Op, SequenceError};
 
 /// The first line of every v1 trace.
 pub const HEADER: &str = "# cistern-trace v1";
 
 /// Error reading an own-format trace.
-#[derive(Debug, thiserror::Error)]
-pub enum OwnError {
-    /// The file could not be read.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// A line does not have the expected form.
-    #[error("line {line}: {message}")]
-    Parse {
-        /// 1-based line number.
-        line: usize,
-        /// What was expected and found.
-        message: String,
-    },
-}
+pub type OwnError = LineError;
 
 /// A parsed own-format trace.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,19 +49,11 @@ pub struct OwnTrace {
 
 /// Read an own-format trace file.
 pub fn read(path: impl AsRef<Path>) -> Result<OwnTrace, OwnError> {
-    let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| OwnError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse(&text)
+    parse(&read_text(path.as_ref())?)
 }
 
 fn err(line: usize, message: impl Into<String>) -> OwnError {
-    OwnError::Parse {
-        line,
-        message: message.into(),
-    }
+    LineError::at(line, message)
 }
 
 /// Parse an own-format trace.
