@@ -305,6 +305,7 @@ impl AddrSequencer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sequence::alloc;
 
     #[test]
     fn addresses_become_ids() {
@@ -319,23 +320,11 @@ mod tests {
         assert_eq!(
             r.sequence.ops,
             vec![
-                Op::Alloc {
-                    id: 0,
-                    size: 8,
-                    stream: 0
-                },
+                alloc(0, 8, 0),
                 Op::Free { id: 0 },
-                Op::Alloc {
-                    id: 1,
-                    size: 4,
-                    stream: 1
-                },
+                alloc(1, 4, 1),
                 Op::Free { id: 1 },
-                Op::Alloc {
-                    id: 2,
-                    size: 4,
-                    stream: 1
-                },
+                alloc(2, 4, 1),
                 Op::Free { id: 2 },
             ]
         );

@@ -595,7 +595,7 @@ fn top_python_frame(frames: &Value) -> Option<Arc<str>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sequence::Op;
+    use crate::sequence::{alloc, Op};
 
     fn ev(action: Action, addr: u64, size: u64) -> TraceEvent {
         TraceEvent {
@@ -654,28 +654,12 @@ mod tests {
         assert_eq!(
             r.sequence.ops,
             vec![
-                Op::Alloc {
-                    id: 0,
-                    size: 16,
-                    stream: 0
-                },
-                Op::Alloc {
-                    id: 1,
-                    size: 32,
-                    stream: 0
-                },
+                alloc(0, 16, 0),
+                alloc(1, 32, 0),
                 Op::Free { id: 1 },
-                Op::Alloc {
-                    id: 2,
-                    size: 4,
-                    stream: 0
-                },
+                alloc(2, 4, 0),
                 Op::Free { id: 2 },
-                Op::Alloc {
-                    id: 3,
-                    size: 8,
-                    stream: 0
-                },
+                alloc(3, 8, 0),
             ]
         );
         assert_eq!(
