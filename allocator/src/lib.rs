@@ -22,9 +22,9 @@ pub mod heap;
 pub mod interop;
 pub mod open;
 pub mod provenance;
-pub mod record;
 pub mod registry;
 pub mod stats;
+pub mod trace_writer;
 
 mod arena;
 pub mod pool;
