@@ -22,12 +22,14 @@ pub mod driver;
 pub mod error;
 pub(crate) mod heap;
 pub mod interop;
+#[doc(hidden)]
+pub mod log;
 pub mod open;
 pub mod provenance;
-pub mod record;
 pub mod registry;
 pub mod stats;
 mod sys;
+pub mod trace_writer;
 
 mod arena;
 pub mod pool;
@@ -48,6 +50,8 @@ pub use provenance::{
 };
 pub use stats::Stats;
 
+pub(crate) use log::log_rate_limited;
+
 /// Formats a byte count for people: `512 B`, `1.5 KiB`, `20.0 MiB`, `79.2 GiB`.
 pub fn format_bytes(b: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -61,27 +65,4 @@ pub fn format_bytes(b: u64) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u])
-}
-
-/// Prints `msg` to stderr at most once per second (and says how many were suppressed).
-pub(crate) fn log_rate_limited(msg: &str) {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-    use std::time::{SystemTime, UNIX_EPOCH};
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let last = LAST.load(Relaxed);
-    if now > last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
-        let n = SUPPRESSED.swap(0, Relaxed);
-        if n > 0 {
-            stderr_line!("{msg} ({n} similar messages suppressed)");
-        } else {
-            stderr_line!("{msg}");
-        }
-    } else {
-        SUPPRESSED.fetch_add(1, Relaxed);
-    }
 }

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use cistern::format_bytes;
+use cistern_replay::catalog::{self, ALLOCATORS};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
-use cistern_replay::model::{self, ALLOCATORS};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
 use cistern_trace::workloads;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -53,7 +53,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         args.allocators.clone()
     };
     for a in &allocators {
-        model::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
+        catalog::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
     }
     let capacity = match &args.capacity {
         Some(c) => Some(cistern::config::parse_size(c).map_err(|e| format!("--capacity: {e}"))?),

@@ -11,6 +11,8 @@ use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use cistern_alloc::log::RateLimiter;
+
 /// Failed calls of any export (bad arguments, no driver, out of memory, panics).
 pub(crate) static ABI_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// Panics caught at the boundary (each one is a bug in cistern).
@@ -90,24 +92,13 @@ pub(crate) fn last_error_ptr() -> *const c_char {
         .unwrap_or(c"".as_ptr())
 }
 
+/// The ABI's own limiter (separate from the pool's, so each layer prints at most a line a
+/// second, as it always did).
+static ABI_LOG: RateLimiter = RateLimiter::new();
+
 /// Prints `msg` to stderr at most once per second, saying how many were suppressed.
 fn log_rate_limited(msg: &str) {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let last = LAST.load(Relaxed);
-    if now > last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
-        match SUPPRESSED.swap(0, Relaxed) {
-            0 => stderr_line!("{msg}"),
-            n => stderr_line!("{msg} ({n} similar messages suppressed)"),
-        }
-    } else {
-        SUPPRESSED.fetch_add(1, Relaxed);
-    }
+    ABI_LOG.log(msg);
 }
 
 /// Test-only: make the next call of an export panic inside its guard.

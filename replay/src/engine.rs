@@ -21,7 +21,8 @@ use std::time::Instant;
 use cistern_trace::{AllocSequence, Op};
 use rustc_hash::FxHashMap;
 
-use crate::model::{make, AllocatorModel, Oom};
+use crate::catalog::make;
+use crate::model::{AllocatorModel, Oom};
 
 /// At most this many points are kept in [`ReplayResult::series`].
 pub const MAX_SERIES_POINTS: usize = 2000;

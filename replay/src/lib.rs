@@ -1,8 +1,9 @@
 //! Replays GPU allocation traces against cistern and against faithful models of other
 //! allocators, on a simulated device, and measures fragmentation (the fragmentation suite).
 //!
-//! * [`model`]: the [`AllocatorModel`] trait, the simple models (`cistern`, `cistern-novmm`,
-//!   `cudamalloc`, `ideal`) and the registry ([`ALLOCATORS`], [`make`]).
+//! * [`model`]: the [`AllocatorModel`] trait, its [`Oom`] and the helpers models share.
+//! * [`catalog`]: the models by name ([`ALLOCATORS`], [`make`]).
+//! * [`simple`]: the simple models (`cistern`, `cistern-novmm`, `cudamalloc`, `ideal`).
 //! * [`pytorch`]: PyTorch's caching allocator reimplemented from its rules (`pytorch`,
 //!   `pytorch-expandable`).
 //! * [`engine`]: [`replay`], [`min_capacity`], [`evaluate`] and the [`ReplayResult`] metrics.
@@ -24,15 +25,18 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod catalog;
 pub mod engine;
 pub mod model;
 pub mod pytorch;
 pub mod recorded;
+pub mod simple;
 
+pub use catalog::{make, ALLOCATORS, RECORDED};
 pub use engine::{
     evaluate, frag, min_capacity, min_capacity_with, replay, run, EvalOptions, OomAt, Point,
     ReplayResult, TraceReport,
 };
-pub use model::{make, AllocatorModel, Oom, ALLOCATORS, RECORDED};
+pub use model::{AllocatorModel, Oom};
 pub use pytorch::{PytorchConfig, PytorchModel};
 pub use recorded::{default_allocators, evaluate_snapshot, recorded};

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use cistern_trace::snapshot::{Action, Reconstruction, Snapshot};
 
+use crate::catalog::RECORDED;
 use crate::engine::{evaluate, frag, EvalOptions, Point, ReplayResult, SeriesBuilder};
-use crate::model::RECORDED;
 
 /// PyTorch's reserved bytes after each operation of `recon.sequence` (which must be
 /// `snapshot.reconstruct(device)`): the level of the last segment event at or before the

@@ -1,16 +1,18 @@
-//! Turning address-keyed allocation events (profiler traces, RMM logs) into id-keyed
-//! [`AllocSequence`]s: addresses are reused, ids are not.
+//! Turning address-keyed allocation events (snapshot windows, profiler traces, RMM logs) into
+//! id-keyed [`AllocSequence`]s: addresses are reused, ids are not.
 //!
-//! The rules are those of [`Snapshot::reconstruct`](crate::Snapshot::reconstruct): a free of an
-//! address the window never allocated stands for a block that was live before the window opened
-//! and becomes an `Alloc` at the start; an alloc over a live address frees the older block first;
-//! a second free of the same block is ignored. Each workaround is reported as an [`AddrAnomaly`].
+//! The one copy of the rules that [`Snapshot::reconstruct`](crate::Snapshot::reconstruct), the
+//! `kineto` and the `rmm` readers share: a free of an address the window never allocated stands
+//! for a block that was live before the window opened and becomes an `Alloc` at the start; an
+//! alloc over a live address frees the older block first; a second free of the same block is
+//! ignored. Each workaround is reported as an [`AddrAnomaly`].
 
 use std::collections::{HashMap, HashSet};
 
-use crate::sequence::{AllocSequence, Op, SequenceError};
+use crate::sequence::{AllocSequence, Op, ReplayStats, SequenceError};
 
-/// Something in an address-keyed event stream that does not fit itself; worked around.
+/// Something in an address-keyed event stream that does not fit itself (or, for a snapshot, its
+/// final state); worked around.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AddrAnomaly {
     /// An allocation at an address that was still live; the older block is freed first.
@@ -37,6 +39,32 @@ pub enum AddrAnomaly {
         alloc_size: u64,
         /// Size at free.
         free_size: u64,
+    },
+    /// Snapshots: allocated in the window and never freed, but no active block is at that
+    /// address at the end.
+    LiveButNotInSegments {
+        /// The address.
+        addr: u64,
+        /// Requested size from the trace.
+        size: u64,
+    },
+    /// Snapshots: allocated in the window and never freed, but the final block's requested size
+    /// differs.
+    EndSizeMismatch {
+        /// The address.
+        addr: u64,
+        /// Requested size from the trace.
+        trace_size: u64,
+        /// Requested size (or size) of the final block.
+        segment_size: u64,
+    },
+    /// Snapshots: an active final block at an address the window freed and never allocated
+    /// again; left out.
+    ActiveButFreedInWindow {
+        /// The address.
+        addr: u64,
+        /// Its requested size (or size).
+        size: u64,
     },
 }
 
@@ -67,6 +95,15 @@ enum Step {
     Free { key: usize },
 }
 
+/// A block live before the window.
+struct Initial {
+    key: usize,
+    /// Where it was (`None` for a block the reader adds without an address).
+    addr: Option<u64>,
+    size: u64,
+    stream: u64,
+}
+
 /// Collects address-keyed events in order and assigns ids.
 #[derive(Default)]
 pub(crate) struct AddrSequencer {
@@ -74,8 +111,8 @@ pub(crate) struct AddrSequencer {
     steps: Vec<(usize, Step)>,
     live: HashMap<u64, (usize, u64)>,
     seen: HashSet<u64>,
-    /// (key, size, stream) of blocks live before the window, in discovery order.
-    initial: Vec<(usize, u64, u64)>,
+    /// Blocks live before the window, in discovery order.
+    initial: Vec<Initial>,
     anomalies: Vec<AddrAnomaly>,
 }
 
@@ -90,14 +127,56 @@ impl AddrSequencer {
     pub(crate) fn initial_bytes(&self) -> u64 {
         self.initial
             .iter()
-            .map(|&(_, s, _)| s)
+            .map(|b| b.size)
             .fold(0, u64::saturating_add)
     }
 
     /// Add a block that was live before the window and is never freed in it.
     pub(crate) fn add_initial(&mut self, size: u64, stream: u64) {
+        self.push_initial(None, size, stream);
+    }
+
+    /// [`AddrSequencer::add_initial`] for a block known to be at `addr`.
+    pub(crate) fn add_initial_at(&mut self, addr: u64, size: u64, stream: u64) {
+        self.push_initial(Some(addr), size, stream);
+    }
+
+    fn push_initial(&mut self, addr: Option<u64>, size: u64, stream: u64) -> usize {
         let key = self.key();
-        self.initial.push((key, size, stream));
+        self.initial.push(Initial {
+            key,
+            addr,
+            size,
+            stream,
+        });
+        key
+    }
+
+    /// Whether a block allocated in the window is live at `addr` now.
+    pub(crate) fn is_live(&self, addr: u64) -> bool {
+        self.live.contains_key(&addr)
+    }
+
+    /// Whether any event so far allocated or freed `addr`.
+    pub(crate) fn was_seen(&self, addr: u64) -> bool {
+        self.seen.contains(&addr)
+    }
+
+    /// `(address, size)` of the blocks live now, in address order.
+    pub(crate) fn live_blocks(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self.live.iter().map(|(&a, &(_, s))| (a, s)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Reports an anomaly the reader found itself (after the anomalies found so far).
+    pub(crate) fn report(&mut self, anomaly: AddrAnomaly) {
+        self.anomalies.push(anomaly);
+    }
+
+    /// Orders the initial blocks by address (then discovery order), instead of discovery order.
+    pub(crate) fn sort_initial_by_address(&mut self) {
+        self.initial.sort_by_key(|b| (b.addr, b.key));
     }
 
     pub(crate) fn alloc(&mut self, event: usize, addr: u64, size: u64, stream: u64) {
@@ -124,8 +203,7 @@ impl AddrSequencer {
             }
             self.steps.push((event, Step::Free { key }));
         } else if self.seen.insert(addr) {
-            let key = self.key();
-            self.initial.push((key, size, stream));
+            let key = self.push_initial(Some(addr), size, stream);
             self.steps.push((event, Step::Free { key }));
         } else {
             self.anomalies.push(AddrAnomaly::DoubleFree { event, addr });
@@ -135,12 +213,48 @@ impl AddrSequencer {
     /// The replayable sequence. Addresses make every sequence well formed except one whose
     /// live bytes overflow u64 (absurd sizes): that is an error naming the event of the op.
     pub(crate) fn finish(self, initial_from_frees: usize) -> Result<AddrSequence, FinishError> {
+        let (mut r, replayed) = self.assemble(initial_from_frees);
+        match replayed {
+            Ok(stats) => {
+                r.sequence.peak_live_requested = stats.peak_live;
+                Ok(r)
+            }
+            Err(error) => {
+                let op = match error {
+                    SequenceError::DuplicateId { op_index, .. }
+                    | SequenceError::FreeOfDead { op_index, .. }
+                    | SequenceError::Overflow { op_index } => op_index,
+                };
+                Err(FinishError {
+                    event: r.op_events.get(op).copied().flatten(),
+                    error,
+                })
+            }
+        }
+    }
+
+    /// [`AddrSequencer::finish`] for a reader that cannot fail: an unreplayable sequence (live
+    /// bytes beyond u64) is kept, with a zero peak.
+    pub(crate) fn finish_or_zero_peak(self, initial_from_frees: usize) -> AddrSequence {
+        let (mut r, replayed) = self.assemble(initial_from_frees);
+        r.sequence.peak_live_requested = replayed.map(|s| s.peak_live).unwrap_or(0);
+        r
+    }
+
+    /// The ops with their final ids (peak not set yet), and their replay.
+    fn assemble(
+        self,
+        initial_from_frees: usize,
+    ) -> (AddrSequence, Result<ReplayStats, SequenceError>) {
         let mut id_of = vec![0u64; self.next_key];
         let n = self.initial.len() + self.steps.len();
         let mut ops = Vec::with_capacity(n);
         let mut op_events = Vec::with_capacity(n);
         let mut next_id = 0u64;
-        for &(key, size, stream) in &self.initial {
+        for &Initial {
+            key, size, stream, ..
+        } in &self.initial
+        {
             id_of[key] = next_id;
             ops.push(Op::Alloc {
                 id: next_id,
@@ -168,30 +282,18 @@ impl AddrSequencer {
         let initially_live = self.initial.len();
         // Keys are fresh per alloc and only live keys are freed, so the replay can fail only by
         // overflowing u64 live bytes.
-        let peak_live_requested = match crate::sequence::replay(&ops) {
-            Ok(stats) => stats.peak_live,
-            Err(error) => {
-                let op = match error {
-                    SequenceError::DuplicateId { op_index, .. }
-                    | SequenceError::FreeOfDead { op_index, .. }
-                    | SequenceError::Overflow { op_index } => op_index,
-                };
-                return Err(FinishError {
-                    event: op_events.get(op).copied().flatten(),
-                    error,
-                });
-            }
-        };
-        Ok(AddrSequence {
+        let replayed = crate::sequence::replay(&ops);
+        let r = AddrSequence {
             sequence: AllocSequence {
                 ops,
-                peak_live_requested,
+                peak_live_requested: 0,
                 initially_live,
             },
             op_events,
             initial_from_frees,
             anomalies: self.anomalies,
-        })
+        };
+        (r, replayed)
     }
 
     /// How many initial blocks came from frees so far.
@@ -203,6 +305,7 @@ impl AddrSequencer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sequence::alloc;
 
     #[test]
     fn addresses_become_ids() {
@@ -217,23 +320,11 @@ mod tests {
         assert_eq!(
             r.sequence.ops,
             vec![
-                Op::Alloc {
-                    id: 0,
-                    size: 8,
-                    stream: 0
-                },
+                alloc(0, 8, 0),
                 Op::Free { id: 0 },
-                Op::Alloc {
-                    id: 1,
-                    size: 4,
-                    stream: 1
-                },
+                alloc(1, 4, 1),
                 Op::Free { id: 1 },
-                Op::Alloc {
-                    id: 2,
-                    size: 4,
-                    stream: 1
-                },
+                alloc(2, 4, 1),
                 Op::Free { id: 2 },
             ]
         );

@@ -336,6 +336,7 @@ fn shape(path: &str, expected: &str, found: &str) -> KinetoError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sequence::alloc;
     use crate::Op;
 
     fn mem(ts: u64, addr: u64, bytes: i64, total: i64, reserved: i64) -> String {
@@ -363,21 +364,9 @@ mod tests {
         assert_eq!(
             d.sequence.ops,
             vec![
-                Op::Alloc {
-                    id: 0,
-                    size: 16,
-                    stream: 0
-                },
-                Op::Alloc {
-                    id: 1,
-                    size: 84,
-                    stream: 0
-                },
-                Op::Alloc {
-                    id: 2,
-                    size: 8,
-                    stream: 0
-                },
+                alloc(0, 16, 0),
+                alloc(1, 84, 0),
+                alloc(2, 8, 0),
                 Op::Free { id: 0 },
                 Op::Free { id: 2 },
             ]

@@ -11,12 +11,15 @@
 //! * [`workloads`]: deterministic synthetic workloads (training, LLM serving, RMM's random
 //!   allocations, scaled MiniMalloc instances).
 //! * [`addrmap`]: address-keyed events to id-keyed sequences (used by `kineto` and `rmm`).
+//! * [`line_error`]: the one error type of the line-oriented readers (`own`, `rmm`,
+//!   `minimalloc`).
 //! * [`sequence`]: the common [`AllocSequence`] of [`Op`]s.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod addrmap;
 pub mod kineto;
+pub mod line_error;
 pub mod load;
 pub mod minimalloc;
 pub mod own;

@@ -1,46 +1,21 @@
 //! google/minimalloc benchmark CSVs: static lifetimes `id,lower,upper,size`, half open
 //! `[lower, upper)`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use crate::line_error::{read_text, LineError};
 use crate::sequence::{AllocSequence, Op};
 
 /// Error reading a minimalloc CSV.
-#[derive(Debug, thiserror::Error)]
-pub enum CsvError {
-    /// The file could not be read.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A line does not have the expected form.
-    #[error("line {line}: {message}")]
-    Parse {
-        /// 1-based line number.
-        line: usize,
-        /// What was expected and found.
-        message: String,
-    },
-}
+pub type CsvError = LineError;
 
 fn parse_err(line: usize, message: impl Into<String>) -> CsvError {
-    CsvError::Parse {
-        line,
-        message: message.into(),
-    }
+    LineError::at(line, message)
 }
 
 /// Read a minimalloc CSV file; see [`parse_csv`].
 pub fn read_csv(path: impl AsRef<Path>, scale: u64) -> Result<AllocSequence, CsvError> {
-    let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| CsvError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse_csv(&text, scale)
+    parse_csv(&read_text(path.as_ref())?, scale)
 }
 
 /// Turn minimalloc rows into an allocation sequence: each buffer is allocated at `lower` and

@@ -19,35 +19,68 @@
 //! trace (never reused after a free); the sequence must satisfy [`AllocSequence`]'s invariants,
 //! and a violation is reported with the line of the offending op. Ops without a preceding `t`
 //! have time 0.
+//!
+//! [`Line`] is the one encoder of these lines: [`write_with`] and the allocator's recorder
+//! (`cistern::trace_writer`) both write through it.
 
+use std::fmt;
 use std::io::{self, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use crate::line_error::{read_text, LineError};
 use crate::sequence::{AllocSequence, Op, SequenceError};
 
 /// The first line of every v1 trace.
 pub const HEADER: &str = "# cistern-trace v1";
 
-/// Error reading an own-format trace.
-#[derive(Debug, thiserror::Error)]
-pub enum OwnError {
-    /// The file could not be read.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// A line does not have the expected form.
-    #[error("line {line}: {message}")]
-    Parse {
-        /// 1-based line number.
-        line: usize,
-        /// What was expected and found.
-        message: String,
-    },
+/// One line of a v1 trace, as every writer spells it. `Display` gives the line without its
+/// newline; [`Line::write_to`] writes it with one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Line<'a> {
+    /// The first line, [`HEADER`].
+    Header,
+    /// `# <text>`, a comment (never the first line).
+    Comment(&'a str),
+    /// `name <name>`; newlines in the name become spaces (a name is one line).
+    Name(&'a str),
+    /// `device <index>`.
+    Device(u64),
+    /// `a <id> <size> <stream>` for an [`Op::Alloc`], `f <id>` for an [`Op::Free`].
+    Op(Op),
+    /// `i <id> <size> <stream>`: the [`Op::Alloc`] of a block live before the trace began (the
+    /// leading ops of a sequence, [`AllocSequence::initially_live`]; a free is an `f` line).
+    Initial(Op),
+    /// `t <ns>`: the time of the ops that follow.
+    Time(u64),
+    /// `r <bytes>`: recorded reserved bytes from the next op on.
+    Reserved(u64),
 }
+
+impl fmt::Display for Line<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Line::Header => f.write_str(HEADER),
+            Line::Comment(text) => write!(f, "# {text}"),
+            Line::Name(name) => write!(f, "name {}", name.replace(['\n', '\r'], " ")),
+            Line::Device(d) => write!(f, "device {d}"),
+            Line::Initial(Op::Alloc { id, size, stream }) => write!(f, "i {id} {size} {stream}"),
+            Line::Op(Op::Alloc { id, size, stream }) => write!(f, "a {id} {size} {stream}"),
+            Line::Op(Op::Free { id }) | Line::Initial(Op::Free { id }) => write!(f, "f {id}"),
+            Line::Time(ns) => write!(f, "t {ns}"),
+            Line::Reserved(bytes) => write!(f, "r {bytes}"),
+        }
+    }
+}
+
+impl Line<'_> {
+    /// Writes the line and its newline.
+    pub fn write_to(&self, mut w: impl Write) -> io::Result<()> {
+        writeln!(w, "{self}")
+    }
+}
+
+/// Error reading an own-format trace.
+pub type OwnError = LineError;
 
 /// A parsed own-format trace.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,19 +99,11 @@ pub struct OwnTrace {
 
 /// Read an own-format trace file.
 pub fn read(path: impl AsRef<Path>) -> Result<OwnTrace, OwnError> {
-    let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| OwnError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse(&text)
+    parse(&read_text(path.as_ref())?)
 }
 
 fn err(line: usize, message: impl Into<String>) -> OwnError {
-    OwnError::Parse {
-        line,
-        message: message.into(),
-    }
+    LineError::at(line, message)
 }
 
 /// Parse an own-format trace.
@@ -229,13 +254,12 @@ pub fn write_with(
     w: impl Write,
 ) -> io::Result<()> {
     let mut w = io::BufWriter::new(w);
-    writeln!(w, "{HEADER}")?;
+    Line::Header.write_to(&mut w)?;
     if let Some(name) = name {
-        // A name is one line; newlines would start ops.
-        writeln!(w, "name {}", name.replace(['\n', '\r'], " "))?;
+        Line::Name(name).write_to(&mut w)?;
     }
     if device != 0 {
-        writeln!(w, "device {device}")?;
+        Line::Device(device as u64).write_to(&mut w)?;
     }
     let mut r = reserved.iter().peekable();
     for (k, op) in seq.ops.iter().enumerate() {
@@ -243,16 +267,15 @@ pub fn write_with(
             if at > k {
                 break;
             }
-            writeln!(w, "r {bytes}")?;
+            Line::Reserved(bytes).write_to(&mut w)?;
             r.next();
         }
-        match *op {
-            Op::Alloc { id, size, stream } => {
-                let kind = if k < seq.initially_live { 'i' } else { 'a' };
-                writeln!(w, "{kind} {id} {size} {stream}")?
-            }
-            Op::Free { id } => writeln!(w, "f {id}")?,
-        }
+        let line = if k < seq.initially_live {
+            Line::Initial(*op)
+        } else {
+            Line::Op(*op)
+        };
+        line.write_to(&mut w)?;
     }
     w.flush()
 }

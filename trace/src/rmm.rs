@@ -12,34 +12,17 @@
 //! ([`crate::addrmap`]); `allocate failure` rows are counted and otherwise skipped. Streams keep
 //! their numeric value (the `cudaStream_t` pointer) as the op's stream.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::addrmap::{AddrAnomaly, AddrSequencer};
+use crate::line_error::{read_text, LineError};
 use crate::sequence::AllocSequence;
 
 /// The header RMM writes.
 pub const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
 /// Error reading an RMM log.
-#[derive(Debug, thiserror::Error)]
-pub enum RmmError {
-    /// The file could not be read.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A line does not have the expected form.
-    #[error("line {line}: {message}")]
-    Parse {
-        /// 1-based line number.
-        line: usize,
-        /// What was expected and found.
-        message: String,
-    },
-}
+pub type RmmError = LineError;
 
 /// A parsed RMM log.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,19 +43,11 @@ pub struct RmmLog {
 
 /// Read an RMM log file.
 pub fn read(path: impl AsRef<Path>) -> Result<RmmLog, RmmError> {
-    let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| RmmError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse(&text)
+    parse(&read_text(path.as_ref())?)
 }
 
 fn err(line: usize, message: impl Into<String>) -> RmmError {
-    RmmError::Parse {
-        line,
-        message: message.into(),
-    }
+    LineError::at(line, message)
 }
 
 /// Whether `line` is RMM's header (ignoring spaces and case).

@@ -21,6 +21,12 @@ pub enum Op {
     },
 }
 
+/// Test shorthand for `Op::Alloc { id, size, stream }`, for tests that spell out expected ops.
+#[cfg(test)]
+pub(crate) fn alloc(id: u64, size: u64, stream: u64) -> Op {
+    Op::Alloc { id, size, stream }
+}
+
 /// A replayable sequence of allocations and frees.
 ///
 /// Invariants (checked by [`AllocSequence::new`]): every `Alloc` id is unique, every `Free` names

@@ -6,12 +6,13 @@
 //! [`AllocSequence`], rebuilding the blocks that were already live when the ring buffer's window
 //! opened the way PyTorch's `MemoryViz.js` does: by walking back from the final state.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::addrmap::{AddrAnomaly, AddrSequencer};
 use crate::pickle::{self, PickleError, Value};
-use crate::sequence::{AllocSequence, Op};
+use crate::sequence::AllocSequence;
 
 /// Error reading a snapshot.
 #[derive(Debug, thiserror::Error)]
@@ -182,58 +183,9 @@ pub struct Snapshot {
 }
 
 /// Something in a trace that does not fit the final state or itself. The reconstruction works
-/// around each one so that the sequence stays valid, and reports it here.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Anomaly {
-    /// An `alloc` at an address that was still live; the older block is freed first.
-    AllocOverLive {
-        /// Index in the device trace.
-        event: usize,
-        /// The address.
-        addr: u64,
-    },
-    /// A free of an address that the window already saw freed and not allocated again; ignored.
-    DoubleFree {
-        /// Index in the device trace.
-        event: usize,
-        /// The address.
-        addr: u64,
-    },
-    /// The free event's size differs from its alloc event's size (the alloc's is used).
-    FreeSizeMismatch {
-        /// Index in the device trace.
-        event: usize,
-        /// The address.
-        addr: u64,
-        /// Size at allocation.
-        alloc_size: u64,
-        /// Size at free.
-        free_size: u64,
-    },
-    /// Allocated in the window and never freed, but no active block is at that address at the end.
-    LiveButNotInSegments {
-        /// The address.
-        addr: u64,
-        /// Requested size from the trace.
-        size: u64,
-    },
-    /// Allocated in the window and never freed, but the final block's requested size differs.
-    EndSizeMismatch {
-        /// The address.
-        addr: u64,
-        /// Requested size from the trace.
-        trace_size: u64,
-        /// Requested size (or size) of the final block.
-        segment_size: u64,
-    },
-    /// An active final block at an address the window freed and never allocated again; left out.
-    ActiveButFreedInWindow {
-        /// The address.
-        addr: u64,
-        /// Its requested size (or size).
-        size: u64,
-    },
-}
+/// around each one so that the sequence stays valid, and reports it here. The same type as the
+/// other address-keyed readers' [`AddrAnomaly`] (`event` is the index in the device trace).
+pub type Anomaly = AddrAnomaly;
 
 /// The result of [`Snapshot::reconstruct`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -437,73 +389,15 @@ impl Snapshot {
         };
 
         // Pass 1 over the window with provisional keys; initial blocks get keys as discovered.
-        enum Step {
-            Alloc { key: usize, size: u64, stream: u64 },
-            Free { key: usize },
-        }
-        struct Initial {
-            key: usize,
-            addr: u64,
-            size: u64,
-            stream: u64,
-        }
-        let mut next_key = 0usize;
-        let mut steps: Vec<(usize, Step)> = Vec::new();
-        let mut live: HashMap<u64, (usize, u64)> = HashMap::new();
-        let mut seen: HashSet<u64> = HashSet::new();
-        let mut initial: Vec<Initial> = Vec::new();
-        let mut anomalies = Vec::new();
+        let mut seq = AddrSequencer::default();
         for (i, e) in events.iter().enumerate() {
             if e.action == Action::Alloc {
-                if let Some((key, _)) = live.remove(&e.addr) {
-                    anomalies.push(Anomaly::AllocOverLive {
-                        event: i,
-                        addr: e.addr,
-                    });
-                    steps.push((i, Step::Free { key }));
-                }
-                let key = next_key;
-                next_key += 1;
-                live.insert(e.addr, (key, e.size));
-                seen.insert(e.addr);
-                steps.push((
-                    i,
-                    Step::Alloc {
-                        key,
-                        size: e.size,
-                        stream: e.stream,
-                    },
-                ));
+                seq.alloc(i, e.addr, e.size, e.stream);
             } else if e.action == free_action {
-                if let Some((key, size)) = live.remove(&e.addr) {
-                    if size != e.size {
-                        anomalies.push(Anomaly::FreeSizeMismatch {
-                            event: i,
-                            addr: e.addr,
-                            alloc_size: size,
-                            free_size: e.size,
-                        });
-                    }
-                    steps.push((i, Step::Free { key }));
-                } else if seen.insert(e.addr) {
-                    let key = next_key;
-                    next_key += 1;
-                    initial.push(Initial {
-                        key,
-                        addr: e.addr,
-                        size: e.size,
-                        stream: e.stream,
-                    });
-                    steps.push((i, Step::Free { key }));
-                } else {
-                    anomalies.push(Anomaly::DoubleFree {
-                        event: i,
-                        addr: e.addr,
-                    });
-                }
+                seq.free(i, e.addr, e.size, e.stream);
             }
         }
-        let initial_from_frees = initial.len();
+        let initial_from_frees = seq.initial_count();
 
         // Compare what the window leaves live with the final state; add untouched blocks.
         let mut end_blocks: HashMap<u64, u64> = HashMap::new();
@@ -511,31 +405,23 @@ impl Snapshot {
         for (seg, b) in self.active_blocks(device) {
             let size = b.requested_or_size();
             end_blocks.insert(b.address, size);
-            if live.contains_key(&b.address) {
+            if seq.is_live(b.address) {
                 continue;
             }
-            if seen.contains(&b.address) {
-                anomalies.push(Anomaly::ActiveButFreedInWindow {
+            if seq.was_seen(b.address) {
+                seq.report(Anomaly::ActiveButFreedInWindow {
                     addr: b.address,
                     size,
                 });
                 continue;
             }
-            initial.push(Initial {
-                key: next_key,
-                addr: b.address,
-                size,
-                stream: seg.stream,
-            });
-            next_key += 1;
+            seq.add_initial_at(b.address, size, seg.stream);
             initial_from_segments += 1;
         }
-        let mut live_end: Vec<(u64, u64)> = live.iter().map(|(&a, &(_, s))| (a, s)).collect();
-        live_end.sort_unstable();
-        for (addr, size) in live_end {
+        for (addr, size) in seq.live_blocks() {
             match end_blocks.get(&addr) {
-                None => anomalies.push(Anomaly::LiveButNotInSegments { addr, size }),
-                Some(&seg_size) if seg_size != size => anomalies.push(Anomaly::EndSizeMismatch {
+                None => seq.report(Anomaly::LiveButNotInSegments { addr, size }),
+                Some(&seg_size) if seg_size != size => seq.report(Anomaly::EndSizeMismatch {
                     addr,
                     trace_size: size,
                     segment_size: seg_size,
@@ -545,55 +431,17 @@ impl Snapshot {
         }
 
         // Pass 2: final ids, initial blocks first in address order, then the window in order.
-        initial.sort_by_key(|b| (b.addr, b.key));
-        let mut id_of = vec![0u64; next_key];
-        let mut ops = Vec::with_capacity(initial.len() + steps.len());
-        let mut op_events = Vec::with_capacity(initial.len() + steps.len());
-        let mut next_id = 0u64;
-        for b in &initial {
-            id_of[b.key] = next_id;
-            ops.push(Op::Alloc {
-                id: next_id,
-                size: b.size,
-                stream: b.stream,
-            });
-            op_events.push(None);
-            next_id += 1;
-        }
-        for (i, step) in steps {
-            let op = match step {
-                Step::Alloc { key, size, stream } => {
-                    id_of[key] = next_id;
-                    next_id += 1;
-                    Op::Alloc {
-                        id: id_of[key],
-                        size,
-                        stream,
-                    }
-                }
-                Step::Free { key } => Op::Free { id: id_of[key] },
-            };
-            ops.push(op);
-            op_events.push(Some(i));
-        }
-        let initially_live = initial.len();
-        // The construction above frees only live keys and never reuses one, so the replay
-        // cannot fail; report a zero peak rather than panic if that ever changes.
-        let peak_live_requested = crate::sequence::replay(&ops)
-            .map(|s| s.peak_live)
-            .unwrap_or(0);
-        let sequence = AllocSequence {
-            ops,
-            peak_live_requested,
-            initially_live,
-        };
+        seq.sort_initial_by_address();
+        // The sequencer frees only live keys and never reuses one, so the replay fails only on
+        // absurd sizes (live bytes beyond u64); that reports a zero peak rather than an error.
+        let r = seq.finish_or_zero_peak(initial_from_frees);
         Reconstruction {
-            sequence,
-            op_events,
+            sequence: r.sequence,
+            op_events: r.op_events,
             initial_from_frees,
             initial_from_segments,
             used_free_completed,
-            anomalies,
+            anomalies: r.anomalies,
         }
     }
 }
@@ -747,6 +595,7 @@ fn top_python_frame(frames: &Value) -> Option<Arc<str>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sequence::{alloc, Op};
 
     fn ev(action: Action, addr: u64, size: u64) -> TraceEvent {
         TraceEvent {
@@ -805,28 +654,12 @@ mod tests {
         assert_eq!(
             r.sequence.ops,
             vec![
-                Op::Alloc {
-                    id: 0,
-                    size: 16,
-                    stream: 0
-                },
-                Op::Alloc {
-                    id: 1,
-                    size: 32,
-                    stream: 0
-                },
+                alloc(0, 16, 0),
+                alloc(1, 32, 0),
                 Op::Free { id: 1 },
-                Op::Alloc {
-                    id: 2,
-                    size: 4,
-                    stream: 0
-                },
+                alloc(2, 4, 0),
                 Op::Free { id: 2 },
-                Op::Alloc {
-                    id: 3,
-                    size: 8,
-                    stream: 0
-                },
+                alloc(3, 8, 0),
             ]
         );
         assert_eq!(

@@ -77,7 +77,7 @@ pub(crate) struct DeviceCore<D: Driver> {
     pub(crate) events: EventCache,
     pub(crate) counters: Counters,
     pub(crate) closed: AtomicBool,
-    pub(crate) recorder: Option<crate::record::Recorder>,
+    pub(crate) recorder: Option<crate::trace_writer::Recorder>,
 }
 
 impl<D: Driver> DeviceCore<D> {

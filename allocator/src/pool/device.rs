@@ -115,13 +115,15 @@ impl<D: Driver> DevicePool<D> {
         crate::provenance::now_ns();
         let limit = config.limit_for(caps.total_memory);
         let recorder = match &config.record {
-            Some(path) => Some(crate::record::Recorder::create(path, dev).map_err(|e| {
-                Error::InvalidArgument(format!(
-                    "{}: record: cannot create {}: {e}",
-                    crate::config::ENV_VAR,
-                    crate::record::Recorder::path_for(path, dev).display()
-                ))
-            })?),
+            Some(path) => Some(
+                crate::trace_writer::Recorder::create(path, dev).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "{}: record: cannot create {}: {e}",
+                        crate::config::ENV_VAR,
+                        crate::trace_writer::Recorder::path_for(path, dev).display()
+                    ))
+                })?,
+            ),
             None => None,
         };
         Ok(DevicePool {

@@ -1,8 +1,8 @@
 //! Recording a running process's allocations as a cistern trace (`record:PATH` in
 //! `CISTERN_CONF`), for `cistern replay` to replay later against any allocator.
 //!
-//! The file is cistern's own text format (`# cistern-trace v1`, read by `cistern-trace`'s `own`
-//! module): `a <id> <size> <stream>` per allocation (requested bytes), `f <id>` per free,
+//! The file is cistern's own text format (`# cistern-trace v1`, read and encoded by
+//! `cistern-trace`'s `own` module, whose [`Line`] writes every line here): `a <id> <size> <stream>` per allocation (requested bytes), `f <id>` per free,
 //! `t <ns>` stamps (time since the pool started), and `r <bytes>` whenever the pool's reserved
 //! memory changes, so the trace carries cistern's own reserved curve as a baseline. Ids number
 //! allocations in order; pointers are not recorded (they mean nothing on another run). Device `d`
@@ -16,6 +16,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use cistern_trace::own::Line;
+use cistern_trace::Op;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
@@ -64,9 +66,10 @@ impl Recorder {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)?;
         let mut out = BufWriter::new(file);
-        writeln!(out, "# cistern-trace v1")?;
-        writeln!(out, "# recorded by cistern {}", env!("CARGO_PKG_VERSION"))?;
-        writeln!(out, "device {dev}")?;
+        Line::Header.write_to(&mut out)?;
+        Line::Comment(concat!("recorded by cistern ", env!("CARGO_PKG_VERSION")))
+            .write_to(&mut out)?;
+        Line::Device(dev as u64).write_to(&mut out)?;
         out.flush()?;
         Ok(Recorder {
             inner: Mutex::new(State {
@@ -89,7 +92,7 @@ impl Recorder {
         let Some(out) = st.out.as_mut() else { return };
         let mut r = Ok(());
         if stamp != st.last_t {
-            r = writeln!(out, "t {stamp}");
+            r = Line::Time(stamp).write_to(&mut *out);
         }
         let r = r.and_then(|()| f(out, stamp));
         st.last_t = stamp;
@@ -117,7 +120,12 @@ impl Recorder {
         st.next_id += 1;
         st.ids.insert(ptr, id);
         Self::write(&mut st, |out, _| {
-            writeln!(out, "a {id} {size} {}", stream.0)
+            Line::Op(Op::Alloc {
+                id,
+                size,
+                stream: stream.0,
+            })
+            .write_to(out)
         });
     }
 
@@ -126,7 +134,7 @@ impl Recorder {
     pub fn free(&self, ptr: u64) {
         let mut st = self.inner.lock();
         if let Some(id) = st.ids.remove(&ptr) {
-            Self::write(&mut st, |out, _| writeln!(out, "f {id}"));
+            Self::write(&mut st, |out, _| Line::Op(Op::Free { id }).write_to(out));
         }
     }
 
@@ -135,7 +143,7 @@ impl Recorder {
         let mut st = self.inner.lock();
         if st.last_reserved != Some(bytes) {
             st.last_reserved = Some(bytes);
-            Self::write(&mut st, |out, _| writeln!(out, "r {bytes}"));
+            Self::write(&mut st, |out, _| Line::Reserved(bytes).write_to(out));
         }
         self.flush_locked(&mut st);
     }

@@ -1,0 +1,89 @@
+//! The catalog of allocator models: the names reports list ([`ALLOCATORS`], and the
+//! [`RECORDED`] row that is not a model) and the factory that builds a model from its name
+//! ([`make`]), which the CLI and the benches pick models by. A new model is added here (and in
+//! its own module); [`crate::model`] knows none of them.
+
+use cistern::Config;
+
+use crate::model::AllocatorModel;
+use crate::pytorch::{PytorchConfig, PytorchModel};
+use crate::simple::{CisternModel, CudaMallocModel, IdealModel};
+
+/// Every allocator [`make`] knows, in the order reports list them.
+pub const ALLOCATORS: &[&str] = &[
+    "cistern",
+    "cistern-novmm",
+    "pytorch",
+    "pytorch-expandable",
+    "cudamalloc",
+    "ideal",
+];
+
+/// Name of the row built from a snapshot's own `segment_*` events (not a model; see
+/// [`crate::recorded()`]).
+pub const RECORDED: &str = "pytorch-recorded";
+
+/// Builds the model `name` on a simulated device of `capacity` bytes.
+///
+/// The PyTorch models accept PyTorch's `max_split_size_mb` setting as a suffix, in
+/// `PYTORCH_CUDA_ALLOC_CONF` syntax: `pytorch:max_split_size_mb:256`.
+pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String> {
+    if let Some((base, conf)) = name.split_once(':') {
+        if base == "pytorch" || base == "pytorch-expandable" {
+            let mb = conf
+                .strip_prefix("max_split_size_mb:")
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&mb| mb > 20)
+                .ok_or_else(|| {
+                    format!(
+                        "`{name}`: expected `{base}:max_split_size_mb:N` with N > 20 \
+                         (PyTorch's own lower bound)"
+                    )
+                })?;
+            return Ok(Box::new(PytorchModel::new(
+                name,
+                PytorchConfig {
+                    max_split_size: mb << 20,
+                    expandable_segments: base == "pytorch-expandable",
+                },
+                capacity,
+            )));
+        }
+    }
+    Ok(match name {
+        "cistern" => Box::new(CisternModel::new(name, Config::default(), capacity)?),
+        "cistern-novmm" => Box::new(CisternModel::new(
+            name,
+            Config {
+                vmm: false,
+                ..Config::default()
+            },
+            capacity,
+        )?),
+        "pytorch" => Box::new(PytorchModel::new(name, PytorchConfig::default(), capacity)),
+        "pytorch-expandable" => Box::new(PytorchModel::new(
+            name,
+            PytorchConfig {
+                expandable_segments: true,
+                ..PytorchConfig::default()
+            },
+            capacity,
+        )),
+        "cudamalloc" => Box::new(CudaMallocModel::new(capacity)),
+        "ideal" => Box::new(IdealModel::new(capacity)),
+        RECORDED => {
+            return Err(format!(
+                "`{RECORDED}` is not a model: it is read from a snapshot's segment events \
+                 (cistern_replay::recorded); models: {}",
+                ALLOCATORS.join(", ")
+            ))
+        }
+        other => {
+            return Err(format!(
+                "unknown allocator `{other}`; valid names: {} (and \
+                 pytorch:max_split_size_mb:N)",
+                ALLOCATORS.join(", ")
+            ))
+        }
+    })
+}

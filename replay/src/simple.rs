@@ -1,0 +1,236 @@
+//! The simple models: `cistern` and `cistern-novmm` (the real [`cistern::Pool`] on a simulated
+//! device), `cudamalloc` (no caching) and `ideal` (the lower bound).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cistern::driver::{Driver, StreamId};
+use cistern::{Config, Pool, SimDriver};
+use rustc_hash::FxHashMap;
+
+use crate::model::{driver_call_counts, sim_driver, AllocatorModel, Oom, DEV};
+
+/// The real [`cistern::Pool`] on a [`SimDriver`].
+pub struct CisternModel {
+    name: String,
+    pool: Pool<Arc<SimDriver>>,
+    driver: Arc<SimDriver>,
+    capacity: u64,
+    /// id -> (pointer, stream, rounded size).
+    live: FxHashMap<u64, (u64, u64, u64)>,
+    allocated: u64,
+}
+
+impl CisternModel {
+    /// A pool with `config` on a fresh simulated device of `capacity` bytes.
+    pub fn new(name: &str, config: Config, capacity: u64) -> Result<Self, String> {
+        let driver = Arc::new(sim_driver(capacity));
+        let pool = Pool::new(driver.clone(), config).map_err(|e| format!("{name}: {e}"))?;
+        Ok(CisternModel {
+            name: name.to_string(),
+            pool,
+            driver,
+            capacity,
+            live: FxHashMap::default(),
+            allocated: 0,
+        })
+    }
+
+    /// The pool, e.g. for its statistics.
+    pub fn pool(&self) -> &Pool<Arc<SimDriver>> {
+        &self.pool
+    }
+}
+
+impl AllocatorModel for CisternModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc(&mut self, id: u64, size: u64, stream: u64) -> Result<(), Oom> {
+        match self.pool.alloc_raw(DEV, size, StreamId(stream)) {
+            Ok(ptr) => {
+                let rounded = if size == 0 {
+                    0
+                } else {
+                    cistern::pool::round_size(size).unwrap_or(size)
+                };
+                self.allocated += rounded;
+                self.live.insert(id, (ptr, stream, rounded));
+                Ok(())
+            }
+            Err(e) => Err(Oom {
+                requested: size,
+                reserved: self.reserved(),
+                capacity: self.capacity,
+                detail: format!("cistern: {}", first_line(&e.to_string())),
+            }),
+        }
+    }
+
+    fn free(&mut self, id: u64) {
+        if let Some((ptr, stream, rounded)) = self.live.remove(&id) {
+            self.allocated -= rounded;
+            // A pointer from alloc_raw, freed once: the pool accepts it. An error would be a
+            // pool bug that the pool already counts in num_invalid_frees.
+            let _ = self.pool.free_raw(ptr, StreamId(stream));
+        }
+    }
+
+    fn reserved(&self) -> u64 {
+        // The pool's reserved bytes are exactly the physical handles and linear allocations it
+        // holds from the driver.
+        self.driver.committed_bytes(DEV)
+    }
+
+    fn allocated(&self) -> Option<u64> {
+        Some(self.allocated)
+    }
+
+    fn driver_calls(&self) -> BTreeMap<String, u64> {
+        driver_call_counts(&self.driver)
+    }
+}
+
+impl Drop for CisternModel {
+    fn drop(&mut self) {
+        // A trace's blocks live at its end are never freed; free them here so that the pool
+        // does not warn about leaked blocks when a replay ends.
+        for (_, (ptr, stream, _)) in self.live.drain() {
+            let _ = self.pool.free_raw(ptr, StreamId(stream));
+        }
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("")
+}
+
+/// No caching: every allocation is a `cuMemAlloc`, every free a `cuMemFree`.
+pub struct CudaMallocModel {
+    driver: SimDriver,
+    capacity: u64,
+    live: FxHashMap<u64, (u64, u64)>,
+    allocated: u64,
+}
+
+/// `cuMemAlloc` hands out 512-byte aligned ranges; a request occupies its size rounded to that.
+pub const CUDAMALLOC_ALIGN: u64 = 512;
+
+impl CudaMallocModel {
+    /// A model on a fresh simulated device of `capacity` bytes.
+    pub fn new(capacity: u64) -> Self {
+        CudaMallocModel {
+            driver: sim_driver(capacity),
+            capacity,
+            live: FxHashMap::default(),
+            allocated: 0,
+        }
+    }
+}
+
+impl AllocatorModel for CudaMallocModel {
+    fn name(&self) -> &str {
+        "cudamalloc"
+    }
+
+    fn alloc(&mut self, id: u64, size: u64, _stream: u64) -> Result<(), Oom> {
+        if size == 0 {
+            self.live.insert(id, (0, 0));
+            return Ok(());
+        }
+        let rounded = size.div_ceil(CUDAMALLOC_ALIGN) * CUDAMALLOC_ALIGN;
+        match self.driver.mem_alloc(DEV, rounded) {
+            Ok(ptr) => {
+                self.live.insert(id, (ptr, rounded));
+                self.allocated += rounded;
+                Ok(())
+            }
+            Err(e) => Err(Oom {
+                requested: size,
+                reserved: self.reserved(),
+                capacity: self.capacity,
+                detail: format!("cudamalloc: {e}"),
+            }),
+        }
+    }
+
+    fn free(&mut self, id: u64) {
+        if let Some((ptr, rounded)) = self.live.remove(&id) {
+            if ptr != 0 {
+                // A live base pointer from mem_alloc: the simulator accepts it.
+                let _ = self.driver.mem_free(DEV, ptr);
+                self.allocated -= rounded;
+            }
+        }
+    }
+
+    fn reserved(&self) -> u64 {
+        self.driver.committed_bytes(DEV)
+    }
+
+    fn allocated(&self) -> Option<u64> {
+        Some(self.allocated)
+    }
+
+    fn driver_calls(&self) -> BTreeMap<String, u64> {
+        driver_call_counts(&self.driver)
+    }
+}
+
+/// The lower bound: reserved bytes equal the live requested bytes; no driver.
+pub struct IdealModel {
+    capacity: u64,
+    live: FxHashMap<u64, u64>,
+    bytes: u64,
+}
+
+impl IdealModel {
+    /// A model that fails only when live bytes would exceed `capacity`.
+    pub fn new(capacity: u64) -> Self {
+        IdealModel {
+            capacity,
+            live: FxHashMap::default(),
+            bytes: 0,
+        }
+    }
+}
+
+impl AllocatorModel for IdealModel {
+    fn name(&self) -> &str {
+        "ideal"
+    }
+
+    fn alloc(&mut self, id: u64, size: u64, _stream: u64) -> Result<(), Oom> {
+        let after = self.bytes.saturating_add(size);
+        if after > self.capacity {
+            return Err(Oom {
+                requested: size,
+                reserved: self.bytes,
+                capacity: self.capacity,
+                detail: "ideal: live bytes exceed the capacity".to_string(),
+            });
+        }
+        self.bytes = after;
+        self.live.insert(id, size);
+        Ok(())
+    }
+
+    fn free(&mut self, id: u64) {
+        if let Some(s) = self.live.remove(&id) {
+            self.bytes -= s;
+        }
+    }
+
+    fn reserved(&self) -> u64 {
+        self.bytes
+    }
+
+    fn allocated(&self) -> Option<u64> {
+        Some(self.bytes)
+    }
+
+    fn driver_calls(&self) -> BTreeMap<String, u64> {
+        BTreeMap::new()
+    }
+}
