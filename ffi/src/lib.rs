@@ -32,9 +32,11 @@
 //!    creates it, opening the driver `CISTERN_DRIVER` names).
 //! 3. One match on the driver kind picks the concrete `Pool<CudaDriver>` or `Pool<SimDriver>`;
 //!    the device ordinal indexes its per-device pools (created on first use).
-//! 4. `DevicePool::alloc_raw(size, stream)` rounds to 512 B and, on a cache hit, takes one
-//!    uncontended arena lock and makes no driver call (see `cistern::pool`). On a miss it maps
-//!    pages or allocates a segment through the driver, or fails with an OOM report.
+//! 4. `DevicePool::alloc_raw(size, stream)` (`allocator/src/pool/device.rs`) rounds to 512 B
+//!    and, on a cache hit, takes one uncontended arena lock and makes no driver call (the
+//!    arena and its heap: `arena/mod.rs`, `heap.rs`). On a miss it grows (`pool/grow.rs`,
+//!    `pool/vmm.rs`): it maps pages or allocates a segment through the driver seam
+//!    (`driver/mod.rs`, then `driver/cuda.rs` or `driver/sim/`), or fails with an OOM report.
 //! 5. The address comes back as `void*`; a failure becomes NULL and a last error
 //!    ("out of memory: ..." with the report, for an OOM).
 //!

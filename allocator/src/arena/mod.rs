@@ -5,14 +5,16 @@
 //! allocation on the same stream, because work on one stream runs in order. Other streams never
 //! reuse an arena's *blocks*; they can only take its whole free *pages* through the device pool
 //! (after the stream's work has finished, see [`crate::pool`]). One lock per arena; the hot
-//! path takes it once and makes no driver call.
+//! path takes it once and makes no driver call, except event queries while frees are pending.
 //!
 //! This module owns the arena whole: the [`Arena`] (its stream, the [`DeviceCore`] every arena
 //! of a device shares, its lock, its teardown) and, behind the lock, [`ArenaState`]: its heaps,
 //! its segments and their page tables ([`segment`]), its map of live pointers ([`live`]), its
 //! pending frees and its share of the statistics, with the invariant check ([`check`]). It
-//! never calls the driver except to record and poll the events of `record_stream`ed blocks and,
-//! at teardown, to give its memory back.
+//! calls the driver only for `record_stream`ed blocks (recording, polling and, on slow paths,
+//! waiting for their events, or synchronising the device when no event could be recorded), in
+//! `DeviceCore::sync_stream` (which the pool calls before it takes an arena's pages), and at
+//! teardown, to give its memory back.
 //!
 //! It names nothing of [`crate::pool`]: the device pool above it decides *when* arenas grow,
 //! shrink and trade pages; the arena only keeps its own books straight.
@@ -95,7 +97,7 @@ impl<D: Driver> Arena<D> {
         }
     }
 
-    /// Frees `ptr`, a block of this arena (found by address, not through a stream's cache).
+    /// Frees `ptr`, a block of this arena (found by address, or a [`crate::Buffer`]'s own).
     pub(crate) fn free_ptr(&self, ptr: u64) -> Result<()> {
         let c = &*self.core;
         // Before the block can be reused (see `DevicePool::free_raw`).

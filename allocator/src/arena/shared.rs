@@ -1,5 +1,5 @@
 //! What every arena of one device shares: the driver, the settings, the published statistics,
-//! a cache of events and the slow-path counters ([`DeviceCore`]). The device pool creates one
+//! a cache of events and the pool's event counters ([`DeviceCore`]). The device pool creates one
 //! per device and hands an `Arc` of it to each arena, so that an arena can free, poll its
 //! pending frees and tear itself down without reaching back into the pool.
 
@@ -43,9 +43,9 @@ impl EventCache {
     }
 }
 
-/// Event counters of a device pool (slow-path events; read into [`crate::Stats`]).
+/// Event counters of a device pool (read into [`crate::Stats`]): mostly slow-path events, and
+/// the hot path's pending frees, invalid frees and `record_stream` calls.
 #[derive(Debug, Default)]
-#[allow(missing_docs)]
 pub(crate) struct Counters {
     pub(crate) num_alloc_retries: AtomicU64,
     pub(crate) num_ooms: AtomicU64,

@@ -4,7 +4,7 @@
 //! # One allocation, end to end
 //!
 //! `alloc_raw(size, stream)` rounds `size` up to 512 B and picks the small heap (at most
-//! `small_size`, 1 MiB by default) or the large one. It finds the stream's [`Arena`] through a
+//! `small_size`, 1 MiB by default) or the large one. It finds the stream's arena (`crate::arena`) through a
 //! small thread-local cache (no shared lock), locks it, and asks the heap for a free span
 //! (O(1), see [`crate::heap`]). On a hit it updates the arena's share of the statistics, tells
 //! the driver's hazard hook, and returns: one uncontended lock, no driver call.
@@ -19,7 +19,7 @@
 //!    where they are (after the owning stream's work has finished), then create new pages with
 //!    the driver while the per-process limit allows;
 //! 4. if that is not enough: wait for pending frees' events, free them, and retry once; then
-//!    fail with an [`OomReport`] (pages already gathered stay mapped in the window as cache);
+//!    fail with an [`OomReport`](crate::OomReport) (pages already gathered stay mapped in the window as cache);
 //! 5. map the pages into the window, grant access, and take the block.
 //!
 //! Without VMM the arena grows by `cuMemAlloc` segments (2 MiB for small requests, 20 MiB for
@@ -48,7 +48,7 @@
 //! |---|---|
 //! | `mod.rs` | [`Pool`] over every device, this contract and the lock order |
 //! | `device.rs` | [`DevicePool`], its device-lock state, the thread-local arena cache, the hot path (alloc, free, `record_stream`) and teardown |
-//! | `grow.rs` | the slow path: [`DevicePool::grow`]'s two strategies, the give-up rule and the OOM report |
+//! | `grow.rs` | the slow path: `grow` picks the strategy (VMM in `vmm.rs`, `cuMemAlloc` segments here), the give-up rule, the OOM report |
 //! | `vmm.rs` | VMM growth in named phases, mapping, stitching and page stealing |
 //! | `window.rs` | the pure window arithmetic (which pages a request needs, which pages are free) |
 //! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
@@ -71,22 +71,30 @@
 //!    mapped, accessible memory; holes (unmapped VMM pages) are never handed out.
 //! 2. **Ranges indexed.** Every segment added to a heap is entered in the range index (segment
 //!    base → end, arena) before any of its spans is handed out, so that a free without the
-//!    right stream finds its arena; a segment leaves the index only once it holds no span.
-//! 3. **Feasibility first.** A request that cannot succeed changes neither reserved memory nor
-//!    the counters of another request (ACCEPTANCE B8); memory moved for it stays cached.
+//!    right stream finds its arena; a linear segment leaves the index only once it holds no
+//!    live or pending block (VMM extents stay indexed until the pool is dropped).
+//! 3. **Feasibility first.** A VMM request that the limit or the device's free memory rules
+//!    out is rejected before anything moves: no counter changes but the OOM counters, and
+//!    reserved memory stays as it was (ACCEPTANCE B8). Two exceptions, both leaving memory in
+//!    a usable state: a request that passes the check but runs short while gathering (the
+//!    driver ran out, e.g. another process took memory) keeps the pages it stitched, mapped in
+//!    its window as cache, and releases the pages it created; linear growth first returns
+//!    wholly free segments to the driver, then tries again.
 //! 4. **Accounting.** `DeviceState::reserved` and `segments` equal what the driver holds for
 //!    this pool (mapped pages, linear segments, and handles whose release or unmap failed), by
-//!    heap kind, and reserved never exceeds the limit except by what live blocks kept after the
+//!    heap kind and in all, and reserved never exceeds the limit except by what live blocks kept after the
 //!    limit was lowered.
 //! 5. **Cross-stream safety.** Memory moves between arenas only as whole free pages (VMM) after
 //!    the donor stream's work on them is known finished, or as wholly free segments returned
 //!    to the driver (`cuMemFree` synchronises); no block is ever reused by another stream.
 //! 6. **Give up once.** When memory is short and frees are waiting on events, growth asks for
-//!    one retry of the OOM protocol ([`grow::Grow::Retry`]); otherwise it fails with an
-//!    [`OomReport`].
+//!    one retry of the OOM protocol (`Grow::Retry`); otherwise it fails with an
+//!    [`OomReport`](crate::OomReport).
 //!
-//! [`check_invariants`](DevicePool::check_invariants) checks 1, 2 and 4 after every operation in
-//! the tests.
+//! [`check_invariants`](DevicePool::check_invariants), run after every operation in the tests,
+//! checks 1 (every non-hole span's pages are mapped), 2, and 4 in total (reserved equals mapped
+//! pages, linear segments and lost handles; all equals small plus large; the limit), not per
+//! heap kind or for the segment counts.
 
 mod buffer;
 mod device;

@@ -521,7 +521,7 @@ mod snapshot_tests {
     use crate::driver::sim::{SimConfig, SimDriver};
 
     #[test]
-    pub(super) fn segments_snapshot_tiles_mapped_ranges() {
+    fn segments_snapshot_tiles_mapped_ranges() {
         for vmm in [true, false] {
             let sim = Arc::new(SimDriver::new(SimConfig::default()));
             let cfg = Config {

@@ -95,8 +95,8 @@ impl PageRun {
     }
 }
 
-/// Runs of whole free pages in heap `kind`'s VMM segments, leaving out the pages that overlap
-/// `exclude`, until `want` pages are found.
+/// Runs of whole free pages in heap `kind`'s VMM segments, until `want` pages are found. A free
+/// span that overlaps `exclude` gives only its larger side outside the excluded pages.
 pub(super) fn free_page_runs(
     a: &ArenaState,
     kind: HeapKind,
@@ -301,6 +301,55 @@ mod tests {
         );
         // The small heap has no extent: nothing.
         assert!(free_page_runs(&a, HeapKind::Small, None, G, usize::MAX).is_empty());
+    }
+
+    #[test]
+    fn exclusion_keeps_the_larger_side_on_either_end() {
+        // Free pages 0..4; excluding page 2 leaves 0..2 (the larger side) and drops page 3.
+        let a = arena(8, &[0, 1, 2, 3]);
+        let x = |lo, hi| {
+            Some(Exclude {
+                kind: HeapKind::Large,
+                lo,
+                hi,
+            })
+        };
+        let runs = free_page_runs(&a, HeapKind::Large, x(BASE + 2 * G, BASE + 3 * G), G, 9);
+        assert_eq!(
+            (runs.len(), runs[0].lo, runs[0].hi),
+            (1, BASE, BASE + 2 * G)
+        );
+        // A window over the whole span leaves nothing of it.
+        assert_eq!(count_free_pages(&a, x(BASE, BASE + 4 * G), G), 0);
+    }
+
+    #[test]
+    fn free_pages_of_both_heaps_count() {
+        let mut a = arena(8, &[0, 1]);
+        let kh = &mut a.kinds[HeapKind::Small];
+        let seg = kh.add_segment(
+            BASE + 8 * G,
+            4 * G,
+            Backing::Vmm {
+                pages: vec![None; 4],
+            },
+        );
+        kh.vmm_segs.push(seg);
+        if let Some(s) = kh.segments[seg as usize].as_mut() {
+            if let Backing::Vmm { pages } = &mut s.backing {
+                pages[3] = Some(PhysHandle(99));
+            }
+        }
+        let hole = kh.heap.holes().next().unwrap();
+        a.fill(
+            HeapKind::Small,
+            hole,
+            BASE + 11 * G,
+            BASE + 12 * G,
+            &SharedGauges::default(),
+        );
+        assert_eq!(free_page_runs(&a, HeapKind::Small, None, G, 9).len(), 1);
+        assert_eq!(count_free_pages(&a, None, G), 3);
     }
 
     #[test]
