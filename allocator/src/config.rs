@@ -42,6 +42,14 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          after each growth and on trim(). `none` keeps the cache until empty_cache().",
     ),
     (
+        "stream_sync",
+        "pressure",
+        "When growth may block the host on another stream's (or its own) queued work to take its \
+         cached pages: `pressure` (only when the request cannot be met otherwise: the limit or \
+         the device is reached; until then cached pages whose stream is still busy are left and \
+         new memory is mapped) or `always` (take cached pages first, waiting for their stream).",
+    ),
+    (
         "small_size",
         "1MiB",
         "Requests up to this size are served from the small heap (its own pages, so short-lived \
@@ -88,6 +96,22 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ),
 ];
 
+/// When growth may block the host on a stream's queued work (the `stream_sync` key).
+///
+/// Taking a cached page from an arena means unmapping it, which CUDA allows only once the work
+/// queued on that arena's stream no longer uses it. Growth first asks without waiting (an event
+/// recorded on the stream and queried); this setting says what it does when the stream is busy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamSync {
+    /// Leave the busy stream's pages and map new memory while the limit and the device allow;
+    /// wait only when the request would fail otherwise (memory pressure).
+    Pressure,
+    /// Take cached pages before mapping new memory, waiting for their stream if needed: the
+    /// least memory, at the price of host waits.
+    Always,
+}
+
 /// The pool's settings. `Config::default()` is what an empty `CISTERN_CONF` gives.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Config {
@@ -99,6 +123,8 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Cached bytes above this are released after growth and on `trim()`.
     pub release_threshold: Option<u64>,
+    /// When growth may wait for a stream's work to take its cached pages.
+    pub stream_sync: StreamSync,
     /// Requests up to this many bytes use the small heap.
     pub small_size: u64,
     /// Abort on invalid frees.
@@ -122,6 +148,7 @@ impl Default for Config {
             memory_limit: None,
             memory_fraction: 1.0,
             release_threshold: None,
+            stream_sync: StreamSync::Pressure,
             small_size: 1 << 20,
             strict: false,
             record: None,
@@ -258,6 +285,18 @@ impl Config {
                 self.memory_fraction = f;
             }
             "release_threshold" => self.release_threshold = parse_opt_size(key, value)?,
+            "stream_sync" => {
+                self.stream_sync = match value.trim().to_ascii_lowercase().as_str() {
+                    "pressure" => StreamSync::Pressure,
+                    "always" => StreamSync::Always,
+                    other => {
+                        return Err(err(
+                            key,
+                            format!("`{other}` is not a stream_sync mode: use pressure or always"),
+                        ))
+                    }
+                };
+            }
             "small_size" => {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;
             }

@@ -94,17 +94,26 @@ fn segments_need_the_driver_for_the_same_workload() {
     assert_no_leak(&sim, pool);
 }
 
-/// Pages freed on stream A go to stream B only after A's work on them has completed: the pool
-/// waits for A (no hazard, no unmap under running work) and the allocation still succeeds.
+/// Work on A over the former blocks of some of the swiss cheese's holes, queued before they
+/// were freed: the holes are reusable by A at once, but by B only after this work.
+fn busy_donor(sim: &cistern::SimDriver, pool: &SimPool) {
+    let x = alloc(pool, 20 * MIB, A);
+    sim.launch(0, StreamId(A), &[(x, 20 * MIB)]).unwrap();
+    free(pool, x, A);
+}
+
+/// With `stream_sync:always`, pages freed on stream A go to stream B only after A's work on
+/// them has completed: the pool waits for A (no hazard, no unmap under running work), and
+/// takes the cached pages rather than creating new ones.
 #[test]
 fn cross_stream_stitching_waits_for_the_donor() {
-    let (sim, pool) = pool(GIB, true);
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "stream_sync:always",
+    );
     let keep = swiss_cheese(&pool);
-    // Work on A over two of the holes' former blocks, queued before they were freed: the
-    // holes are reusable by A at once but by B only after this work.
-    let x = alloc(&pool, 20 * MIB, A);
-    sim.launch(0, StreamId(A), &[(x, 20 * MIB)]).unwrap();
-    free(&pool, x, A);
+    busy_donor(&sim, &pool);
     let syncs = stat(&pool, "num_stream_syncs");
     let created = sim.calls(DriverCall::CreatePhysical);
     let p = alloc(&pool, 300 * MIB, B);
@@ -123,6 +132,66 @@ fn cross_stream_stitching_waits_for_the_donor() {
     );
     sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
     sim.complete_all(0);
+    free(&pool, p, B);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+/// With the default `stream_sync:pressure` and room on the device, a busy donor's cached
+/// pages are left where they are: growth maps new memory and never blocks the host.
+#[test]
+fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
+    let (sim, pool) = pool(2 * GIB, true);
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let waits = sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize);
+    let created = sim.calls(DriverCall::CreatePhysical);
+    let p = alloc(&pool, 300 * MIB, B);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_eq!(
+        sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize),
+        waits,
+        "growth blocked the host"
+    );
+    assert!(sim.unfinished_work(0) > 0, "A's work was waited for");
+    assert_eq!(stat(&pool, "num_cross_stream_pages"), 0);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), created + 150);
+    // Once A's work is done, its pages are taken again without waiting.
+    sim.complete_all(0);
+    let q = alloc(&pool, 300 * MIB, B);
+    assert!(stat(&pool, "num_cross_stream_pages") >= 150);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), created + 150);
+    assert_eq!(
+        sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize),
+        waits
+    );
+    check(&pool);
+    free(&pool, p, B);
+    free(&pool, q, B);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+/// Under memory pressure (the device cannot hold the request in new memory) the pool does wait
+/// for the busy donor, and the request succeeds from new pages plus the donor's.
+#[test]
+fn under_pressure_a_busy_donor_is_waited_for() {
+    let (sim, pool) = pool(GIB, true);
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let syncs = stat(&pool, "num_stream_syncs");
+    let p = alloc(&pool, 300 * MIB, B);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_eq!(sim.unfinished_work(0), 0, "A's pages moved under its work");
+    assert!(stat(&pool, "num_stream_syncs") > syncs);
+    assert!(stat(&pool, "num_cross_stream_pages") > 0);
+    check(&pool);
     free(&pool, p, B);
     for k in keep {
         free(&pool, k, A);

@@ -45,7 +45,8 @@ pub(crate) use shared::{Counters, DeviceCore, EventCache};
 pub(crate) struct Pending {
     pub kind: HeapKind,
     pub span: SpanId,
-    pub events: Vec<EventId>,
+    /// One event per other stream that used the block, with that stream.
+    pub events: Vec<(StreamId, EventId)>,
     /// Some stream's use could not be captured by an event and the device could not be
     /// synchronised: the block waits for a successful device synchronisation.
     pub needs_device_sync: bool,
@@ -315,7 +316,7 @@ impl ArenaState {
                 match events.get(driver, dev) {
                     Ok(ev) => {
                         if driver.event_record(dev, ev, s).is_ok() {
-                            evs.push(ev);
+                            evs.push((s, ev));
                         } else {
                             events.put(ev);
                             ok = false;
@@ -347,40 +348,56 @@ impl ArenaState {
 
     /// Frees pending blocks whose events have all completed. With `wait`, blocks on the events
     /// first (the OOM protocol). Returns how many blocks were freed.
+    ///
+    /// Without `wait` (the hot path), pending frees are polled in the order they were made and,
+    /// per stream, only up to the first event that has not completed, as PyTorch's
+    /// `process_events` does: events recorded later on the same stream cannot have completed
+    /// before it, so querying them would be a wasted driver call. A poll costs at most one
+    /// query per stream with unfinished work, however many frees are pending.
     pub fn process_pending<D: Driver>(&mut self, wait: bool, core: &DeviceCore<D>) -> usize {
-        let (dev, driver, events, shared) = (core.dev, &*core.driver, &core.events, &core.shared);
-        let mut freed = 0;
-        let mut i = 0;
-        while i < self.pending.len() {
-            if self.pending[i].needs_device_sync {
+        let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
+        // Streams whose oldest pending event has not completed yet (small: one per stream).
+        let mut blocked: Vec<StreamId> = Vec::new();
+        let mut done_spans: Vec<(HeapKind, SpanId)> = Vec::new();
+        // Taken out (no allocation) so that the list can be filtered in order while the
+        // finished blocks' spans are collected.
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.retain_mut(|p| {
+            if p.needs_device_sync {
                 // Only a blocking wait may synchronise the device (never the hot path).
                 if !wait || driver.device_synchronize(dev).is_err() {
-                    i += 1;
-                    continue;
+                    return true;
                 }
-                self.pending[i].needs_device_sync = false;
+                p.needs_device_sync = false;
             }
-            let done = self.pending[i].events.iter().all(|&ev| {
+            let done = p.events.iter().all(|&(s, ev)| {
                 if wait {
                     driver.event_synchronize(dev, ev).is_ok()
+                } else if blocked.contains(&s) {
+                    false
                 } else {
                     // A failed query is treated as "not yet": the block stays pending rather
                     // than risk reuse while another stream writes it.
-                    driver.event_query(dev, ev).unwrap_or(false)
+                    let done = driver.event_query(dev, ev).unwrap_or(false);
+                    if !done {
+                        blocked.push(s);
+                    }
+                    done
                 }
             });
             if done {
-                let p = self.pending.swap_remove(i);
-                for ev in p.events {
+                for (_, ev) in p.events.drain(..) {
                     events.put(ev);
                 }
-                self.release_span(p.kind, p.span, None, shared);
-                freed += 1;
-            } else {
-                i += 1;
+                done_spans.push((p.kind, p.span));
             }
+            !done
+        });
+        self.pending = pending;
+        for &(kind, span) in &done_spans {
+            self.release_span(kind, span, None, &core.shared);
         }
-        freed
+        done_spans.len()
     }
 
     /// Retries the device synchronisation that blocks pending frees whose uses no event could

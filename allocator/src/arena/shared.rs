@@ -96,6 +96,19 @@ impl<D: Driver> DeviceCore<D> {
         Error::InvalidArgument(format!("{ptr:#x} is not a live allocation: {why}"))
     }
 
+    /// Whether all work queued on `stream` so far has finished, without blocking: records an
+    /// event there and queries it. A failure to record or query counts as "busy".
+    pub(crate) fn stream_idle(&self, stream: StreamId) -> bool {
+        let d = &*self.driver;
+        let Ok(ev) = self.events.get(d, self.dev) else {
+            return false;
+        };
+        let idle =
+            d.event_record(self.dev, ev, stream).is_ok() && d.event_query(self.dev, ev) == Ok(true);
+        self.events.put(ev);
+        idle
+    }
+
     /// Records an event on `stream` and waits for it: all work queued there so far is done.
     pub(crate) fn sync_stream(&self, stream: StreamId) -> bool {
         self.counters.num_stream_syncs.fetch_add(1, Relaxed);

@@ -58,6 +58,11 @@ pub(super) struct DeviceState {
     pub(super) over_limit: u64,
     /// The report of the last failed request (for the registry's record).
     pub(super) last_oom: Option<Box<OomReport>>,
+    /// The device's free bytes as `cuMemGetInfo` last told (it costs ~10 µs), with this pool's
+    /// reserved bytes at that moment: free now ≈ free then − (reserved now − reserved then).
+    /// Growth trusts the estimate when it shows room and reads the driver again when it does
+    /// not; a failed creation forgets it (another process may have taken memory).
+    pub(super) free_seen: Option<(u64, u64)>,
 }
 
 impl DeviceState {
@@ -150,6 +155,7 @@ impl<D: Driver> DevicePool<D> {
                 fraction: config.memory_fraction,
                 over_limit: 0,
                 last_oom: None,
+                free_seen: None,
                 lost: Vec::new(),
                 stuck: Vec::new(),
             }),

@@ -178,7 +178,7 @@ impl<D: Driver> DevicePool<D> {
         match a.try_take(kind, rounded, size, &c.shared) {
             Some((ptr, _)) => {
                 let mut a = a;
-                self.release_over_threshold(dev, Some((arena, &mut a)));
+                self.release_over_threshold(dev, Some((arena, &mut a)), false);
                 Ok(Grow::Done(ptr))
             }
             None => Err(Error::InvalidArgument(

@@ -17,18 +17,20 @@ impl<D: Driver> DevicePool<D> {
         let mut released = 0;
         for arena in self.all_arenas() {
             let mut st = arena.state.lock();
-            released += self.release_arena(dev, arena.stream, &mut st, u64::MAX);
+            released += self.release_arena(dev, arena.stream, &mut st, u64::MAX, true);
         }
         released
     }
 
-    /// Releases up to `budget` bytes of cached memory from one arena.
+    /// Releases up to `budget` bytes of cached memory from one arena. With VMM its pages must
+    /// be idle: `wait` blocks on the stream's work; without, a busy stream's pages stay.
     pub(super) fn release_arena(
         &self,
         dev: &mut DeviceState,
         stream: StreamId,
         a: &mut ArenaState,
         budget: u64,
+        wait: bool,
     ) -> u64 {
         let c = &*self.core;
         let g = c.granularity;
@@ -42,7 +44,7 @@ impl<D: Driver> DevicePool<D> {
                 if want == 0 {
                     break;
                 }
-                let handles = self.steal_pages(a, stream, None, want, dev, kind);
+                let handles = self.steal_pages(a, stream, None, want, dev, kind, wait);
                 for h in handles {
                     self.release_handle(dev, kind, h);
                     c.counters.num_released_pages.fetch_add(1, Relaxed);
@@ -92,11 +94,13 @@ impl<D: Driver> DevicePool<D> {
         released
     }
 
-    /// Applies `release_threshold` after growth.
+    /// Applies `release_threshold` after growth (`wait: false`: a busy stream keeps its pages
+    /// until a later growth or `trim`) and on `trim` (`wait: true`).
     pub(super) fn release_over_threshold(
         &self,
         dev: &mut DeviceState,
         held: Option<(&Arc<Arena<D>>, &mut ArenaState)>,
+        wait: bool,
     ) {
         let Some(threshold) = self.core.config.release_threshold else {
             return;
@@ -118,11 +122,11 @@ impl<D: Driver> DevicePool<D> {
             }
             let got = match held {
                 Some((h, ref mut hs)) if Arc::ptr_eq(h, &arena) => {
-                    self.release_arena(dev, arena.stream, hs, budget)
+                    self.release_arena(dev, arena.stream, hs, budget, wait)
                 }
                 _ => {
                     let mut st = arena.state.lock();
-                    self.release_arena(dev, arena.stream, &mut st, budget)
+                    self.release_arena(dev, arena.stream, &mut st, budget, wait)
                 }
             };
             budget = budget.saturating_sub(got);
@@ -181,7 +185,7 @@ impl<D: Driver> DevicePool<D> {
     /// `empty_cache` releases all of it).
     pub fn trim(&self) {
         let mut dev = self.state.lock();
-        self.release_over_threshold(&mut dev, None);
+        self.release_over_threshold(&mut dev, None, true);
     }
 
     /// Sets the per-process limit as a fraction of device memory (`[0, 1]`).
@@ -206,8 +210,13 @@ impl<D: Driver> DevicePool<D> {
                     break;
                 }
                 let mut st = arena.state.lock();
-                over =
-                    over.saturating_sub(self.release_arena(&mut dev, arena.stream, &mut st, over));
+                over = over.saturating_sub(self.release_arena(
+                    &mut dev,
+                    arena.stream,
+                    &mut st,
+                    over,
+                    true,
+                ));
             }
         }
         dev.over_limit = dev.reserved[0].current.max(0) as u64;

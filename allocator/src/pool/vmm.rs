@@ -10,6 +10,7 @@ use super::grow::Grow;
 use super::window::{choose_window, count_free_pages, free_page_runs, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, HeapKind};
+use crate::config::StreamSync;
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::{Error, Result};
 use crate::heap::SpanState;
@@ -166,7 +167,7 @@ impl<D: Driver> DevicePool<D> {
     /// `Err(limit_hit)`: whether the limit (rather than the device) is what stops it.
     fn check_feasible(
         &self,
-        dev: &DeviceState,
+        dev: &mut DeviceState,
         arena: &Arc<Arena<D>>,
         a: &ArenaState,
         kind: HeapKind,
@@ -191,9 +192,23 @@ impl<D: Driver> DevicePool<D> {
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
             / g) as usize;
         let by_device = if need > cached {
-            c.driver
-                .mem_info(c.dev)
-                .map_or(usize::MAX, |i| (i.free / g) as usize)
+            let reserved = dev.reserved[0].current.max(0) as u64;
+            let estimate = dev.free_seen.map(|(free, then)| {
+                (free.saturating_add(then).saturating_sub(reserved) / g) as usize
+            });
+            match estimate {
+                Some(pages) if cached.saturating_add(pages) >= need => pages,
+                _ => match c.driver.mem_info(c.dev) {
+                    Ok(i) => {
+                        dev.free_seen = Some((i.free, reserved));
+                        (i.free / g) as usize
+                    }
+                    Err(_) => {
+                        dev.free_seen = None;
+                        usize::MAX
+                    }
+                },
+            }
         } else {
             usize::MAX
         };
@@ -224,40 +239,12 @@ impl<D: Driver> DevicePool<D> {
         let g = c.granularity;
         let need = w.missing.len();
         let mut handles: Vec<PhysHandle> = Vec::with_capacity(need);
+        // With `stream_sync:pressure`, this first pass takes only pages whose stream's work has
+        // finished; a second pass below waits, only if the request would fail otherwise.
+        let wait_first = c.config.stream_sync == StreamSync::Always;
         let mut moved = 0u64;
         if need > 0 && cached > 0 {
-            let stream = arena.stream;
-            let got = self.steal_pages(a, stream, Some(w.exclude(kind)), need, dev, kind);
-            moved += got.len() as u64;
-            handles.extend(got);
-            if handles.len() < need {
-                for other in self.all_arenas() {
-                    if Arc::ptr_eq(&other, arena) {
-                        continue;
-                    }
-                    let mut o = other.state.lock();
-                    let got = self.steal_pages(
-                        &mut o,
-                        other.stream,
-                        None,
-                        need - handles.len(),
-                        dev,
-                        kind,
-                    );
-                    c.counters
-                        .num_cross_stream_pages
-                        .fetch_add(got.len() as u64, Relaxed);
-                    moved += got.len() as u64;
-                    handles.extend(got);
-                    if handles.len() == need {
-                        break;
-                    }
-                }
-            }
-            if moved > 0 {
-                c.counters.num_stitches.fetch_add(1, Relaxed);
-                c.counters.num_stitched_pages.fetch_add(moved, Relaxed);
-            }
+            moved += self.stitch(dev, arena, a, kind, w, need, wait_first, &mut handles);
         }
         // Handles whose release failed earlier are good memory: use them before new ones.
         while handles.len() < need {
@@ -288,13 +275,26 @@ impl<D: Driver> DevicePool<D> {
                     created.push(h);
                 }
                 Err(e) => {
-                    if !e.is_oom() {
+                    if e.is_oom() {
+                        // The estimate of free memory was wrong: read it again next time.
+                        dev.free_seen = None;
+                    } else {
                         c.counters.num_driver_errors.fetch_add(1, Relaxed);
                         driver_err = Some(e);
                     }
                     break;
                 }
             }
+        }
+        if handles.len() + created.len() < need && cached > 0 && !wait_first {
+            // Memory pressure: the limit or the device stops creation, so waiting for busy
+            // streams' cached pages is now the only way to meet the request.
+            let want = need - created.len();
+            moved += self.stitch(dev, arena, a, kind, w, want, true, &mut handles);
+        }
+        if moved > 0 {
+            c.counters.num_stitches.fetch_add(1, Relaxed);
+            c.counters.num_stitched_pages.fetch_add(moved, Relaxed);
         }
         if handles.len() + created.len() < need {
             // Short after all (the driver ran out, e.g. another process took memory): give
@@ -310,6 +310,65 @@ impl<D: Driver> DevicePool<D> {
             limit_hit,
             driver_err,
         }
+    }
+
+    /// Stitching: takes whole free pages for window `w` into `handles` until it holds `want`,
+    /// from this arena (outside the window) first, then from the other arenas. With `wait`,
+    /// blocks on a busy stream's work; without, leaves busy streams' pages. Returns the pages
+    /// moved.
+    #[allow(clippy::too_many_arguments)]
+    fn stitch(
+        &self,
+        dev: &mut DeviceState,
+        arena: &Arc<Arena<D>>,
+        a: &mut ArenaState,
+        kind: HeapKind,
+        w: &Window,
+        want: usize,
+        wait: bool,
+        handles: &mut Vec<PhysHandle>,
+    ) -> u64 {
+        let c = &*self.core;
+        let mut moved = 0u64;
+        if handles.len() < want {
+            let got = self.steal_pages(
+                a,
+                arena.stream,
+                Some(w.exclude(kind)),
+                want - handles.len(),
+                dev,
+                kind,
+                wait,
+            );
+            moved += got.len() as u64;
+            handles.extend(got);
+        }
+        if handles.len() < want {
+            for other in self.all_arenas() {
+                if Arc::ptr_eq(&other, arena) {
+                    continue;
+                }
+                let mut o = other.state.lock();
+                let got = self.steal_pages(
+                    &mut o,
+                    other.stream,
+                    None,
+                    want - handles.len(),
+                    dev,
+                    kind,
+                    wait,
+                );
+                c.counters
+                    .num_cross_stream_pages
+                    .fetch_add(got.len() as u64, Relaxed);
+                moved += got.len() as u64;
+                handles.extend(got);
+                if handles.len() >= want {
+                    break;
+                }
+            }
+        }
+        moved
     }
 
     /// Map: maps what was gathered into the window's holes (even when short: it stays as
@@ -340,7 +399,8 @@ impl<D: Driver> DevicePool<D> {
         }
         match a.try_take(kind, rounded, size, &c.shared) {
             Some((p, _)) => {
-                self.release_over_threshold(dev, Some((arena, a)));
+                // After growth, on the allocation path: never a host wait.
+                self.release_over_threshold(dev, Some((arena, a)), false);
                 Ok(Grow::Done(p))
             }
             None => Err(Error::InvalidArgument(format!(
@@ -375,8 +435,11 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// Maps `handles` at the first `handles.len()` pages of `missing` and turns those pages
-    /// into free space. On a driver failure the failing handle is released and the pages
-    /// mapped so far are kept.
+    /// into free space. Access is granted once per run of consecutive pages (one
+    /// `cuMemSetAccess` per mapped range, not per page: it costs ~36 µs a call). On a driver
+    /// failure the failing handle is released, the run being mapped keeps the pages mapped
+    /// before the failure when access can be granted to them (else they are unmapped and
+    /// released), the pages of earlier runs are kept, and the rest are released.
     pub(super) fn map_pages(
         &self,
         dev: &mut DeviceState,
@@ -393,40 +456,71 @@ impl<D: Driver> DevicePool<D> {
         let mut mapped: Vec<u64> = Vec::with_capacity(handles.len());
         let mut result = Ok(());
         let mut rest = handles.into_iter();
-        for (&page, h) in missing.iter().zip(rest.by_ref()) {
-            let mut stuck = false;
-            let r = d.map(c.dev, page, g, h).and_then(|()| {
-                d.set_access(c.dev, page, g).inspect_err(|_| {
-                    stuck = d.unmap(c.dev, page, g).is_err();
-                })
-            });
-            match r {
+        let mut pairs = missing.iter().copied().zip(rest.by_ref()).peekable();
+        // Pages of the current run mapped so far, without access yet.
+        let mut run: Vec<(u64, PhysHandle)> = Vec::new();
+        while let Some((page, h)) = pairs.next() {
+            let mapped_ok = match d.map(c.dev, page, g, h) {
                 Ok(()) => {
-                    if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
-                        if let Backing::Vmm { pages } = &mut seg.backing {
-                            pages[((page - base) / g) as usize] = Some(h);
-                        }
-                    }
-                    mapped.push(page);
+                    run.push((page, h));
+                    true
                 }
                 Err(e) => {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                    if stuck {
-                        // Still mapped: releasing it now would fail and lose the mapping.
-                        dev.stuck.push(Stuck {
-                            kind,
-                            handle: h,
-                            addr: page,
-                        });
-                    } else {
-                        self.release_handle(dev, kind, h);
-                    }
+                    self.release_handle(dev, kind, h);
                     result = Err(e);
+                    false
+                }
+            };
+            let run_ends = !mapped_ok || pairs.peek().is_none_or(|&(next, _)| next != page + g);
+            if !run_ends || run.is_empty() {
+                if !mapped_ok {
+                    break;
+                }
+                continue;
+            }
+            let lo = run[0].0;
+            let len = run.len() as u64 * g;
+            match d.set_access(c.dev, lo, len) {
+                Ok(()) => {
+                    if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
+                        if let Backing::Vmm { pages } = &mut seg.backing {
+                            for &(p, h) in &run {
+                                pages[((p - base) / g) as usize] = Some(h);
+                            }
+                        }
+                    }
+                    mapped.extend(run.drain(..).map(|(p, _)| p));
+                }
+                Err(e) => {
+                    c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                    for (p, h) in run.drain(..) {
+                        if d.unmap(c.dev, p, g).is_ok() {
+                            self.release_handle(dev, kind, h);
+                        } else {
+                            // Still mapped: releasing it now would fail and lose the mapping.
+                            dev.stuck.push(Stuck {
+                                kind,
+                                handle: h,
+                                addr: p,
+                            });
+                        }
+                    }
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
                     break;
                 }
             }
+            if !mapped_ok {
+                break;
+            }
         }
-        // Handles we could not map (after a failure) are released, not leaked.
+        // Handles we could not map (after a failure) are released, not leaked: the one a peek
+        // may have taken out, then the rest.
+        for (_, h) in pairs {
+            self.release_handle(dev, kind, h);
+        }
         for h in rest {
             self.release_handle(dev, kind, h);
         }
@@ -471,9 +565,11 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// Takes up to `want` whole free pages out of arena `a` (whose stream is `stream`),
-    /// skipping `exclude`. Waits for the stream's work first. The pages'
-    /// handles are unmapped and returned; their address ranges become holes. `to_kind` is the
+    /// skipping `exclude`. The stream's work must be finished first: with `wait` it blocks on
+    /// it, without it takes nothing when an event query says the stream is still busy. The
+    /// pages' handles are unmapped and returned; their address ranges become holes. `to_kind` is the
     /// heap the pages are for (for per-pool reserved accounting).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn steal_pages(
         &self,
         a: &mut ArenaState,
@@ -482,6 +578,7 @@ impl<D: Driver> DevicePool<D> {
         want: usize,
         dev: &mut DeviceState,
         to_kind: HeapKind,
+        wait: bool,
     ) -> Vec<PhysHandle> {
         let c = &*self.core;
         let g = c.granularity;
@@ -497,7 +594,13 @@ impl<D: Driver> DevicePool<D> {
                 let n = (((hi - lo) / g) as usize).min(want - out.len());
                 let hi = lo + n as u64 * g;
                 if !synced {
-                    if !c.sync_stream(stream) {
+                    // Unmapping needs the stream's work on these pages finished.
+                    let ready = if wait {
+                        c.sync_stream(stream)
+                    } else {
+                        c.stream_idle(stream)
+                    };
+                    if !ready {
                         return out;
                     }
                     synced = true;
