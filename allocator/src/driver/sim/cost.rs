@@ -141,26 +141,6 @@ fn default_cost(call: DriverCall) -> CallCost {
     }
 }
 
-/// Where the default figure of `call` comes from (for reports and the sample file).
-pub fn default_source(call: DriverCall) -> &'static str {
-    use DriverCall::*;
-    match call {
-        CreatePhysical => "kvcached bench_vmm, A100, per handle (7.6 us on another GPU)",
-        Map => "kvcached bench_vmm, A100, per handle",
-        SetAccess => {
-            "kvcached bench_vmm, A100, per mapping; PyTorch: ten 2 MiB handles cost 10x one 20 MiB"
-        }
-        Unmap => "kvcached bench_vmm, A100, per handle",
-        ReserveVa => "kvcached bench_vmm, A100",
-        MemInfo => "sglang's measurements of cuMemGetInfo",
-        EventRecord | EventQuery => "kvcached bench_vmm, A100",
-        MemAlloc => "estimate: 1 GiB costs about cuMemCreate + cuMemMap",
-        MemFree => "estimate: the call only; its device synchronisation is a host wait",
-        EventSynchronize | DeviceSynchronize => "estimate: the call only; the wait is a host wait",
-        _ => "estimate",
-    }
-}
-
 impl CostTable {
     /// A table where every call costs nothing.
     pub fn zero() -> Self {
