@@ -153,3 +153,29 @@ fn steady_calls_are_the_calls_after_the_peak() {
     let r = run(&s, "cudamalloc", GIB).unwrap();
     assert!(r.steady_driver_calls > 0);
 }
+
+#[test]
+fn pytorch_stops_calling_the_driver_once_training_is_warm() {
+    for name in ["training:iters=5,seq=512", "training"] {
+        let t = cistern_trace::workloads::generate(name, 42).unwrap();
+        let r = run(&t.sequence, "pytorch", 16 * GIB).unwrap();
+        assert!(r.oom.is_none(), "{name}");
+        assert!(
+            r.driver_calls.get("mem_alloc").copied().unwrap_or(0) > 0,
+            "{name}"
+        );
+        assert_eq!(r.steady_driver_calls, 0, "{name}: PyTorch's cache is warm");
+        assert_eq!(
+            r.host_waits, 0,
+            "{name}: nothing is freed without memory pressure"
+        );
+    }
+    // With a fixed length the steps repeat exactly: more steps make no more calls.
+    let calls = |iters: usize| {
+        let t = cistern_trace::workloads::generate(&format!("training:iters={iters},seq=512"), 42)
+            .unwrap();
+        let r = run(&t.sequence, "pytorch", 16 * GIB).unwrap();
+        r.driver_calls.values().sum::<u64>()
+    };
+    assert_eq!(calls(3), calls(6));
+}
