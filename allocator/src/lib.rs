@@ -36,7 +36,7 @@ pub mod pool;
 
 pub use config::Config;
 pub use driver::cuda::CudaDriver;
-pub use driver::sim::{SimConfig, SimDriver};
+pub use driver::sim::{CallCost, CostTable, SimConfig, SimDriver};
 pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
 pub use open::{open_driver, DriverChoice};

@@ -134,6 +134,10 @@ pub struct ReplayArgs {
     /// Write an SVG plot of reserved and live memory over time per allocator.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+    /// Price driver calls with this cost table (JSON, keyed by call kind; default: published
+    /// A100 figures, as in replay/costs/a100-published.json).
+    #[arg(long, value_name = "FILE.json")]
+    pub costs: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {

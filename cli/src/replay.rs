@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use cistern::format_bytes;
+use cistern::{format_bytes, CostTable};
 use cistern_replay::catalog::{self, ALLOCATORS};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
@@ -55,6 +55,15 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     for a in &allocators {
         catalog::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
     }
+    let costs = match &args.costs {
+        Some(path) => CostTable::from_json_file(path).map_err(|e| {
+            format!(
+                "--costs: {e}\n(see replay/costs/a100-published.json for the format: an object \
+                 keyed by call kind, each {{\"per_call_us\": N}} or a number)"
+            )
+        })?,
+        None => CostTable::default(),
+    };
     let capacity = match &args.capacity {
         Some(c) => Some(cistern::config::parse_size(c).map_err(|e| format!("--capacity: {e}"))?),
         None => None,
@@ -79,7 +88,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         }
         for a in &allocators {
             bar.set_message(format!("{} / {a}", input.trace.name));
-            let mut r = engine::run(seq, a, cap)?;
+            let mut r = engine::run_with(seq, a, cap, &costs)?;
             if !args.no_min_capacity {
                 r.min_capacity = Some(engine::min_capacity(seq, a)?);
             }
@@ -199,6 +208,10 @@ fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
         internal_waste: None,
         min_capacity: None,
         driver_calls: Default::default(),
+        driver_time_us: 0.0,
+        host_waits: 0,
+        pages_moved: 0,
+        steady_driver_calls: 0,
         ops_per_sec: None,
         ops: live.len(),
         capacity: None,
@@ -245,6 +258,9 @@ fn print_tables(reports: &[TraceReport]) {
             ("min capacity", Align::Right),
             ("x live", Align::Right),
             ("driver calls", Align::Right),
+            ("drv ms", Align::Right),
+            ("waits", Align::Right),
+            ("steady", Align::Right),
             ("ops/s", Align::Right),
             ("", Align::Left),
         ]);
@@ -257,6 +273,17 @@ fn print_tables(reports: &[TraceReport]) {
                 .map_or("-".to_string(), |m| {
                     format!("{:.3}", m as f64 / r.peak_live as f64)
                 });
+            // Recorded rows have no simulated driver: their costs are unknown.
+            let modelled = r.ops_per_sec.is_some();
+            let (drv_ms, waits, steady) = if modelled {
+                (
+                    format!("{:.1}", r.driver_time_us / 1000.0),
+                    r.host_waits.to_string(),
+                    r.steady_driver_calls.to_string(),
+                )
+            } else {
+                ("-".into(), "-".into(), "-".into())
+            };
             let ops = r
                 .ops_per_sec
                 .map_or("-".to_string(), |o| format!("{:.2}M", o / 1e6));
@@ -284,6 +311,9 @@ fn print_tables(reports: &[TraceReport]) {
                 (min_cap, None),
                 (ratio, None),
                 (calls.to_string(), None),
+                (drv_ms, None),
+                (waits, None),
+                (steady, None),
                 (ops, None),
                 (note, bad.then_some(table::RED)),
             ]);

@@ -58,6 +58,10 @@ fn json_for_one_workload_has_every_field() {
             "frag",
             "min_capacity",
             "driver_calls",
+            "driver_time_us",
+            "host_waits",
+            "pages_moved",
+            "steady_driver_calls",
             "ops_per_sec",
         ] {
             assert!(!r[key].is_null(), "{key} missing in {r}");
@@ -112,6 +116,9 @@ fn table_output_names_the_trace_and_allocators() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("rmm-random"), "{text}");
     assert!(text.contains("peak reserved"), "{text}");
+    for col in ["drv ms", "waits", "steady"] {
+        assert!(text.contains(col), "no {col} column: {text}");
+    }
     assert!(text.lines().any(|l| l.starts_with("cistern ")), "{text}");
     assert!(!text.contains('\x1b'), "colour despite NO_COLOR: {text}");
 }
@@ -250,4 +257,119 @@ fn convert_round_trips_through_rmm_and_cistern_formats() {
         "{text}"
     );
     assert!(ops[1].ends_with(" 7"), "stream kept: {text}");
+}
+
+#[test]
+fn costs_file_prices_the_calls_and_a_bad_one_names_the_fix() {
+    let run = |costs: &std::path::Path| {
+        cistern()
+            .args([
+                "replay",
+                "-w",
+                "training:iters=2,seq=256",
+                "-a",
+                "pytorch",
+                "--json",
+            ])
+            .args(["--no-min-capacity", "--costs"])
+            .arg(costs)
+            .output()
+            .unwrap()
+    };
+    // A table where cudaMalloc costs 1 ms flat and everything else nothing.
+    let good = tmp("costs.json");
+    let mut zero = serde_json::Map::new();
+    for k in [
+        "device_count",
+        "capabilities",
+        "mem_info",
+        "reserve_va",
+        "free_va",
+        "create_physical",
+        "release_physical",
+        "map",
+        "unmap",
+        "set_access",
+        "mem_free",
+        "event_create",
+        "event_record",
+        "event_query",
+        "event_synchronize",
+        "event_destroy",
+        "stream_wait_event",
+        "device_synchronize",
+    ] {
+        zero.insert(k.into(), 0.0.into());
+    }
+    zero.insert(
+        "mem_alloc".into(),
+        serde_json::json!({"per_call_us": 1000.0}),
+    );
+    std::fs::write(&good, serde_json::Value::Object(zero).to_string()).unwrap();
+    let out = run(&good);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = &doc["results"][0];
+    let allocs = r["driver_calls"]["mem_alloc"].as_f64().unwrap();
+    assert_eq!(
+        r["driver_time_us"].as_f64().unwrap(),
+        1000.0 * allocs,
+        "{r}"
+    );
+
+    let bad = tmp("bad-costs.json");
+    std::fs::write(&bad, r#"{"cuMemMap": 1.5}"#).unwrap();
+    let out = run(&bad);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--costs") && err.contains("bad-costs.json"),
+        "{err}"
+    );
+    assert!(
+        err.contains("unknown key `cuMemMap`") && err.contains("map, unmap"),
+        "{err}"
+    );
+    assert!(err.contains("a100-published.json"), "{err}");
+
+    let out = run(&tmp("missing-costs.json"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("missing-costs.json") && err.contains("cannot read"),
+        "{err}"
+    );
+}
+
+#[test]
+fn capacity_runs_report_costs_under_memory_pressure() {
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "rmm-random",
+            "-a",
+            "pytorch,cistern",
+            "--json",
+        ])
+        .args(["--no-min-capacity", "--capacity", "1300MiB"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for r in doc["results"].as_array().unwrap() {
+        assert!(r["driver_time_us"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(
+            r["host_waits"].is_u64() && r["steady_driver_calls"].is_u64(),
+            "{r}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 //! ([`make`]), which the CLI and the benches pick models by. A new model is added here (and in
 //! its own module); [`crate::model`] knows none of them.
 
-use cistern::Config;
+use cistern::{Config, CostTable};
 
 use crate::model::AllocatorModel;
 use crate::pytorch::{PytorchConfig, PytorchModel};
@@ -23,11 +23,22 @@ pub const ALLOCATORS: &[&str] = &[
 /// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";
 
-/// Builds the model `name` on a simulated device of `capacity` bytes.
+/// Builds the model `name` on a simulated device of `capacity` bytes, pricing driver calls with
+/// the default [`CostTable`] (the published figures).
+pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String> {
+    make_with(name, capacity, &CostTable::default())
+}
+
+/// Builds the model `name` on a simulated device of `capacity` bytes whose driver calls are
+/// priced with `costs`.
 ///
 /// The PyTorch models accept PyTorch's `max_split_size_mb` setting as a suffix, in
 /// `PYTORCH_CUDA_ALLOC_CONF` syntax: `pytorch:max_split_size_mb:256`.
-pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String> {
+pub fn make_with(
+    name: &str,
+    capacity: u64,
+    costs: &CostTable,
+) -> Result<Box<dyn AllocatorModel>, String> {
     if let Some((base, conf)) = name.split_once(':') {
         if base == "pytorch" || base == "pytorch-expandable" {
             let mb = conf
@@ -40,18 +51,19 @@ pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String
                          (PyTorch's own lower bound)"
                     )
                 })?;
-            return Ok(Box::new(PytorchModel::new(
+            return Ok(Box::new(PytorchModel::with_costs(
                 name,
                 PytorchConfig {
                     max_split_size: mb << 20,
                     expandable_segments: base == "pytorch-expandable",
                 },
                 capacity,
+                costs,
             )));
         }
     }
     Ok(match name {
-        "cistern" => Box::new(CisternModel::new(name, Config::default(), capacity)?),
+        "cistern" => Box::new(CisternModel::new(name, Config::default(), capacity, costs)?),
         "cistern-novmm" => Box::new(CisternModel::new(
             name,
             Config {
@@ -59,17 +71,24 @@ pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String
                 ..Config::default()
             },
             capacity,
+            costs,
         )?),
-        "pytorch" => Box::new(PytorchModel::new(name, PytorchConfig::default(), capacity)),
-        "pytorch-expandable" => Box::new(PytorchModel::new(
+        "pytorch" => Box::new(PytorchModel::with_costs(
+            name,
+            PytorchConfig::default(),
+            capacity,
+            costs,
+        )),
+        "pytorch-expandable" => Box::new(PytorchModel::with_costs(
             name,
             PytorchConfig {
                 expandable_segments: true,
                 ..PytorchConfig::default()
             },
             capacity,
+            costs,
         )),
-        "cudamalloc" => Box::new(CudaMallocModel::new(capacity)),
+        "cudamalloc" => Box::new(CudaMallocModel::new(capacity, costs)),
         "ideal" => Box::new(IdealModel::new(capacity)),
         RECORDED => {
             return Err(format!(

@@ -13,7 +13,17 @@
 //! * `driver_calls` by kind, and `ops_per_sec`: allocator operations per second of the replay
 //!   loop (which also does the engine's own bookkeeping: a hash-map update and a `reserved()`
 //!   read per operation, the same for every model; the criterion bench measures the bare
-//!   throughput).
+//!   throughput);
+//! * `driver_time_us`: modelled host time of the driver calls, each priced by the
+//!   [`CostTable`] the model was made with (default: published per-call figures; see
+//!   [`cistern::driver::sim::cost`]). Host waits add nothing unless the table prices them;
+//! * `host_waits`: calls that blocked the host on GPU work (event, stream or device
+//!   synchronisation, `cudaFree`'s implicit device synchronisation); their cost is GPU idle
+//!   time, which a trace without kernels cannot tell;
+//! * `pages_moved`: physical pages unmapped from one place and mapped again at another
+//!   (cistern: stitched pages; 0 for the other models, which never move a page);
+//! * `steady_driver_calls`: driver calls made after the operation at which peak reserved was
+//!   first reached: the churn that repeats once an allocator has all the memory it will hold.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -21,7 +31,9 @@ use std::time::Instant;
 use cistern_trace::{AllocSequence, Op};
 use rustc_hash::FxHashMap;
 
-use crate::catalog::make;
+use cistern::CostTable;
+
+use crate::catalog::make_with;
 use crate::model::{AllocatorModel, Oom};
 
 /// At most this many points are kept in [`ReplayResult::series`].
@@ -55,8 +67,9 @@ pub struct OomAt {
 
 /// The measurements of one allocator on one sequence. Serializes as
 /// `{"allocator", "peak_reserved", "peak_live", "frag", "internal_waste", "min_capacity",
-/// "driver_calls", "ops_per_sec", "ops", "capacity", "oom", "note"}`; the time series is kept
-/// out of the JSON (it is for plots).
+/// "driver_calls", "driver_time_us", "host_waits", "pages_moved", "steady_driver_calls",
+/// "ops_per_sec", "ops", "capacity", "oom", "note"}`; the time series is kept out of the JSON
+/// (it is for plots).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ReplayResult {
     /// Allocator name.
@@ -73,6 +86,14 @@ pub struct ReplayResult {
     pub min_capacity: Option<u64>,
     /// Driver calls by kind.
     pub driver_calls: BTreeMap<String, u64>,
+    /// Modelled host time of the driver calls, in microseconds.
+    pub driver_time_us: f64,
+    /// Driver calls that blocked the host on GPU work.
+    pub host_waits: u64,
+    /// Physical pages unmapped and mapped again elsewhere (cistern's stitched pages).
+    pub pages_moved: u64,
+    /// Driver calls made after the operation at which peak reserved was first reached.
+    pub steady_driver_calls: u64,
     /// Allocator operations per second of the replay loop (`None` for recorded rows).
     pub ops_per_sec: Option<f64>,
     /// Operations replayed (all of them unless the model ran out of memory).
@@ -158,6 +179,7 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
     let mut waste_at_peak: Option<u64> = None;
+    let mut calls_at_peak = 0u64;
     let mut series = SeriesBuilder::new(seq.ops.len());
     let mut oom = None;
     let mut done = 0usize;
@@ -188,6 +210,7 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         if reserved > peak_reserved {
             peak_reserved = reserved;
             waste_at_peak = model.allocated().map(|a| a.saturating_sub(live));
+            calls_at_peak = model.total_driver_calls();
         }
         series.push(Point {
             op: i,
@@ -196,6 +219,7 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         });
     }
     let secs = start.elapsed().as_secs_f64();
+    let cost = model.cost();
     ReplayResult {
         allocator: model.name().to_string(),
         peak_reserved,
@@ -204,6 +228,10 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         internal_waste: waste_at_peak,
         min_capacity: None,
         driver_calls: model.driver_calls(),
+        driver_time_us: cost.driver_time_us,
+        host_waits: cost.host_waits,
+        pages_moved: cost.pages_moved,
+        steady_driver_calls: model.total_driver_calls().saturating_sub(calls_at_peak),
         ops_per_sec: (secs > 0.0).then(|| done as f64 / secs),
         ops: done,
         capacity: None,
@@ -213,9 +241,20 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
     }
 }
 
-/// Makes the model `name` with `capacity` and replays `seq` on it.
+/// Makes the model `name` with `capacity` and replays `seq` on it, pricing driver calls with
+/// the default [`CostTable`].
 pub fn run(seq: &AllocSequence, name: &str, capacity: u64) -> Result<ReplayResult, String> {
-    let mut m = make(name, capacity)?;
+    run_with(seq, name, capacity, &CostTable::default())
+}
+
+/// [`run`] with driver calls priced by `costs`.
+pub fn run_with(
+    seq: &AllocSequence,
+    name: &str,
+    capacity: u64,
+    costs: &CostTable,
+) -> Result<ReplayResult, String> {
+    let mut m = make_with(name, capacity, costs)?;
     let mut r = replay(seq, m.as_mut());
     r.capacity = Some(capacity);
     Ok(r)
@@ -283,12 +322,14 @@ pub fn min_capacity_with(
 }
 
 /// What [`evaluate`] computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EvalOptions {
     /// Simulated device capacity for the main replay.
     pub capacity: u64,
     /// Also bisect for the smallest capacity (costs about 20 replays per allocator).
     pub min_capacity: bool,
+    /// The price of each driver call kind (default: the published figures).
+    pub costs: CostTable,
 }
 
 impl Default for EvalOptions {
@@ -296,6 +337,7 @@ impl Default for EvalOptions {
         EvalOptions {
             capacity: DEFAULT_CAPACITY,
             min_capacity: true,
+            costs: CostTable::default(),
         }
     }
 }
@@ -309,7 +351,7 @@ pub fn evaluate(
     allocators
         .iter()
         .map(|name| {
-            let mut r = run(seq, name, opts.capacity)?;
+            let mut r = run_with(seq, name, opts.capacity, &opts.costs)?;
             if opts.min_capacity {
                 r.min_capacity = Some(min_capacity(seq, name)?);
             }

@@ -32,11 +32,12 @@ pub mod pytorch;
 pub mod recorded;
 pub mod simple;
 
-pub use catalog::{make, ALLOCATORS, RECORDED};
+pub use catalog::{make, make_with, ALLOCATORS, RECORDED};
+pub use cistern::{CallCost, CostTable};
 pub use engine::{
-    evaluate, frag, min_capacity, min_capacity_with, replay, run, EvalOptions, OomAt, Point,
-    ReplayResult, TraceReport,
+    evaluate, frag, min_capacity, min_capacity_with, replay, run, run_with, EvalOptions, OomAt,
+    Point, ReplayResult, TraceReport,
 };
-pub use model::{AllocatorModel, Oom};
+pub use model::{AllocatorModel, Cost, Oom};
 pub use pytorch::{PytorchConfig, PytorchModel};
 pub use recorded::{default_allocators, evaluate_snapshot, recorded};

@@ -1,16 +1,16 @@
 //! The allocator-model seam: the [`AllocatorModel`] trait every replayed allocator implements,
-//! the [`Oom`] it fails with, and the helpers models share ([`sim_driver`],
-//! [`driver_call_counts`]). It names no model: the models live in their own modules
+//! the [`Oom`] it fails with, the [`Cost`] of its driver calls, and the helpers models share
+//! ([`sim_driver`], [`driver_call_counts`], [`sim_cost`]). It names no model: the models live in their own modules
 //! ([`crate::simple`], [`crate::pytorch`]) and [`crate::catalog`] lists them by name.
 //!
 //! Every model except `ideal` runs on its own [`SimDriver`] whose capacity is the simulated
 //! device's memory, so a model runs out of memory exactly where the device would, and its
-//! driver calls are counted by kind.
+//! driver calls are counted by kind and priced by the [`CostTable`] it was made with.
 
 use std::collections::BTreeMap;
 
 use cistern::driver::DeviceId;
-use cistern::{SimConfig, SimDriver};
+use cistern::{CostTable, SimConfig, SimDriver};
 
 /// The device index every model's simulated device uses.
 pub(crate) const DEV: DeviceId = 0;
@@ -38,6 +38,20 @@ impl std::fmt::Display for Oom {
     }
 }
 
+/// What a model's driver calls cost so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Cost {
+    /// Modelled host time of the driver calls, in microseconds (the [`CostTable`]'s prices;
+    /// host waits add nothing unless the table gives them a figure).
+    pub driver_time_us: f64,
+    /// Calls that blocked the host on GPU work (event/stream/device synchronisation, and
+    /// `cudaFree`'s implicit device synchronisation).
+    pub host_waits: u64,
+    /// Physical pages unmapped from one place and mapped again at another (cistern: its
+    /// stitched pages, `num_stitched_pages`; the PyTorch models never move a page: 0).
+    pub pages_moved: u64,
+}
+
 /// An allocator that a sequence of allocations and frees can be replayed against.
 pub trait AllocatorModel {
     /// The catalog name (`cistern`, `pytorch`, ...).
@@ -53,11 +67,31 @@ pub trait AllocatorModel {
     fn allocated(&self) -> Option<u64>;
     /// Driver calls made so far, by kind (`mem_alloc`, `map`, ...).
     fn driver_calls(&self) -> BTreeMap<String, u64>;
+    /// The sum of [`AllocatorModel::driver_calls`]; models override it with a cheaper count
+    /// (the engine reads it at every new peak of reserved bytes).
+    fn total_driver_calls(&self) -> u64 {
+        self.driver_calls().values().sum()
+    }
+    /// What the driver calls so far cost (none by default: a model without a driver).
+    fn cost(&self) -> Cost {
+        Cost::default()
+    }
 }
 
-/// A simulated device of `capacity` bytes (2 MiB granularity, VMM supported).
-pub fn sim_driver(capacity: u64) -> SimDriver {
-    SimDriver::new(SimConfig::default().capacity(capacity))
+/// A simulated device of `capacity` bytes (2 MiB granularity, VMM supported) pricing its calls
+/// with `costs`.
+pub fn sim_driver(capacity: u64, costs: &CostTable) -> SimDriver {
+    SimDriver::new(SimConfig::default().capacity(capacity).costs(*costs))
+}
+
+/// A simulator's modelled driver time and host waits (no pages moved: the simulator cannot
+/// know which calls move pages; a model adds its own count).
+pub fn sim_cost(driver: &SimDriver) -> Cost {
+    Cost {
+        driver_time_us: driver.modelled_time_us(),
+        host_waits: driver.host_waits(),
+        pages_moved: 0,
+    }
 }
 
 /// The nonzero call counters of a simulator, keyed by [`cistern::driver::DriverCall::key`].

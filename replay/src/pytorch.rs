@@ -10,6 +10,27 @@
 //! segments, `cuMemCreate`/`cuMemMap`/`cuMemSetAccess`/`cuMemUnmap`/`cuMemRelease` for the pages
 //! of expandable segments, so capacity limits and driver-call counts are real.
 //!
+//! # Driver calls and their cost
+//!
+//! The model makes the driver calls the real allocator makes, so that the simulator's
+//! [`CostTable`] prices them (`driver_time_us`) and counts its host waits:
+//!
+//! * `pytorch`: a segment is one `cudaMalloc` (the simulator's `mem_alloc`, priced with its
+//!   size); `release_block` is one `cudaFree` (`mem_free`), whose implicit device
+//!   synchronisation is a host wait. PyTorch frees segments only on `empty_cache` and in the OOM
+//!   protocol (`release_available_cached_blocks`, `release_cached_blocks`); traces carry no
+//!   `empty_cache`, so in a replay the frees and their waits come from the OOM retry.
+//! * `pytorch-expandable` (`ExpandableSegment`): one `cuMemAddressReserve` per segment; growth
+//!   creates one handle per page, 20 MiB pages in the large pool and 2 MiB in the small one
+//!   (`cuMemCreate` each), maps each (`cuMemMap`), then one `cuMemSetAccess` over the newly
+//!   mapped range (`mapAndSetAccess`), which the simulator prices per mapping spanned. Before
+//!   unmapping a range (`unmapHandles`), PyTorch calls `cudaStreamSynchronize` on the segment's
+//!   stream; the [`Driver`] seam has no stream synchronisation, so the model records an event
+//!   on that stream and synchronises it (`event_record` + `event_synchronize`, one host wait;
+//!   the event is created once per model), then unmaps and releases each page.
+//!
+//! No page is ever unmapped and mapped elsewhere: `pages_moved` is 0 for both.
+//!
 //! What is not modelled, because traces do not carry it: `record_stream` and the CUDA events of
 //! cross-stream frees (a trace's `free_completed` is the moment the block became reusable, which
 //! is what the replay's `Free` is), CUDA-graph private pools, `garbage_collection_threshold`,
@@ -18,11 +39,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use cistern::driver::{DeviceId, Driver, PhysHandle};
-use cistern::SimDriver;
+use cistern::driver::{DeviceId, Driver, EventId, PhysHandle, StreamId};
+use cistern::{CostTable, SimDriver};
 use rustc_hash::FxHashMap;
 
-use crate::model::{driver_call_counts, AllocatorModel, Oom};
+use crate::model::{driver_call_counts, sim_cost, AllocatorModel, Cost, Oom};
 
 /// All sizes are rounded to at least this (`kMinBlockSize`).
 pub const MIN_BLOCK_SIZE: u64 = 512;
@@ -146,13 +167,28 @@ pub struct PytorchModel {
     reserved: u64,
     allocated: u64,
     counters: PytorchCounters,
+    /// The event `unmap_block` synchronises a stream with (created on first use).
+    sync_event: Option<EventId>,
 }
 
 impl PytorchModel {
-    /// A model named `name` with `config` on a fresh simulated device of `capacity` bytes.
+    /// A model named `name` with `config` on a fresh simulated device of `capacity` bytes,
+    /// pricing driver calls with the default [`CostTable`].
     pub fn new(name: impl Into<String>, config: PytorchConfig, capacity: u64) -> Self {
+        Self::with_costs(name, config, capacity, &CostTable::default())
+    }
+
+    /// [`PytorchModel::new`] with driver calls priced by `costs`.
+    pub fn with_costs(
+        name: impl Into<String>,
+        config: PytorchConfig,
+        capacity: u64,
+        costs: &CostTable,
+    ) -> Self {
         let driver = Arc::new(SimDriver::new(
-            cistern::SimConfig::default().capacity(capacity),
+            cistern::SimConfig::default()
+                .capacity(capacity)
+                .costs(*costs),
         ));
         PytorchModel {
             name: name.into(),
@@ -168,6 +204,7 @@ impl PytorchModel {
             reserved: 0,
             allocated: 0,
             counters: PytorchCounters::default(),
+            sync_event: None,
         }
     }
 
@@ -804,6 +841,8 @@ impl PytorchModel {
         self.try_merge_blocks(i, n);
         let k = self.ukey(i);
         self.pools[b.pool].unmapped.insert(k);
+        // `unmapHandles`: cudaStreamSynchronize(stream) first, since cuMemUnmap does not wait.
+        self.stream_synchronize(b.stream);
         if let Some(Some(s)) = self.segments.get_mut(seg_i) {
             for pg in begin..end {
                 if let Some(h) = s.handles.get_mut(pg as usize).and_then(Option::take) {
@@ -814,6 +853,21 @@ impl PytorchModel {
         }
         self.reserved -= un_size;
         self.counters.num_device_free += 1;
+    }
+
+    /// `cudaStreamSynchronize(stream)`, as an event recorded on the stream and synchronised
+    /// (the driver seam has no stream synchronisation): one host wait.
+    fn stream_synchronize(&mut self, stream: u64) {
+        let ev = match self.sync_event {
+            Some(e) => e,
+            None => match self.driver.event_create(DEV) {
+                Ok(e) => *self.sync_event.insert(e),
+                Err(_) => return,
+            },
+        };
+        // A live event on a live device: the simulator accepts both calls.
+        let _ = self.driver.event_record(DEV, ev, StreamId(stream));
+        let _ = self.driver.event_synchronize(DEV, ev);
     }
 
     /// `release_expandable_segment`: free the address space of a wholly unmapped segment.
@@ -913,5 +967,13 @@ impl AllocatorModel for PytorchModel {
 
     fn driver_calls(&self) -> BTreeMap<String, u64> {
         driver_call_counts(&self.driver)
+    }
+
+    fn total_driver_calls(&self) -> u64 {
+        self.driver.total_calls()
+    }
+
+    fn cost(&self) -> Cost {
+        sim_cost(&self.driver)
     }
 }

@@ -40,7 +40,9 @@ pub fn reserved_per_op(snapshot: &Snapshot, device: usize, recon: &Reconstructio
 /// * `peak_live`: the reconstructed sequence's peak of requested bytes;
 /// * `driver_calls`: `segment_alloc` counted as `mem_alloc`, `segment_free` as `mem_free`,
 ///   `segment_map` as `map`, `segment_unmap` as `unmap` (the window's events only);
-/// * `internal_waste`, `min_capacity`, `ops_per_sec`: unknown (`None`).
+/// * `internal_waste`, `min_capacity`, `ops_per_sec`: unknown (`None`);
+/// * `driver_time_us`, `host_waits`, `pages_moved`, `steady_driver_calls`: not known from
+///   segment events (0).
 pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> ReplayResult {
     let curve = snapshot.reserved_curve(device);
     let events = snapshot.events(device);
@@ -85,6 +87,10 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
         internal_waste: None,
         min_capacity: None,
         driver_calls: calls,
+        driver_time_us: 0.0,
+        host_waits: 0,
+        pages_moved: 0,
+        steady_driver_calls: 0,
         ops_per_sec: None,
         ops: live.len(),
         capacity: None,

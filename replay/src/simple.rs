@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cistern::driver::{Driver, StreamId};
-use cistern::{Config, Pool, SimDriver};
+use cistern::{Config, CostTable, Pool, SimDriver};
 use rustc_hash::FxHashMap;
 
-use crate::model::{driver_call_counts, sim_driver, AllocatorModel, Oom, DEV};
+use crate::model::{driver_call_counts, sim_cost, sim_driver, AllocatorModel, Cost, Oom, DEV};
 
 /// The real [`cistern::Pool`] on a [`SimDriver`].
 pub struct CisternModel {
@@ -22,9 +22,15 @@ pub struct CisternModel {
 }
 
 impl CisternModel {
-    /// A pool with `config` on a fresh simulated device of `capacity` bytes.
-    pub fn new(name: &str, config: Config, capacity: u64) -> Result<Self, String> {
-        let driver = Arc::new(sim_driver(capacity));
+    /// A pool with `config` on a fresh simulated device of `capacity` bytes pricing its calls
+    /// with `costs`.
+    pub fn new(
+        name: &str,
+        config: Config,
+        capacity: u64,
+        costs: &CostTable,
+    ) -> Result<Self, String> {
+        let driver = Arc::new(sim_driver(capacity, costs));
         let pool = Pool::new(driver.clone(), config).map_err(|e| format!("{name}: {e}"))?;
         Ok(CisternModel {
             name: name.to_string(),
@@ -90,6 +96,23 @@ impl AllocatorModel for CisternModel {
     fn driver_calls(&self) -> BTreeMap<String, u64> {
         driver_call_counts(&self.driver)
     }
+
+    fn total_driver_calls(&self) -> u64 {
+        self.driver.total_calls()
+    }
+
+    /// Pages moved are the pool's stitched pages (`num_stitched_pages`: cached pages unmapped
+    /// from one place and mapped into another window, cross-stream ones included).
+    fn cost(&self) -> Cost {
+        let stitched = self
+            .pool
+            .stats(DEV)
+            .map_or(0, |s| s.get("num_stitched_pages").max(0) as u64);
+        Cost {
+            pages_moved: stitched,
+            ..sim_cost(&self.driver)
+        }
+    }
 }
 
 impl Drop for CisternModel {
@@ -118,10 +141,11 @@ pub struct CudaMallocModel {
 pub const CUDAMALLOC_ALIGN: u64 = 512;
 
 impl CudaMallocModel {
-    /// A model on a fresh simulated device of `capacity` bytes.
-    pub fn new(capacity: u64) -> Self {
+    /// A model on a fresh simulated device of `capacity` bytes pricing its calls with `costs`.
+    /// Every free is a `cuMemFree`, which synchronises the device: a host wait.
+    pub fn new(capacity: u64, costs: &CostTable) -> Self {
         CudaMallocModel {
-            driver: sim_driver(capacity),
+            driver: sim_driver(capacity, costs),
             capacity,
             live: FxHashMap::default(),
             allocated: 0,
@@ -175,6 +199,14 @@ impl AllocatorModel for CudaMallocModel {
 
     fn driver_calls(&self) -> BTreeMap<String, u64> {
         driver_call_counts(&self.driver)
+    }
+
+    fn total_driver_calls(&self) -> u64 {
+        self.driver.total_calls()
+    }
+
+    fn cost(&self) -> Cost {
+        sim_cost(&self.driver)
     }
 }
 

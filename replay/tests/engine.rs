@@ -108,12 +108,20 @@ fn json_has_the_documented_keys() {
         "frag",
         "min_capacity",
         "driver_calls",
+        "driver_time_us",
+        "host_waits",
+        "pages_moved",
+        "steady_driver_calls",
         "ops_per_sec",
     ] {
         assert!(v.get(k).is_some(), "missing {k} in {v}");
     }
     assert_eq!(v["allocator"], "pytorch");
     assert_eq!(v["driver_calls"]["mem_alloc"], 3);
+    assert!(v["driver_time_us"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["host_waits"], 0);
+    assert_eq!(v["pages_moved"], 0);
+    assert_eq!(v["steady_driver_calls"], 0);
     assert!(v.get("series").is_none());
     let doc = cistern_replay::TraceReport {
         trace: "sample".into(),

@@ -66,7 +66,64 @@ fn minimalloc_path(dir: &Path, instance: &str) -> PathBuf {
         .join(format!("{instance}.1048576.csv"))
 }
 
+/// Iterations (optimizer steps) of the `training` workload unless `iters=N` says otherwise.
+pub const TRAINING_ITERS: usize = 10;
+
+/// The parameters of the `training` workload: `training:iters=N,seq=L`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrainingParams {
+    /// Training steps; each repeats the same allocation pattern (for its sequence length).
+    pub iters: usize,
+    /// A fixed sequence length, or `None` to draw one per step from {128, 256, 512, 1024}.
+    pub seq: Option<u64>,
+}
+
+impl Default for TrainingParams {
+    fn default() -> Self {
+        TrainingParams {
+            iters: TRAINING_ITERS,
+            seq: None,
+        }
+    }
+}
+
+impl TrainingParams {
+    /// Parses `iters=N,seq=L` (either, both, or empty).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut p = TrainingParams::default();
+        for kv in text.split(',').filter(|s| !s.is_empty()) {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            let n: Option<u64> = v.trim().parse().ok().filter(|&n| n > 0);
+            match (k.trim(), n) {
+                ("iters", Some(n)) if n <= 10_000 => p.iters = n as usize,
+                ("seq", Some(n)) if n <= 1024 => p.seq = Some(n),
+                ("iters", _) => {
+                    return Err(format!(
+                        "training: `{kv}`: iters takes a whole number from 1 to 10000"
+                    ))
+                }
+                ("seq", _) => {
+                    return Err(format!(
+                        "training: `{kv}`: seq takes a sequence length from 1 to 1024"
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "training: unknown parameter `{kv}`; expected iters=N and/or seq=L \
+                         (e.g. training:iters=3,seq=512)"
+                    ))
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
 /// Generate the workload `name` with `seed`, reading characterizations from [`traces_dir`].
+///
+/// `training` takes parameters after a colon: `training:iters=N` (default
+/// [`TRAINING_ITERS`]) and `seq=L` (a fixed sequence length, so that every step repeats the
+/// same allocations).
 pub fn generate(name: &str, seed: u64) -> Result<Trace, String> {
     generate_from(name, seed, &traces_dir())
 }
@@ -74,11 +131,30 @@ pub fn generate(name: &str, seed: u64) -> Result<Trace, String> {
 /// [`generate`] with an explicit traces folder.
 pub fn generate_from(name: &str, seed: u64, dir: &Path) -> Result<Trace, String> {
     let mut rng = Rng::new(seed);
-    let (label, seq) = match name {
-        "training" => (
-            "training (GPT-medium, recompute, seq 128-1024)".to_string(),
-            training(&mut rng),
-        ),
+    let (base, params) = match name.split_once(':') {
+        Some((b, p)) => (b, Some(p)),
+        None => (name, None),
+    };
+    if base != "training" && params.is_some() && names().contains(&base) {
+        return Err(format!(
+            "workload `{base}` takes no parameters (only training does: training:iters=N,seq=L)"
+        ));
+    }
+    let (label, seq) = match base {
+        "training" => {
+            let p = TrainingParams::parse(params.unwrap_or(""))?;
+            let seqs = match p.seq {
+                Some(s) => format!("seq {s}"),
+                None => "seq 128-1024".to_string(),
+            };
+            (
+                format!(
+                    "training (GPT-medium, recompute, {seqs}, {} iters)",
+                    p.iters
+                ),
+                training(&mut rng, p),
+            )
+        }
         "llm-serving" => llm_serving(&mut rng, dir, LengthSource::Azure)?,
         "llm-serving-mooncake" => llm_serving(&mut rng, dir, LengthSource::Mooncake)?,
         "rmm-random" => (
@@ -192,8 +268,9 @@ impl Builder {
 }
 
 /// GPT-medium training with per-2-layer activation checkpointing, bf16 activations, fp32
-/// parameters, gradients and Adam state, batch 8, 20 steps, sequence length drawn per step from
-/// {128, 256, 512, 1024}.
+/// parameters, gradients and Adam state, batch 8, `p.iters` steps (default 10), sequence length
+/// drawn per step from {128, 256, 512, 1024} unless `p.seq` fixes it (then every step after the
+/// first, which also allocates Adam's state, makes the same allocations and frees).
 ///
 /// Per step: input ids and targets; the forward pass keeps only each 2-layer segment's input
 /// (the checkpoint) and frees everything else as soon as it is consumed; logits in bf16, upcast
@@ -203,7 +280,7 @@ impl Builder {
 /// first time backward reaches them (`zero_grad(set_to_none=True)` freed them at the end of the
 /// previous step). The optimizer allocates Adam's two moments at the first step (kept) and one
 /// temporary per parameter tensor per step.
-fn training(rng: &mut Rng) -> Built {
+fn training(rng: &mut Rng, p: TrainingParams) -> Built {
     const LAYERS: usize = 24;
     const HIDDEN: u64 = 1024;
     const HEADS: u64 = 16;
@@ -213,7 +290,6 @@ fn training(rng: &mut Rng) -> Built {
     const ACT: u64 = 2; // bf16 activations
     const F32: u64 = 4;
     const SEGMENT: usize = 2;
-    const STEPS: usize = 20;
     let buckets = [128u64, 256, 512, 1024];
     let h = HIDDEN;
 
@@ -240,8 +316,9 @@ fn training(rng: &mut Rng) -> Built {
     let param_ids: Vec<u64> = params.iter().map(|&p| b.alloc(p * F32)).collect();
     let mut adam: Vec<u64> = Vec::new();
 
-    for step in 0..STEPS {
-        let s = buckets[rng.below(buckets.len() as u64) as usize];
+    for step in 0..p.iters {
+        let drawn = buckets[rng.below(buckets.len() as u64) as usize];
+        let s = p.seq.unwrap_or(drawn);
         let bsh = BATCH * s * h * ACT;
         let scores = BATCH * HEADS * s * s * ACT;
         // Activations one layer's forward saves for backward, in order, and the output.
@@ -626,6 +703,32 @@ mod tests {
     fn unknown_name_lists_the_known_ones() {
         let e = generate("nope", 0).unwrap_err();
         assert!(e.contains("training") && e.contains("rmm-random"), "{e}");
+    }
+
+    #[test]
+    fn training_takes_iterations_and_a_fixed_length() {
+        let ops = |name: &str| generate(name, 42).unwrap().sequence.ops.len();
+        let one = ops("training:iters=1,seq=512");
+        let three = ops("training:iters=3,seq=512");
+        let five = ops("training:iters=5,seq=512");
+        // Step 1 also allocates Adam's state; every later step is the same pattern.
+        assert_eq!(five - three, three - one);
+        assert_eq!(
+            ops("training"),
+            ops(&format!("training:iters={TRAINING_ITERS}"))
+        );
+        assert!(generate("training", 1).unwrap().name.contains("10 iters"));
+        for bad in [
+            "training:iters=0",
+            "training:iters=x",
+            "training:seq=4096",
+            "training:lr=1",
+        ] {
+            let e = generate(bad, 0).unwrap_err();
+            assert!(e.contains("training") && e.contains('`'), "{bad}: {e}");
+        }
+        let e = generate("rmm-random:iters=3", 0).unwrap_err();
+        assert!(e.contains("takes no parameters"), "{e}");
     }
 
     #[test]

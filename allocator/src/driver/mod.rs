@@ -193,6 +193,21 @@ impl DriverCall {
             DriverCall::DeviceSynchronize => "device_synchronize",
         }
     }
+
+    /// The call kind whose [`DriverCall::key`] is `key`.
+    pub fn from_key(key: &str) -> Option<DriverCall> {
+        DriverCall::ALL.iter().copied().find(|c| c.key() == key)
+    }
+
+    /// Whether the call blocks the host until GPU work has finished (a *host wait*):
+    /// `cuEventSynchronize`, `cuCtxSynchronize`, and `cuMemFree`, which synchronises the device
+    /// before freeing.
+    pub fn blocks_host(self) -> bool {
+        matches!(
+            self,
+            DriverCall::EventSynchronize | DriverCall::DeviceSynchronize | DriverCall::MemFree
+        )
+    }
 }
 
 impl fmt::Display for DriverCall {

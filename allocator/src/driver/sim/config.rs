@@ -1,8 +1,10 @@
 //! How a simulator is set up: [`SimConfig`] (devices, capacity, granularity, VMM, host backing,
-//! memory of simulated other processes) and [`SimLatencies`] (a busy-wait per driver call kind).
+//! memory of simulated other processes, the [`CostTable`] of modelled host time) and
+//! [`SimLatencies`] (a busy-wait per driver call kind).
 
 use std::time::Duration;
 
+use super::cost::CostTable;
 use super::{GIB, MIB, NCALLS};
 use crate::driver::DriverCall;
 
@@ -20,34 +22,20 @@ impl SimLatencies {
         Self::default()
     }
 
-    /// Rough latencies of a real GPU driver: `cuMemCreate` ~20 µs, `cuMemMap` ~10 µs,
-    /// `cuMemUnmap` ~20 µs, `cuMemSetAccess` ~10 µs, `cuMemAlloc`/`cuMemFree` ~100 µs, event
-    /// record ~2 µs, event query ~1 µs, and similar guesses for the rest.
+    /// The latencies of a real GPU driver: the figures of the default [`CostTable`] (published
+    /// A100 figures: `cuMemCreate` 195 µs, `cuMemSetAccess` 36 µs, `cuMemUnmap` 26 µs, ...; and
+    /// its documented estimates), spent as real busy-waits, one per call (`set_access` waits
+    /// its per-mapping figure once per call). For tests and benches that want latencies.
     pub fn realistic() -> Self {
-        let us = Duration::from_micros;
+        Self::from_costs(&CostTable::default())
+    }
+
+    /// One busy-wait per call of each kind, of its `per_call_us` figure in `costs`.
+    pub fn from_costs(costs: &CostTable) -> Self {
         let mut l = Self::default();
-        for (call, d) in [
-            (DriverCall::DeviceCount, us(1)),
-            (DriverCall::Capabilities, us(1)),
-            (DriverCall::MemInfo, us(5)),
-            (DriverCall::ReserveVa, us(5)),
-            (DriverCall::FreeVa, us(5)),
-            (DriverCall::CreatePhysical, us(20)),
-            (DriverCall::ReleasePhysical, us(20)),
-            (DriverCall::Map, us(10)),
-            (DriverCall::Unmap, us(20)),
-            (DriverCall::SetAccess, us(10)),
-            (DriverCall::MemAlloc, us(100)),
-            (DriverCall::MemFree, us(100)),
-            (DriverCall::EventCreate, us(2)),
-            (DriverCall::EventRecord, us(2)),
-            (DriverCall::EventQuery, us(1)),
-            (DriverCall::EventSynchronize, us(5)),
-            (DriverCall::EventDestroy, us(2)),
-            (DriverCall::StreamWaitEvent, us(2)),
-            (DriverCall::DeviceSynchronize, us(10)),
-        ] {
-            l.per_call[call as usize] = Some(d);
+        for call in DriverCall::ALL {
+            let ns = (costs.get(call).per_call_us * 1000.0).round() as u64;
+            l.per_call[call as usize] = Some(Duration::from_nanos(ns));
         }
         l
     }
@@ -66,7 +54,7 @@ impl SimLatencies {
 
 /// How a [`SimDriver`](super::SimDriver) is set up. Build it with `SimConfig::default()` and
 /// the setters.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
     /// Number of devices (default 1).
     pub devices: usize,
@@ -86,6 +74,10 @@ pub struct SimConfig {
     /// Bytes used on each device by simulated other processes (default 0): subtracted from
     /// `mem_info`'s free memory and from what can be committed.
     pub other_process_bytes: u64,
+    /// The price of each call kind in modelled host time (default: the published figures,
+    /// [`CostTable::default`]). Modelled time is accounted, never spent; see
+    /// [`SimDriver::modelled_time_us`](super::SimDriver::modelled_time_us).
+    pub costs: CostTable,
 }
 
 impl Default for SimConfig {
@@ -98,6 +90,7 @@ impl Default for SimConfig {
             backing: false,
             latencies: None,
             other_process_bytes: 0,
+            costs: CostTable::default(),
         }
     }
 }
@@ -136,6 +129,11 @@ impl SimConfig {
     /// Sets the bytes used on each device by simulated other processes.
     pub fn other_process_bytes(mut self, bytes: u64) -> Self {
         self.other_process_bytes = bytes;
+        self
+    }
+    /// Sets the cost table of modelled host time.
+    pub fn costs(mut self, costs: CostTable) -> Self {
+        self.costs = costs;
         self
     }
 }

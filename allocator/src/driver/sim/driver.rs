@@ -51,7 +51,7 @@ impl Driver for SimDriver {
 
     fn reserve_va(&self, dev: DeviceId, size: u64, align: u64) -> DriverResult<u64> {
         let call = DriverCall::ReserveVa;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         if size == 0 {
             return Err(invalid(call, "size is 0"));
         }
@@ -72,7 +72,7 @@ impl Driver for SimDriver {
 
     fn free_va(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
         let call = DriverCall::FreeVa;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         let mut st = d.state.lock();
         match st.reservations.get(&addr) {
             Some(&s) if s == size => {}
@@ -98,7 +98,7 @@ impl Driver for SimDriver {
 
     fn create_physical(&self, dev: DeviceId, size: u64) -> DriverResult<PhysHandle> {
         let call = DriverCall::CreatePhysical;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         if size == 0 {
             return Err(invalid(call, "size is 0"));
         }
@@ -166,7 +166,7 @@ impl Driver for SimDriver {
 
     fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let call = DriverCall::Map;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         self.granularity_check(call, "address", addr)?;
         let mut st = d.state.lock();
         let Some(p) = st.handles.get(&handle.0) else {
@@ -225,7 +225,7 @@ impl Driver for SimDriver {
 
     fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
         let call = DriverCall::Unmap;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         let mut st = d.state.lock();
         let handle = match st.mappings.get(&addr) {
             Some(m) if m.size == size => m.handle,
@@ -269,20 +269,24 @@ impl Driver for SimDriver {
 
     fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
         let call = DriverCall::SetAccess;
-        let d = self.vmm_device(call, dev)?;
+        let d = self.vmm_device_sized(call, dev, size)?;
         if size == 0 {
             return Err(invalid(call, "size is 0"));
         }
         let mut st = d.state.lock();
-        st.translate(addr, size, false)
+        let pieces = st
+            .translate(addr, size, false)
             .map_err(|m| invalid(call, m))?;
         st.access.insert(addr, addr + size);
+        drop(st);
+        // cuMemSetAccess costs per mapping: price each mapping past the first, which entry priced.
+        self.charge(call, (pieces.len() as u64).saturating_sub(1), 0);
         Ok(())
     }
 
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
         let call = DriverCall::MemAlloc;
-        self.enter(call)?;
+        self.enter_sized(call, size)?;
         let d = self.device(call, dev)?;
         if size == 0 {
             return Err(invalid(call, "size is 0"));

@@ -1,7 +1,8 @@
 //! What every driver call passes through on entry ([`SimDriver::enter`]: its counter, its
-//! simulated latency, an injected failure), and what tests set and read around it: fault
-//! injection ([`SimDriver::fail_nth`], [`SimDriver::fail_from`],
-//! [`SimDriver::fail_after_bytes`]), call counters, and gauges of each device's state.
+//! modelled host time and host wait, its simulated latency, an injected failure), and what tests
+//! set and read around it: fault injection ([`SimDriver::fail_nth`], [`SimDriver::fail_from`],
+//! [`SimDriver::fail_after_bytes`]), call counters, modelled time, host waits, and gauges of
+//! each device's state.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -20,9 +21,20 @@ pub(super) struct Faults {
 }
 
 impl SimDriver {
-    /// Counts the call, spends its latency, and fails it if a fault is injected.
+    /// Counts the call, adds its modelled time (one unit, no bytes), counts a host wait, spends
+    /// its latency, and fails it if a fault is injected.
     pub(super) fn enter(&self, call: DriverCall) -> DriverResult<()> {
+        self.enter_sized(call, 0)
+    }
+
+    /// [`SimDriver::enter`] for a call that names `bytes` bytes (priced per MiB). Failed calls
+    /// are counted and priced too, as the counters count them.
+    pub(super) fn enter_sized(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
         self.counters[call as usize].fetch_add(1, Ordering::Relaxed);
+        self.charge(call, 1, bytes);
+        if call.blocks_host() {
+            self.host_waits.fetch_add(1, Ordering::Relaxed);
+        }
         if let Some(d) = self.config.latencies.as_ref().and_then(|l| l.get(call)) {
             let start = Instant::now();
             while start.elapsed() < d {
@@ -43,6 +55,16 @@ impl SimDriver {
             });
         }
         Ok(())
+    }
+
+    /// Adds the price of `units` units and `bytes` bytes of `call` to its modelled time
+    /// (`set_access` calls it again for each mapping past the first).
+    pub(super) fn charge(&self, call: DriverCall, units: u64, bytes: u64) {
+        let us = self.config.costs.price(call, units, bytes);
+        let ps = (us * 1e6).round();
+        if ps > 0.0 {
+            self.time_ps[call as usize].fetch_add(ps as u64, Ordering::Relaxed);
+        }
     }
 
     fn injected(&self, call: DriverCall) -> bool {
@@ -125,11 +147,51 @@ impl SimDriver {
             .collect()
     }
 
-    /// Sets every call counter to zero.
+    /// Sets every call counter, the modelled time and the host waits to zero.
     pub fn reset_counters(&self) {
-        for c in &self.counters {
+        for c in self.counters.iter().chain(&self.time_ps) {
             c.store(0, Ordering::Relaxed);
         }
+        self.host_waits.store(0, Ordering::Relaxed);
+    }
+
+    /// The total of every call counter.
+    pub fn total_calls(&self) -> u64 {
+        self.counters
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Modelled host time of the calls of kind `call` so far, in microseconds (from
+    /// [`SimConfig::costs`](super::SimConfig::costs)).
+    pub fn modelled_time_us_of(&self, call: DriverCall) -> f64 {
+        self.time_ps[call as usize].load(Ordering::Relaxed) as f64 / 1e6
+    }
+
+    /// Modelled host time of every call so far, in microseconds: each call's price in the
+    /// [`CostTable`](super::CostTable), never spent.
+    pub fn modelled_time_us(&self) -> f64 {
+        self.time_ps
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .sum::<u64>() as f64
+            / 1e6
+    }
+
+    /// The nonzero modelled times by call kind, in microseconds.
+    pub fn modelled_time_by_kind(&self) -> BTreeMap<DriverCall, f64> {
+        DriverCall::ALL
+            .iter()
+            .map(|&c| (c, self.modelled_time_us_of(c)))
+            .filter(|&(_, t)| t > 0.0)
+            .collect()
+    }
+
+    /// Calls so far that blocked the host on GPU work ([`DriverCall::blocks_host`]:
+    /// `event_synchronize`, `device_synchronize`, `mem_free`), failed ones included.
+    pub fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
     }
 
     /// Bytes committed on `dev`: live physical handles plus live linear allocations.

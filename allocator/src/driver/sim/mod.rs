@@ -3,12 +3,14 @@
 //! This module owns the simulator's whole state: per device, the virtual address space
 //! (reservations and their free list), physical handles, mappings and access rights, linear
 //! allocations, events, and the **work model** (synthetic kernels queued on streams); and, for the
-//! whole simulator, call counters, fault injection, optional latencies and the hazard log. It is
+//! whole simulator, call counters, modelled host time and host waits, fault injection, optional
+//! latencies and the hazard log. It is
 //! used by tests, benches and `cistern replay`, and a later fake `libcuda.so` wraps it, so its
 //! semantics and error codes follow the real CUDA driver closely.
 //!
 //! Its `mod.rs` holds the model's state ([`SimDriver`] and each device's state) and the checks
-//! every call starts with; around it: `config` (how a simulator is set up), `memory` (address
+//! every call starts with; around it: `config` (how a simulator is set up), `cost` (the price of
+//! each call in modelled host time), `memory` (address
 //! space, physical handles, mappings, linear allocations, host backing), `work` (streams, work,
 //! completion, events' ordering, hazards), `faults` (call entry, fault injection, counters and
 //! gauges), `driver` (the [`Driver`] calls themselves) and `tests`.
@@ -39,6 +41,12 @@
 //! * Stream `0` is treated as an ordinary stream: the legacy default stream's implicit
 //!   synchronisation with other streams is not simulated.
 //!
+//! * **Modelled host time**: every call adds its price from [`SimConfig::costs`] (a
+//!   [`CostTable`]) to a per-kind total ([`SimDriver::modelled_time_us`]); nothing is spent.
+//!   Calls that block the host on GPU work (`event_synchronize`, `device_synchronize`,
+//!   `mem_free`) are also counted as *host waits* ([`SimDriver::host_waits`]), whose duration
+//!   (GPU idle time) the simulator cannot know.
+//!
 //! Operations that exist only in the simulator (`launch`, `read`, `write`) are not driver calls:
 //! they are not counted, delayed or subject to fault injection. Their errors name the closest
 //! call kind: [`DriverCall::StreamWaitEvent`] for `launch`, [`DriverCall::SetAccess`] for `read`
@@ -57,12 +65,14 @@ use rustc_hash::FxHashMap;
 use super::{DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult};
 
 mod config;
+pub mod cost;
 mod driver;
 mod faults;
 mod memory;
 mod work;
 
 pub use config::{SimConfig, SimLatencies};
+pub use cost::{CallCost, CostTable};
 pub use work::{Hazard, HazardKind, WorkId};
 
 use faults::Faults;
@@ -167,6 +177,10 @@ pub struct SimDriver {
     config: SimConfig,
     devices: Vec<Device>,
     counters: [AtomicU64; NCALLS],
+    /// Modelled host time per call kind, in picoseconds.
+    time_ps: [AtomicU64; NCALLS],
+    /// Calls that blocked the host on GPU work.
+    host_waits: AtomicU64,
     other_process_bytes: AtomicU64,
     /// Injected per-device budget of committed bytes (`u64::MAX`: none).
     byte_budget: AtomicU64,
@@ -240,6 +254,8 @@ impl SimDriver {
             config,
             devices,
             counters: std::array::from_fn(|_| AtomicU64::new(0)),
+            time_ps: std::array::from_fn(|_| AtomicU64::new(0)),
+            host_waits: AtomicU64::new(0),
             byte_budget: AtomicU64::new(u64::MAX),
             faults_armed: AtomicBool::new(false),
             faults: Mutex::new(Faults::default()),
@@ -278,7 +294,17 @@ impl SimDriver {
 
     /// `enter` + `device` + the VMM check.
     fn vmm_device(&self, call: DriverCall, dev: DeviceId) -> DriverResult<&Device> {
-        self.enter(call)?;
+        self.vmm_device_sized(call, dev, 0)
+    }
+
+    /// [`SimDriver::vmm_device`] for a call naming `bytes` bytes (priced per MiB).
+    fn vmm_device_sized(
+        &self,
+        call: DriverCall,
+        dev: DeviceId,
+        bytes: u64,
+    ) -> DriverResult<&Device> {
+        self.enter_sized(call, bytes)?;
         let d = self.device(call, dev)?;
         if !self.config.vmm {
             return Err(err(

@@ -645,10 +645,161 @@ fn latencies_are_spent() {
     assert!(t.elapsed() >= Duration::from_millis(2));
     let r = SimLatencies::realistic();
     assert!(DriverCall::ALL.iter().all(|&c| r.get(c).is_some()));
+    // The default cost table's figures.
     assert_eq!(
         r.get(DriverCall::CreatePhysical),
-        Some(Duration::from_micros(20))
+        Some(Duration::from_micros(195))
     );
+    assert_eq!(
+        r.get(DriverCall::SetAccess),
+        Some(Duration::from_micros(36))
+    );
+    assert_eq!(r.get(DriverCall::Map), Some(Duration::from_nanos(1500)));
+}
+
+// --- modelled host time and host waits ---------------------------------------------------------
+
+#[test]
+fn modelled_time_is_the_sum_of_counts_times_cost() {
+    // A small program: reserve 4 pages, create + map 4 handles, one set_access over all four
+    // mappings, a linear allocation of 64 MiB, events, unmap + release, free the reservation.
+    let costs = CostTable::default().with(
+        DriverCall::Map,
+        CallCost {
+            per_call_us: 2.0,
+            per_mib_us: Some(0.25),
+        },
+    );
+    let sim = SimDriver::new(SimConfig::default().capacity(64 * G).costs(costs));
+    let (base, hs) = mapped(&sim, 4);
+    let lin = sim.mem_alloc(0, 64 * MIB).unwrap();
+    let ev = sim.event_create(0).unwrap();
+    sim.event_record(0, ev, S1).unwrap();
+    sim.event_query(0, ev).unwrap();
+    sim.event_synchronize(0, ev).unwrap();
+    sim.event_destroy(0, ev).unwrap();
+    for (i, h) in hs.into_iter().enumerate() {
+        sim.unmap(0, base + i as u64 * G, G).unwrap();
+        sim.release_physical(0, h).unwrap();
+    }
+    sim.free_va(0, base, 4 * G).unwrap();
+    sim.mem_free(0, lin).unwrap();
+    sim.device_synchronize(0).unwrap();
+
+    let c = |k| costs.get(k).per_call_us;
+    let map_mib = 4.0 * 0.25 * 2.0; // four 2 MiB maps at 0.25 us/MiB
+    let mem_alloc_mib = 64.0 * costs.get(DriverCall::MemAlloc).per_mib_us.unwrap();
+    let expected = c(DriverCall::ReserveVa)
+        + 4.0 * c(DriverCall::CreatePhysical)
+        + 4.0 * c(DriverCall::Map)
+        + map_mib
+        + 4.0 * c(DriverCall::SetAccess) // one call spanning four mappings
+        + c(DriverCall::MemAlloc)
+        + mem_alloc_mib
+        + c(DriverCall::EventCreate)
+        + c(DriverCall::EventRecord)
+        + c(DriverCall::EventQuery)
+        + c(DriverCall::EventSynchronize)
+        + c(DriverCall::EventDestroy)
+        + 4.0 * c(DriverCall::Unmap)
+        + 4.0 * c(DriverCall::ReleasePhysical)
+        + c(DriverCall::FreeVa)
+        + c(DriverCall::MemFree)
+        + c(DriverCall::DeviceSynchronize);
+    let got = sim.modelled_time_us();
+    assert!((got - expected).abs() < 1e-6, "{got} != {expected}");
+    assert_eq!(sim.calls(DriverCall::SetAccess), 1);
+    let by_kind: f64 = sim.modelled_time_by_kind().values().sum();
+    assert!((by_kind - expected).abs() < 1e-6);
+    assert!((sim.modelled_time_us_of(DriverCall::SetAccess) - 4.0 * 36.0).abs() < 1e-9);
+    // Host waits: event_synchronize, mem_free and device_synchronize, one each.
+    assert_eq!(sim.host_waits(), 3);
+    sim.reset_counters();
+    assert_eq!((sim.modelled_time_us(), sim.host_waits()), (0.0, 0));
+}
+
+#[test]
+fn host_waits_are_counted_and_priced_only_when_asked() {
+    let sim = SimDriver::new(SimConfig::default().capacity(64 * G));
+    let ev = sim.event_create(0).unwrap();
+    sim.event_synchronize(0, ev).unwrap();
+    assert_eq!(sim.host_waits(), 1);
+    sim.device_synchronize(0).unwrap();
+    assert_eq!(sim.host_waits(), 2);
+    let p = sim.mem_alloc(0, G).unwrap();
+    sim.mem_free(0, p).unwrap();
+    assert_eq!(sim.host_waits(), 3);
+    // Non-waiting calls do not count.
+    sim.event_record(0, ev, S1).unwrap();
+    sim.event_query(0, ev).unwrap();
+    assert_eq!(sim.host_waits(), 3);
+    // By default a wait adds no duration; with host_wait_us it adds that much per wait.
+    let base = CostTable::default();
+    let t0 = sim.modelled_time_us();
+    let sim = SimDriver::new(SimConfig::default().costs(base.with_host_wait_us(100.0)));
+    sim.device_synchronize(0).unwrap();
+    let t1 = sim.modelled_time_us();
+    assert!((t1 - (100.0 + base.get(DriverCall::DeviceSynchronize).per_call_us)).abs() < 1e-9);
+    assert!(t0 > 0.0);
+}
+
+#[test]
+fn cost_table_json_round_trip() {
+    let t = CostTable::default()
+        .with(
+            DriverCall::Unmap,
+            CallCost {
+                per_call_us: 7.25,
+                per_mib_us: Some(0.5),
+            },
+        )
+        .with_host_wait_us(3.0);
+    let text = serde_json::to_string(&t).unwrap();
+    let back: CostTable = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, t);
+    assert_eq!(CostTable::from_json_str(&text, "t.json").unwrap(), t);
+    // Every kind is written under its key.
+    let v = t.to_json_value();
+    for c in DriverCall::ALL {
+        assert!(v[c.key()]["per_call_us"].is_number(), "{}", c.key());
+    }
+    // Plain numbers, comments, sources and missing kinds (which keep the default).
+    let t = CostTable::from_json_str(
+        r#"{"_comment": "measured", "map": 3, "unmap": {"per_call_us": 4, "source": "me"}}"#,
+        "m.json",
+    )
+    .unwrap();
+    assert_eq!(t.get(DriverCall::Map), CallCost::flat(3.0));
+    assert_eq!(t.get(DriverCall::Unmap), CallCost::flat(4.0));
+    assert_eq!(
+        t.get(DriverCall::CreatePhysical),
+        CostTable::default().get(DriverCall::CreatePhysical)
+    );
+}
+
+#[test]
+fn cost_table_errors_name_the_file_the_key_and_the_fix() {
+    let e = |text: &str| CostTable::from_json_str(text, "bad.json").unwrap_err();
+    let m = e(r#"{"mapp": 1}"#);
+    assert!(m.starts_with("bad.json: unknown key `mapp`"), "{m}");
+    assert!(m.contains("rename it") && m.contains("set_access") && m.contains("host_wait_us"));
+    let m = e(r#"{"map": -1}"#);
+    assert!(m.contains("`map`") && m.contains(">= 0"), "{m}");
+    let m = e(r#"{"map": "fast"}"#);
+    assert!(m.contains("`map`") && m.contains("string"), "{m}");
+    let m = e(r#"{"map": {"per_call": 1}}"#);
+    assert!(
+        m.contains("`map.per_call`") && m.contains("per_call_us"),
+        "{m}"
+    );
+    let m = e(r#"{"map": {"per_mib_us": 1}}"#);
+    assert!(m.contains("no `per_call_us`"), "{m}");
+    let m = e("[1, 2]");
+    assert!(m.contains("bad.json") && m.contains("object"), "{m}");
+    let m = e("{not json");
+    assert!(m.starts_with("bad.json: not valid JSON"), "{m}");
+    let m = CostTable::from_json_file("/nonexistent/costs.json").unwrap_err();
+    assert!(m.starts_with("/nonexistent/costs.json: cannot read"), "{m}");
 }
 
 #[test]
