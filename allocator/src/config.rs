@@ -50,6 +50,15 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          new memory is mapped) or `always` (take cached pages first, waiting for their stream).",
     ),
     (
+        "chunk_size",
+        "20MiB",
+        "The largest physical handle large-heap growth creates: each run of missing pages is \
+         backed by handles of up to this size (the small heap uses single granules). Fewer, \
+         larger handles cost fewer cuMemCreate and cuMemMap calls, but a handle moves between \
+         streams and is released only whole. Rounded down to the device's granularity; \
+         `2MiB` gives one handle per granule.",
+    ),
+    (
         "small_size",
         "1MiB",
         "Requests up to this size are served from the small heap (its own pages, so short-lived \
@@ -125,6 +134,8 @@ pub struct Config {
     pub release_threshold: Option<u64>,
     /// When growth may wait for a stream's work to take its cached pages.
     pub stream_sync: StreamSync,
+    /// The size of the physical handles large-heap growth creates (see `chunk_size`).
+    pub chunk_size: u64,
     /// Requests up to this many bytes use the small heap.
     pub small_size: u64,
     /// Abort on invalid frees.
@@ -149,6 +160,7 @@ impl Default for Config {
             memory_fraction: 1.0,
             release_threshold: None,
             stream_sync: StreamSync::Pressure,
+            chunk_size: 20 << 20,
             small_size: 1 << 20,
             strict: false,
             record: None,
@@ -296,6 +308,12 @@ impl Config {
                         ))
                     }
                 };
+            }
+            "chunk_size" => {
+                self.chunk_size = parse_size(value).map_err(|m| err(key, m))?;
+                if self.chunk_size == 0 {
+                    return Err(err(key, "must be at least one granule (e.g. 2MiB)"));
+                }
             }
             "small_size" => {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;

@@ -148,7 +148,7 @@ fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
     let keep = swiss_cheese(&pool);
     busy_donor(&sim, &pool);
     let waits = sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize);
-    let created = sim.calls(DriverCall::CreatePhysical);
+    let committed = sim.committed_bytes(0);
     let p = alloc(&pool, 300 * MIB, B);
     assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
     assert_eq!(
@@ -158,12 +158,12 @@ fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
     );
     assert!(sim.unfinished_work(0) > 0, "A's work was waited for");
     assert_eq!(stat(&pool, "num_cross_stream_pages"), 0);
-    assert_eq!(sim.calls(DriverCall::CreatePhysical), created + 150);
+    assert_eq!(sim.committed_bytes(0), committed + 300 * MIB);
     // Once A's work is done, its pages are taken again without waiting.
     sim.complete_all(0);
     let q = alloc(&pool, 300 * MIB, B);
     assert!(stat(&pool, "num_cross_stream_pages") >= 150);
-    assert_eq!(sim.calls(DriverCall::CreatePhysical), created + 150);
+    assert_eq!(sim.committed_bytes(0), committed + 300 * MIB);
     assert_eq!(
         sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize),
         waits
@@ -225,5 +225,64 @@ fn stitched_pages_carry_their_contents() {
         .count();
     assert!(marked == 100, "only {marked} of B's pages came from A");
     free(&pool, y, B);
+    assert_no_leak(&sim, pool);
+}
+
+/// Large growth buys chunks of up to `chunk_size` (20 MiB), at most a quarter of the request,
+/// and grants access once per mapped run: a fresh 200 MiB block costs 10 creations instead of
+/// 100, and one `cuMemSetAccess`.
+#[test]
+fn large_growth_buys_chunks() {
+    let (sim, pool) = pool(GIB, true);
+    let p = alloc(&pool, 200 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 10);
+    assert_eq!(sim.calls(DriverCall::Map), 10);
+    assert_eq!(sim.calls(DriverCall::SetAccess), 1);
+    assert_eq!(sim.committed_bytes(0), 200 * MIB);
+    // A small request of the large heap is still backed exactly: 6 MiB is 3 pages, and a
+    // quarter of that rounds down to single granules: 3 handles.
+    let q = alloc(&pool, 6 * MIB, A);
+    assert_eq!(sim.committed_bytes(0), 206 * MIB);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 13);
+    free(&pool, p, A);
+    free(&pool, q, A);
+    assert_no_leak(&sim, pool);
+}
+
+/// With `chunk_size:2MiB` every granule is its own handle, as before chunks.
+#[test]
+fn chunk_size_of_one_granule_gives_page_handles() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "chunk_size:2MiB",
+    );
+    let p = alloc(&pool, 200 * MIB, A);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 100);
+    assert_eq!(sim.calls(DriverCall::SetAccess), 1);
+    free(&pool, p, A);
+    assert_no_leak(&sim, pool);
+}
+
+/// A chunk moves between streams whole: B's 80 MiB block takes A's four cached 20 MiB chunks
+/// (four unmaps, no creation), and `empty_cache` gives whole chunks back.
+#[test]
+fn chunks_move_and_are_released_whole() {
+    let (sim, pool) = pool(GIB, true);
+    let a = alloc(&pool, 80 * MIB, A);
+    free(&pool, a, A);
+    let created = sim.calls(DriverCall::CreatePhysical);
+    assert_eq!(created, 4);
+    let b = alloc(&pool, 80 * MIB, B);
+    check(&pool);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), created);
+    assert_eq!(sim.calls(DriverCall::Unmap), 4);
+    assert_eq!(stat(&pool, "num_cross_stream_pages"), 40);
+    free(&pool, b, B);
+    pool.empty_cache();
+    check(&pool);
+    assert_eq!(sim.committed_bytes(0), 0);
+    assert_eq!(sim.calls(DriverCall::ReleasePhysical), 4);
     assert_no_leak(&sim, pool);
 }

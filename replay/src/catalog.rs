@@ -33,13 +33,21 @@ pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String
 /// priced with `costs`.
 ///
 /// The PyTorch models accept PyTorch's `max_split_size_mb` setting as a suffix, in
-/// `PYTORCH_CUDA_ALLOC_CONF` syntax: `pytorch:max_split_size_mb:256`.
+/// `PYTORCH_CUDA_ALLOC_CONF` syntax: `pytorch:max_split_size_mb:256`; `cistern` accepts a
+/// configuration in `CISTERN_CONF` syntax: `cistern:chunk_size:2MiB,stream_sync:always`.
 pub fn make_with(
     name: &str,
     capacity: u64,
     costs: &CostTable,
 ) -> Result<Box<dyn AllocatorModel>, String> {
     if let Some((base, conf)) = name.split_once(':') {
+        if base == "cistern" {
+            // `cistern:KEY:VALUE,...`: cistern with a configuration in CISTERN_CONF syntax.
+            let config = Config::parse(conf).map_err(|e| {
+                format!("`{name}`: {e} (expected `cistern:KEY:VALUE,...`, as in CISTERN_CONF)")
+            })?;
+            return Ok(Box::new(CisternModel::new(name, config, capacity, costs)?));
+        }
         if base == "pytorch" || base == "pytorch-expandable" {
             let mb = conf
                 .strip_prefix("max_split_size_mb:")

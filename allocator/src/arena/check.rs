@@ -77,6 +77,41 @@ impl ArenaState {
                             ));
                         }
                     }
+                    // Each chunk's mapping is whole: `len` consecutive entries of one handle,
+                    // indexed 0..len.
+                    for (i, p) in pages.iter().enumerate() {
+                        let Some(p) = p else { continue };
+                        let ok = p.len > 0
+                            && p.index < p.len
+                            && if p.index == 0 {
+                                i + p.len as usize <= pages.len()
+                            } else {
+                                i > 0
+                                    && pages[i - 1].is_some_and(|q| {
+                                        q.handle == p.handle
+                                            && q.len == p.len
+                                            && q.index + 1 == p.index
+                                    })
+                            };
+                        if !ok {
+                            return Err(format!(
+                                "page {i} of segment {:#x}: chunk mapping broken ({p:?})",
+                                seg.base
+                            ));
+                        }
+                        let last = p.index + 1 == p.len;
+                        let next_same = pages
+                            .get(i + 1)
+                            .copied()
+                            .flatten()
+                            .is_some_and(|q| q.handle == p.handle);
+                        if last == next_same {
+                            return Err(format!(
+                                "page {i} of segment {:#x}: chunk mapping ends wrongly ({p:?})",
+                                seg.base
+                            ));
+                        }
+                    }
                     mapped += pages.iter().filter(|p| p.is_some()).count() as u64;
                 }
             }

@@ -37,7 +37,7 @@ use crate::provenance::{Ledger, Origin};
 use crate::stats::{LocalGauges, SharedGauges};
 
 pub(crate) use live::{LiveMap, LiveRef};
-pub(crate) use segment::{Backing, HeapKind, Heaps, Segment};
+pub(crate) use segment::{Backing, Chunk, HeapKind, Heaps, Page, Segment};
 pub(crate) use shared::{Counters, DeviceCore, EventCache};
 
 /// A block freed while other streams may still use it.
@@ -143,11 +143,12 @@ impl<D: Driver> Arena<D> {
                 }
                 match seg.backing {
                     Backing::Vmm { pages } => {
+                        // Each chunk once, at its mapping's first granule.
                         for (i, p) in pages.iter().enumerate() {
-                            if let Some(h) = p {
+                            if let Some(p) = p.filter(|p| p.index == 0) {
                                 let addr = seg.base + i as u64 * c.granularity;
-                                let _ = d.unmap(c.dev, addr, c.granularity);
-                                let _ = d.release_physical(c.dev, *h);
+                                let _ = d.unmap(c.dev, addr, p.len as u64 * c.granularity);
+                                let _ = d.release_physical(c.dev, p.handle);
                             }
                         }
                         let _ = d.free_va(c.dev, seg.base, seg.len);
@@ -417,10 +418,19 @@ impl ArenaState {
     }
 
     /// Turns `[lo, hi)` inside free span `id` of heap `kind` into a hole, keeping the gauges.
-    pub fn carve(&mut self, kind: HeapKind, id: SpanId, lo: u64, hi: u64, shared: &SharedGauges) {
+    /// Returns the hole's span.
+    pub fn carve(
+        &mut self,
+        kind: HeapKind,
+        id: SpanId,
+        lo: u64,
+        hi: u64,
+        shared: &SharedGauges,
+    ) -> SpanId {
         let before = self.free_totals(kind);
-        self.kinds[kind].heap.carve_hole(id, lo, hi);
+        let hole = self.kinds[kind].heap.carve_hole(id, lo, hi);
         self.note_free_change(kind, before, shared);
+        hole
     }
 
     /// Turns `[lo, hi)` inside hole `id` of heap `kind` into free space, keeping the gauges.

@@ -58,12 +58,43 @@ impl IndexMut<HeapKind> for Heaps {
     }
 }
 
+/// A physical handle of one or more granules: the unit that is created, mapped, unmapped and
+/// released whole (see Note [Chunks] in `pool/vmm.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// The driver's handle.
+    pub handle: PhysHandle,
+    /// Its size in granules.
+    pub pages: u32,
+}
+
+/// A mapped granule of a VMM extent: which chunk is mapped there, and where in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Page {
+    /// The chunk's handle.
+    pub handle: PhysHandle,
+    /// This granule's index in the chunk's mapping (0 at the mapping's first granule).
+    pub index: u32,
+    /// The chunk's size in granules.
+    pub len: u32,
+}
+
+impl Page {
+    /// The chunk mapped here.
+    pub fn chunk(self) -> Chunk {
+        Chunk {
+            handle: self.handle,
+            pages: self.len,
+        }
+    }
+}
+
 /// How a segment's memory is backed.
 #[derive(Debug)]
 pub(crate) enum Backing {
-    /// A virtual reservation whose pages are mapped on demand; `pages[i]` is the handle mapped
-    /// at `base + i * granularity`.
-    Vmm { pages: Vec<Option<PhysHandle>> },
+    /// A virtual reservation whose pages are mapped on demand; `pages[i]` tells which chunk is
+    /// mapped at `base + i * granularity`. A chunk's mapping covers `len` consecutive entries.
+    Vmm { pages: Vec<Option<Page>> },
     /// One `cuMemAlloc` allocation.
     Linear,
 }

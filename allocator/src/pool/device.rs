@@ -13,19 +13,19 @@ use rustc_hash::FxHashMap;
 
 use super::buffer::Buffer;
 use super::round_size;
-use crate::arena::{Arena, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind};
+use crate::arena::{Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind};
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, PhysHandle, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
 use crate::stats::{ExactGauge, SharedGauges};
 
-/// A physical handle whose release failed: unmapped, still reserved (in heap `kind`'s count).
+/// A chunk whose release failed: unmapped, still reserved (in heap `kind`'s count).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Lost {
     pub kind: HeapKind,
-    pub handle: PhysHandle,
+    pub chunk: Chunk,
 }
 
 /// A handle mapped at `addr` whose access could not be granted and which could not be unmapped
@@ -33,7 +33,7 @@ pub(super) struct Lost {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Stuck {
     pub kind: HeapKind,
-    pub handle: PhysHandle,
+    pub chunk: Chunk,
     pub addr: u64,
 }
 
@@ -453,16 +453,15 @@ impl<D: Driver> Drop for DevicePool<D> {
                 std::mem::take(&mut dev.stuck),
             )
         };
-        for Lost { handle: h, .. } in lost {
-            let _ = c.driver.release_physical(c.dev, h);
+        for l in lost {
+            let _ = c.driver.release_physical(c.dev, l.chunk.handle);
         }
         // Before the arenas free their address ranges, which must hold no mapping.
-        for Stuck {
-            handle: h, addr, ..
-        } in stuck
-        {
-            let _ = c.driver.unmap(c.dev, addr, c.granularity);
-            let _ = c.driver.release_physical(c.dev, h);
+        for s in stuck {
+            let _ = c
+                .driver
+                .unmap(c.dev, s.addr, s.chunk.pages as u64 * c.granularity);
+            let _ = c.driver.release_physical(c.dev, s.chunk.handle);
         }
         // Only now may a buffer freed on another thread tear its arena down (and free its
         // address range): the stuck pages inside it are gone.

@@ -3,7 +3,8 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::device::{DeviceState, Lost, Stuck};
+use super::device::{DeviceState, Lost};
+use super::vmm::Budget;
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, HeapKind};
 use crate::driver::{Driver, StreamId};
@@ -44,11 +45,17 @@ impl<D: Driver> DevicePool<D> {
                 if want == 0 {
                     break;
                 }
-                let handles = self.steal_pages(a, stream, None, want, dev, kind, wait);
-                for h in handles {
-                    self.release_handle(dev, kind, h);
-                    c.counters.num_released_pages.fetch_add(1, Relaxed);
-                    released += g;
+                let mut budget_pages = Budget {
+                    left: want,
+                    taken: Vec::new(),
+                };
+                self.steal_pages(a, stream, None, dev, kind, wait, &mut budget_pages);
+                for ch in budget_pages.taken {
+                    self.release_handle(dev, kind, ch);
+                    c.counters
+                        .num_released_pages
+                        .fetch_add(ch.pages as u64, Relaxed);
+                    released += ch.pages as u64 * g;
                 }
             }
         } else {
@@ -161,17 +168,13 @@ impl<D: Driver> DevicePool<D> {
             a.process_pending(false, c);
         }
         self.release_cached(&mut dev);
-        for Lost { kind, handle } in std::mem::take(&mut dev.lost) {
-            self.release_handle(&mut dev, kind, handle);
+        for Lost { kind, chunk } in std::mem::take(&mut dev.lost) {
+            self.release_handle(&mut dev, kind, chunk);
         }
         for s in std::mem::take(&mut dev.stuck) {
-            let Stuck {
-                kind,
-                handle: h,
-                addr,
-            } = s;
-            if c.driver.unmap(c.dev, addr, c.granularity).is_ok() {
-                self.release_handle(&mut dev, kind, h);
+            let len = s.chunk.pages as u64 * c.granularity;
+            if c.driver.unmap(c.dev, s.addr, len).is_ok() {
+                self.release_handle(&mut dev, s.kind, s.chunk);
             } else {
                 dev.stuck.push(s);
             }

@@ -141,7 +141,9 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         let reserved = dev.reserved[0].current as u64;
-        let lost = (dev.lost.len() + dev.stuck.len()) as u64 * c.granularity;
+        let lost_pages: u64 = dev.lost.iter().map(|l| l.chunk.pages as u64).sum::<u64>()
+            + dev.stuck.iter().map(|s| s.chunk.pages as u64).sum::<u64>();
+        let lost = lost_pages * c.granularity;
         let expect = mapped * c.granularity + linear[0] + linear[1] + lost;
         if reserved != expect {
             return Err(format!(

@@ -1,17 +1,38 @@
 //! VMM growth: choose a window, check that the request can succeed, gather physical pages
 //! (stitch cached pages from any arena, reuse lost handles, create new ones), map them; plus
 //! mapping, releasing and stealing pages.
+//!
+//! # Note [Chunks]
+//!
+//! Memory is bought in *chunks*: physical handles of one or more granules, each created,
+//! mapped, unmapped and released whole (`cuMemCreate` costs ~195 µs a handle whatever its size,
+//! and `cuMemUnmap` must unmap a whole mapping). Growth backs each run of a window's missing
+//! pages with chunks of up to `chunk_size` (20 MiB by default, as PyTorch's expandable segments
+//! use), the last one of a run smaller; the small heap uses single granules, where flexibility
+//! pays most. The page table keeps, per granule, the chunk mapped there and the granule's
+//! index in it, so a chunk's mapping can be found from any of its pages.
+//!
+//! Stitching moves chunks, not granules: a free run gives up only the chunks lying wholly
+//! inside it ([`whole_mappings`]), and a chunk goes where a run of the window's missing pages
+//! has room for it (first fit, [`Placement`]). So a chunk of 10 granules can fill a 10-page gap
+//! of another stream, but not a 3-page one: that gap is filled with smaller chunks or new
+//! granules. Releasing (`empty_cache`, the release threshold) gives back whole chunks within
+//! its budget. The feasibility check counts only cached chunks no longer than the window's
+//! longest run of missing pages, which can still overcount when several compete for one run;
+//! then the request may run short after stitching, and keeps what it stitched as cache.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::device::{DeviceState, Lost, Stuck};
 use super::grow::Grow;
-use super::window::{choose_window, count_free_pages, free_page_runs, vmm_extent, Exclude};
+use super::window::{
+    choose_window, count_free_pages, free_page_runs, vmm_extent, whole_mappings, Exclude,
+};
 use super::DevicePool;
-use crate::arena::{Arena, ArenaState, Backing, HeapKind};
+use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind, Page};
 use crate::config::StreamSync;
-use crate::driver::{Driver, PhysHandle, StreamId};
+use crate::driver::{Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::heap::SpanState;
 
@@ -41,12 +62,118 @@ impl Window {
 
 /// What the gather phase found for a window.
 struct Gathered {
-    /// Physical pages for the first `handles.len()` missing pages.
-    handles: Vec<PhysHandle>,
+    /// The chunks gathered, each with the address it goes to.
+    placed: Vec<(u64, Chunk)>,
+    /// The window's missing pages left without a chunk (0 when the request can be met).
+    short: usize,
     /// Creation stopped at the per-process limit.
     limit_hit: bool,
     /// Creation failed for a reason other than memory.
     driver_err: Option<crate::driver::DriverError>,
+}
+
+/// What the feasibility check found: the request can be met.
+#[derive(Debug, Clone, Copy)]
+struct Feasible {
+    /// Cached pages that could serve it.
+    cached: usize,
+    /// New memory alone (the room under the limit and on the device) cannot cover it.
+    pressure: bool,
+}
+
+/// Who takes the chunks that [`DevicePool::steal_pages`] unmaps.
+pub(super) trait Taker {
+    /// Whether a chunk of `pages` granules is wanted now.
+    fn wants(&self, pages: u32) -> bool;
+    /// Takes a chunk that was wanted.
+    fn take(&mut self, c: Chunk);
+    /// Whether nothing more is wanted.
+    fn full(&self) -> bool;
+}
+
+/// Where gathered chunks go in a window: the window's missing pages as runs of consecutive
+/// pages, each filled from its start, first fit (see Note [Chunks]).
+pub(super) struct Placement {
+    g: u64,
+    /// (first address, pages, pages filled) of each run of missing pages, in address order.
+    runs: Vec<(u64, u32, u32)>,
+    /// The chunks placed, with their addresses.
+    placed: Vec<(u64, Chunk)>,
+    /// Chunks taken that no run had room for (none, as `take` follows `wants`; released).
+    spare: Vec<Chunk>,
+}
+
+impl Placement {
+    fn new(missing: &[u64], g: u64) -> Self {
+        let mut runs: Vec<(u64, u32, u32)> = Vec::new();
+        for &m in missing {
+            match runs.last_mut() {
+                Some((lo, n, _)) if *lo + *n as u64 * g == m => *n += 1,
+                _ => runs.push((m, 1, 0)),
+            }
+        }
+        Placement {
+            g,
+            runs,
+            placed: Vec::new(),
+            spare: Vec::new(),
+        }
+    }
+
+    /// Missing pages without a chunk yet.
+    fn open(&self) -> usize {
+        self.runs.iter().map(|&(_, n, f)| (n - f) as usize).sum()
+    }
+
+    /// The longest stretch still open in one run.
+    fn largest_open(&self) -> u32 {
+        self.runs.iter().map(|&(_, n, f)| n - f).max().unwrap_or(0)
+    }
+
+    /// Places `c` in run `r` (which has room for it).
+    fn place_in(&mut self, r: usize, c: Chunk) {
+        let (lo, _, f) = &mut self.runs[r];
+        self.placed.push((*lo + *f as u64 * self.g, c));
+        *f += c.pages;
+    }
+}
+
+impl Taker for Placement {
+    fn wants(&self, pages: u32) -> bool {
+        self.runs.iter().any(|&(_, n, f)| n - f >= pages)
+    }
+    fn take(&mut self, c: Chunk) {
+        match self.runs.iter().position(|&(_, n, f)| n - f >= c.pages) {
+            Some(r) => self.place_in(r, c),
+            None => self.spare.push(c),
+        }
+    }
+    fn full(&self) -> bool {
+        self.runs.iter().all(|&(_, n, f)| n == f)
+    }
+}
+
+/// Takes chunks up to a budget of pages (for releasing cached memory).
+pub(super) struct Budget {
+    /// Pages still wanted.
+    pub left: usize,
+    /// The chunks taken.
+    pub taken: Vec<Chunk>,
+}
+
+impl Taker for Budget {
+    /// Any chunk while pages are still wanted: the last one may overshoot the budget (a chunk
+    /// is released whole), so that a lowered limit or a release threshold is always met.
+    fn wants(&self, _pages: u32) -> bool {
+        self.left > 0
+    }
+    fn take(&mut self, c: Chunk) {
+        self.left = self.left.saturating_sub(c.pages as usize);
+        self.taken.push(c);
+    }
+    fn full(&self) -> bool {
+        self.left == 0
+    }
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -67,13 +194,13 @@ impl<D: Driver> DevicePool<D> {
         retried: bool,
     ) -> Result<Grow> {
         let window = self.plan_window(dev, arena, a, kind, rounded, size)?;
-        let cached = match self.check_feasible(dev, arena, a, kind, &window) {
-            Ok(cached) => cached,
+        let feasible = match self.check_feasible(dev, arena, a, kind, &window) {
+            Ok(f) => f,
             Err(limit_hit) => {
                 return self.give_up(dev, arena, a, size, rounded, limit_hit, retried);
             }
         };
-        let gathered = self.gather_pages(dev, arena, a, kind, &window, cached);
+        let gathered = self.gather_pages(dev, arena, a, kind, &window, feasible);
         self.map_window(dev, arena, a, kind, size, retried, window, gathered)
     }
 
@@ -110,10 +237,13 @@ impl<D: Driver> DevicePool<D> {
         // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
         // window there tries to map over it; its handle is then reused like any lost one.
         for s in std::mem::take(&mut dev.stuck) {
-            if c.driver.unmap(c.dev, s.addr, g).is_ok() {
+            if c.driver
+                .unmap(c.dev, s.addr, s.chunk.pages as u64 * g)
+                .is_ok()
+            {
                 dev.lost.push(Lost {
                     kind: s.kind,
-                    handle: s.handle,
+                    chunk: s.chunk,
                 });
             } else {
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
@@ -159,12 +289,17 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    /// Feasibility: can the window be backed at all? Counts the cached pages (whole free pages
-    /// anywhere but in the window, and handles whose release failed earlier) and the room
-    /// under the limit and on the device, before moving anything: gathering pages first would
-    /// leave a failed request's pages mapped as cache, so a request above the limit would grab
-    /// the whole limit and change the counters (ACCEPTANCE B8). `Ok(cached pages)`, or
-    /// `Err(limit_hit)`: whether the limit (rather than the device) is what stops it.
+    /// Feasibility: can the window be backed at all? Counts the cached pages (whole free
+    /// chunks anywhere but in the window that could be placed in it, and chunks whose release
+    /// failed earlier) and the room under the limit and on the device, before moving anything:
+    /// gathering pages first would leave a failed request's pages mapped as cache, so a request
+    /// above the limit would grab the whole limit and change the counters (ACCEPTANCE B8).
+    /// `Ok(cached pages)`, or `Err(limit_hit)`: whether the limit (rather than the device) is
+    /// what stops it.
+    ///
+    /// The count of cached chunks is an upper bound when chunks of several sizes compete for
+    /// the window's runs (it checks each against the longest run only): a request it lets
+    /// through may still run short while gathering, and then keeps what it stitched as cache.
     fn check_feasible(
         &self,
         dev: &mut DeviceState,
@@ -172,15 +307,22 @@ impl<D: Driver> DevicePool<D> {
         a: &ArenaState,
         kind: HeapKind,
         w: &Window,
-    ) -> std::result::Result<usize, bool> {
+    ) -> std::result::Result<Feasible, bool> {
         let c = &*self.core;
         let g = c.granularity;
         let need = w.missing.len();
+        let longest = Placement::new(&w.missing, g).largest_open();
         let cached = if need > 0 {
-            let mut n = count_free_pages(a, Some(w.exclude(kind)), g) + dev.lost.len();
+            let lost: usize = dev
+                .lost
+                .iter()
+                .filter(|l| l.chunk.pages <= longest)
+                .map(|l| l.chunk.pages as usize)
+                .sum();
+            let mut n = count_free_pages(a, Some(w.exclude(kind)), g, longest) + lost;
             for other in self.all_arenas() {
                 if !Arc::ptr_eq(&other, arena) {
-                    n += count_free_pages(&other.state.lock(), None, g);
+                    n += count_free_pages(&other.state.lock(), None, g, longest);
                 }
             }
             n
@@ -219,13 +361,19 @@ impl<D: Driver> DevicePool<D> {
                 && dev.limit < c.caps.total_memory
                 && cached.saturating_add(by_device) >= need);
         }
-        Ok(cached)
+        Ok(Feasible {
+            cached,
+            pressure: by_limit.min(by_device) < need,
+        })
     }
 
-    /// Gather: physical pages for the window's missing pages, cheapest first: stitch cached
-    /// pages (this arena's outside the window, then other arenas'), reuse handles whose
-    /// release failed, then create new ones while the limit allows. When still short, the
-    /// pages this request created are released again (stolen ones are kept, as cache).
+    /// Gather: chunks for the window's missing pages, cheapest first: stitch cached chunks
+    /// (this arena's outside the window, then other arenas'; with `stream_sync:pressure` only
+    /// those whose stream is idle), reuse chunks whose release failed, create new ones while
+    /// the limit allows (large heaps in chunks of up to `chunk_size` per run of missing pages,
+    /// the small heap in single granules), and only then, under memory pressure, wait for busy
+    /// streams' cached chunks. When still short, the chunks this request created are released
+    /// again (stolen ones are kept, as cache).
     fn gather_pages(
         &self,
         dev: &mut DeviceState,
@@ -233,89 +381,143 @@ impl<D: Driver> DevicePool<D> {
         a: &mut ArenaState,
         kind: HeapKind,
         w: &Window,
-        cached: usize,
+        feasible: Feasible,
     ) -> Gathered {
         let c = &*self.core;
         let g = c.granularity;
         let need = w.missing.len();
-        let mut handles: Vec<PhysHandle> = Vec::with_capacity(need);
-        // With `stream_sync:pressure`, this first pass takes only pages whose stream's work has
-        // finished; a second pass below waits, only if the request would fail otherwise.
-        let wait_first = c.config.stream_sync == StreamSync::Always;
+        let cached = feasible.cached;
+        let mut place = Placement::new(&w.missing, g);
+        // With `stream_sync:pressure` and room for the request in new memory, this first pass
+        // takes only pages whose stream's work has finished (no host wait); a second pass below
+        // waits only if creation then falls short after all. Under memory pressure (new memory
+        // cannot cover the request) cached chunks are what the request needs: wait for them
+        // first, before creation uses up the room that the rest will need.
+        let wait_first = c.config.stream_sync == StreamSync::Always || feasible.pressure;
         let mut moved = 0u64;
         if need > 0 && cached > 0 {
-            moved += self.stitch(dev, arena, a, kind, w, need, wait_first, &mut handles);
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
         }
-        // Handles whose release failed earlier are good memory: use them before new ones.
-        while handles.len() < need {
-            let Some(Lost { kind: k, handle: h }) = dev.lost.pop() else {
-                break;
-            };
-            if k != kind {
-                dev.add_reserved(k, -(g as i64));
-                dev.add_segments(k, -1);
-                dev.add_reserved(kind, g as i64);
+        // Chunks whose release failed earlier are good memory: use them before new ones.
+        let mut i = 0;
+        while i < dev.lost.len() && !place.full() {
+            let l = dev.lost[i];
+            if !place.wants(l.chunk.pages) {
+                i += 1;
+                continue;
+            }
+            dev.lost.swap_remove(i);
+            if l.kind != kind {
+                let bytes = l.chunk.pages as i64 * g as i64;
+                dev.add_reserved(l.kind, -bytes);
+                dev.add_segments(l.kind, -1);
+                dev.add_reserved(kind, bytes);
                 dev.add_segments(kind, 1);
             }
-            handles.push(h);
+            place.take(l.chunk);
         }
         let mut limit_hit = false;
         let mut driver_err = None;
-        let mut created = Vec::new();
-        while handles.len() + created.len() < need {
-            if dev.reserved[0].current as u64 + g > dev.limit {
-                limit_hit = true;
-                break;
-            }
-            match c.driver.create_physical(c.dev, g) {
-                Ok(h) => {
-                    c.counters.num_device_alloc.fetch_add(1, Relaxed);
-                    dev.add_reserved(kind, g as i64);
-                    dev.add_segments(kind, 1);
-                    created.push(h);
-                }
-                Err(e) => {
-                    if e.is_oom() {
-                        // The estimate of free memory was wrong: read it again next time.
-                        dev.free_seen = None;
-                    } else {
-                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                        driver_err = Some(e);
-                    }
+        let mut created: Vec<(usize, Chunk)> = Vec::new();
+        // Chunks of up to `chunk_size`, and at most a quarter of the request: a block then
+        // spans at least four chunks, so that when it is freed and its range is reused by
+        // smaller blocks, at most a quarter of it is pinned by a partly used chunk.
+        let chunk_pages = match kind {
+            HeapKind::Large => (c.config.chunk_size / g)
+                .min((w.hi - w.lo) / g / 4)
+                .clamp(1, u32::MAX as u64) as u32,
+            HeapKind::Small => 1,
+        };
+        let mut big = chunk_pages;
+        'runs: for r in 0..place.runs.len() {
+            loop {
+                let (_, n, f) = place.runs[r];
+                let open = n - f;
+                if open == 0 {
                     break;
+                }
+                // Up to a chunk, and no more than the limit leaves room for.
+                let room = dev
+                    .limit
+                    .saturating_sub(dev.reserved[0].current.max(0) as u64)
+                    / g;
+                let pages = open.min(big).min(room.min(u32::MAX as u64) as u32);
+                if pages == 0 {
+                    limit_hit = true;
+                    break 'runs;
+                }
+                let bytes = pages as u64 * g;
+                match c.driver.create_physical(c.dev, bytes) {
+                    Ok(h) => {
+                        c.counters.num_device_alloc.fetch_add(1, Relaxed);
+                        dev.add_reserved(kind, bytes as i64);
+                        dev.add_segments(kind, 1);
+                        let chunk = Chunk { handle: h, pages };
+                        created.push((place.placed.len(), chunk));
+                        place.place_in(r, chunk);
+                    }
+                    Err(e) if e.is_oom() && pages > 1 => {
+                        // No room for a whole chunk: the rest in single granules.
+                        dev.free_seen = None;
+                        big = 1;
+                    }
+                    Err(e) => {
+                        if e.is_oom() {
+                            // The estimate of free memory was wrong: read it again next time.
+                            dev.free_seen = None;
+                        } else {
+                            c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                            driver_err = Some(e);
+                        }
+                        break 'runs;
+                    }
                 }
             }
         }
-        if handles.len() + created.len() < need && cached > 0 && !wait_first {
+        if !place.full() && cached > 0 && !wait_first {
             // Memory pressure: the limit or the device stops creation, so waiting for busy
-            // streams' cached pages is now the only way to meet the request.
-            let want = need - created.len();
-            moved += self.stitch(dev, arena, a, kind, w, want, true, &mut handles);
+            // streams' cached chunks is now the only way to meet the request.
+            moved += self.stitch(dev, arena, a, kind, w, true, &mut place);
         }
         if moved > 0 {
             c.counters.num_stitches.fetch_add(1, Relaxed);
             c.counters.num_stitched_pages.fetch_add(moved, Relaxed);
         }
-        if handles.len() + created.len() < need {
+        for chunk in std::mem::take(&mut place.spare) {
+            self.release_handle(dev, kind, chunk);
+        }
+        let short = place.open();
+        if short > 0 && !created.is_empty() {
             // Short after all (the driver ran out, e.g. another process took memory): give
             // back what this request created, so a failed request leaves reserved memory as
-            // it was; stolen pages are kept, mapped in the window, as cache.
-            for h in created.drain(..) {
-                self.release_handle(dev, kind, h);
+            // it was; stolen chunks are kept, mapped in the window, as cache.
+            let mut drop_at: Vec<usize> = created.iter().map(|&(i, _)| i).collect();
+            drop_at.sort_unstable();
+            for &(_, chunk) in &created {
+                self.release_handle(dev, kind, chunk);
             }
+            let mut k = 0;
+            let mut idx = 0;
+            place.placed.retain(|_| {
+                let keep = drop_at.get(k) != Some(&idx);
+                if !keep {
+                    k += 1;
+                }
+                idx += 1;
+                keep
+            });
         }
-        handles.extend(created);
         Gathered {
-            handles,
+            placed: place.placed,
+            short,
             limit_hit,
             driver_err,
         }
     }
 
-    /// Stitching: takes whole free pages for window `w` into `handles` until it holds `want`,
-    /// from this arena (outside the window) first, then from the other arenas. With `wait`,
-    /// blocks on a busy stream's work; without, leaves busy streams' pages. Returns the pages
-    /// moved.
+    /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from
+    /// this arena (outside the window) first, then from the other arenas. With `wait`, blocks
+    /// on a busy stream's work; without, leaves busy streams' chunks. Returns the pages moved.
     #[allow(clippy::too_many_arguments)]
     fn stitch(
         &self,
@@ -324,46 +526,34 @@ impl<D: Driver> DevicePool<D> {
         a: &mut ArenaState,
         kind: HeapKind,
         w: &Window,
-        want: usize,
         wait: bool,
-        handles: &mut Vec<PhysHandle>,
+        place: &mut Placement,
     ) -> u64 {
         let c = &*self.core;
         let mut moved = 0u64;
-        if handles.len() < want {
-            let got = self.steal_pages(
+        if !place.full() {
+            moved += self.steal_pages(
                 a,
                 arena.stream,
                 Some(w.exclude(kind)),
-                want - handles.len(),
                 dev,
                 kind,
                 wait,
-            );
-            moved += got.len() as u64;
-            handles.extend(got);
+                place,
+            ) as u64;
         }
-        if handles.len() < want {
+        if !place.full() {
             for other in self.all_arenas() {
                 if Arc::ptr_eq(&other, arena) {
                     continue;
                 }
                 let mut o = other.state.lock();
-                let got = self.steal_pages(
-                    &mut o,
-                    other.stream,
-                    None,
-                    want - handles.len(),
-                    dev,
-                    kind,
-                    wait,
-                );
+                let got = self.steal_pages(&mut o, other.stream, None, dev, kind, wait, place);
                 c.counters
                     .num_cross_stream_pages
-                    .fetch_add(got.len() as u64, Relaxed);
-                moved += got.len() as u64;
-                handles.extend(got);
-                if handles.len() >= want {
+                    .fetch_add(got as u64, Relaxed);
+                moved += got as u64;
+                if place.full() {
                     break;
                 }
             }
@@ -387,8 +577,8 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Grow> {
         let c = &*self.core;
         let rounded = w.hi - w.lo;
-        let short = gathered.handles.len() < w.missing.len();
-        if let Err(e) = self.map_pages(dev, a, kind, w.seg, &w.missing, gathered.handles) {
+        let short = gathered.short > 0;
+        if let Err(e) = self.map_pages(dev, a, kind, w.seg, gathered.placed) {
             return Err(e.into());
         }
         if let Some(e) = gathered.driver_err {
@@ -434,45 +624,45 @@ impl<D: Driver> DevicePool<D> {
         Ok(s)
     }
 
-    /// Maps `handles` at the first `handles.len()` pages of `missing` and turns those pages
-    /// into free space. Access is granted once per run of consecutive pages (one
-    /// `cuMemSetAccess` per mapped range, not per page: it costs ~36 µs a call). On a driver
-    /// failure the failing handle is released, the run being mapped keeps the pages mapped
-    /// before the failure when access can be granted to them (else they are unmapped and
-    /// released), the pages of earlier runs are kept, and the rest are released.
+    /// Maps each placed chunk at its address and turns those pages into free space. Access is
+    /// granted once per run of consecutive chunks (one `cuMemSetAccess` per mapped range, not
+    /// per chunk: it costs ~36 µs a call). On a driver failure the failing chunk is released,
+    /// the run being mapped keeps the chunks mapped before the failure when access can be
+    /// granted to them (else they are unmapped and released), the chunks of earlier runs are
+    /// kept, and the rest are released.
     pub(super) fn map_pages(
         &self,
         dev: &mut DeviceState,
         a: &mut ArenaState,
         kind: HeapKind,
         seg_idx: u32,
-        missing: &[u64],
-        handles: Vec<PhysHandle>,
+        mut placed: Vec<(u64, Chunk)>,
     ) -> crate::driver::DriverResult<()> {
         let c = &*self.core;
         let g = c.granularity;
         let d = &*c.driver;
         let base = a.kinds[kind].segment(seg_idx).base;
-        let mut mapped: Vec<u64> = Vec::with_capacity(handles.len());
+        placed.sort_unstable_by_key(|&(addr, _)| addr);
+        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity(placed.len());
         let mut result = Ok(());
-        let mut rest = handles.into_iter();
-        let mut pairs = missing.iter().copied().zip(rest.by_ref()).peekable();
-        // Pages of the current run mapped so far, without access yet.
-        let mut run: Vec<(u64, PhysHandle)> = Vec::new();
-        while let Some((page, h)) = pairs.next() {
-            let mapped_ok = match d.map(c.dev, page, g, h) {
+        let mut rest = placed.into_iter().peekable();
+        // Chunks of the current run mapped so far, without access yet.
+        let mut run: Vec<(u64, Chunk)> = Vec::new();
+        while let Some((addr, ch)) = rest.next() {
+            let len = ch.pages as u64 * g;
+            let mapped_ok = match d.map(c.dev, addr, len, ch.handle) {
                 Ok(()) => {
-                    run.push((page, h));
+                    run.push((addr, ch));
                     true
                 }
                 Err(e) => {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                    self.release_handle(dev, kind, h);
+                    self.release_handle(dev, kind, ch);
                     result = Err(e);
                     false
                 }
             };
-            let run_ends = !mapped_ok || pairs.peek().is_none_or(|&(next, _)| next != page + g);
+            let run_ends = !mapped_ok || rest.peek().is_none_or(|&(next, _)| next != addr + len);
             if !run_ends || run.is_empty() {
                 if !mapped_ok {
                     break;
@@ -480,29 +670,37 @@ impl<D: Driver> DevicePool<D> {
                 continue;
             }
             let lo = run[0].0;
-            let len = run.len() as u64 * g;
-            match d.set_access(c.dev, lo, len) {
+            let hi = run.last().map_or(lo, |&(a, ch)| a + ch.pages as u64 * g);
+            match d.set_access(c.dev, lo, hi - lo) {
                 Ok(()) => {
                     if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
                         if let Backing::Vmm { pages } = &mut seg.backing {
-                            for &(p, h) in &run {
-                                pages[((p - base) / g) as usize] = Some(h);
+                            for &(at, ch) in &run {
+                                let first = ((at - base) / g) as usize;
+                                for i in 0..ch.pages {
+                                    pages[first + i as usize] = Some(Page {
+                                        handle: ch.handle,
+                                        index: i,
+                                        len: ch.pages,
+                                    });
+                                }
                             }
                         }
                     }
-                    mapped.extend(run.drain(..).map(|(p, _)| p));
+                    mapped.push((lo, hi));
+                    run.clear();
                 }
                 Err(e) => {
                     c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                    for (p, h) in run.drain(..) {
-                        if d.unmap(c.dev, p, g).is_ok() {
-                            self.release_handle(dev, kind, h);
+                    for (at, ch) in run.drain(..) {
+                        if d.unmap(c.dev, at, ch.pages as u64 * g).is_ok() {
+                            self.release_handle(dev, kind, ch);
                         } else {
                             // Still mapped: releasing it now would fail and lose the mapping.
                             dev.stuck.push(Stuck {
                                 kind,
-                                handle: h,
-                                addr: p,
+                                chunk: ch,
+                                addr: at,
                             });
                         }
                     }
@@ -516,24 +714,12 @@ impl<D: Driver> DevicePool<D> {
                 break;
             }
         }
-        // Handles we could not map (after a failure) are released, not leaked: the one a peek
-        // may have taken out, then the rest.
-        for (_, h) in pairs {
-            self.release_handle(dev, kind, h);
+        // Chunks we could not map (after a failure) are released, not leaked.
+        for (_, ch) in rest {
+            self.release_handle(dev, kind, ch);
         }
-        for h in rest {
-            self.release_handle(dev, kind, h);
-        }
-        // Fill the holes page run by page run.
-        let mut i = 0;
-        while i < mapped.len() {
-            let lo = mapped[i];
-            let mut hi = lo + g;
-            i += 1;
-            while i < mapped.len() && mapped[i] == hi {
-                hi += g;
-                i += 1;
-            }
+        // Fill the holes range by range.
+        for (lo, hi) in mapped {
             let first = a.kinds[kind].segment(seg_idx).first;
             let hole = a.kinds[kind]
                 .heap
@@ -547,105 +733,139 @@ impl<D: Driver> DevicePool<D> {
         result
     }
 
-    pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, h: PhysHandle) {
+    /// Gives chunk `ch` (counted in heap `kind`) back to the driver; a failed release keeps it,
+    /// still reserved, in the lost list for growth to map again and `empty_cache` to retry.
+    pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, ch: Chunk) {
         let c = &*self.core;
-        match c.driver.release_physical(c.dev, h) {
+        match c.driver.release_physical(c.dev, ch.handle) {
             Ok(()) => {
                 c.counters.num_device_free.fetch_add(1, Relaxed);
-                dev.add_reserved(kind, -(c.granularity as i64));
+                dev.add_reserved(kind, -(ch.pages as i64 * c.granularity as i64));
                 dev.add_segments(kind, -1);
             }
             Err(_) => {
                 // The handle is lost to us; it stays counted as reserved so the numbers keep
                 // matching the driver's (and the invariant checker knows why).
                 c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                dev.lost.push(Lost { kind, handle: h });
+                dev.lost.push(Lost { kind, chunk: ch });
             }
         }
     }
 
-    /// Takes up to `want` whole free pages out of arena `a` (whose stream is `stream`),
-    /// skipping `exclude`. The stream's work must be finished first: with `wait` it blocks on
-    /// it, without it takes nothing when an event query says the stream is still busy. The
-    /// pages' handles are unmapped and returned; their address ranges become holes. `to_kind` is the
-    /// heap the pages are for (for per-pool reserved accounting).
+    /// Takes whole free chunks out of arena `a` (whose stream is `stream`) for `taker`, skipping
+    /// `exclude`, while the taker wants them. The stream's work must be finished first: with
+    /// `wait` it blocks on it, without it takes nothing when an event query says the stream is
+    /// still busy. The chunks are unmapped; their address ranges become holes. `to_kind` is the
+    /// heap the chunks are for (for per-pool reserved accounting). Returns the pages taken.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn steal_pages(
         &self,
         a: &mut ArenaState,
         stream: StreamId,
         exclude: Option<Exclude>,
-        want: usize,
         dev: &mut DeviceState,
         to_kind: HeapKind,
         wait: bool,
-    ) -> Vec<PhysHandle> {
+        taker: &mut dyn Taker,
+    ) -> usize {
         let c = &*self.core;
         let g = c.granularity;
-        let mut out = Vec::new();
+        let mut taken = 0usize;
         let mut synced = false;
         for kind in HeapKind::ALL {
-            let runs = free_page_runs(a, kind, exclude, g, want - out.len());
-            for run in runs {
-                let (seg_idx, id, lo, hi) = (run.seg, run.span, run.lo, run.hi);
-                if out.len() >= want {
+            if taker.full() {
+                break;
+            }
+            for run in free_page_runs(a, kind, exclude, g, usize::MAX) {
+                if taker.full() {
                     break;
                 }
-                let n = (((hi - lo) / g) as usize).min(want - out.len());
-                let hi = lo + n as u64 * g;
-                if !synced {
-                    // Unmapping needs the stream's work on these pages finished.
-                    let ready = if wait {
-                        c.sync_stream(stream)
-                    } else {
-                        c.stream_idle(stream)
-                    };
-                    if !ready {
-                        return out;
-                    }
-                    synced = true;
-                }
-                a.carve(kind, id, lo, hi, &c.shared);
-                let base = a.kinds[kind].segment(seg_idx).base;
-                let mut page = lo;
-                while page < hi {
-                    let idx = ((page - base) / g) as usize;
-                    let handle = match a.kinds[kind].segments[seg_idx as usize].as_mut() {
-                        Some(crate::arena::Segment {
-                            backing: Backing::Vmm { pages },
-                            ..
-                        }) => pages[idx],
-                        _ => None,
-                    };
-                    let Some(h) = handle else { break };
-                    if c.driver.unmap(c.dev, page, g).is_err() {
-                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                        // Put the rest of the carved range back as free space.
-                        self.refill(a, kind, seg_idx, page, hi);
+                // The free span holding the rest of the run (after each carve, the span right
+                // of the new hole).
+                let mut hint = Some(run.span);
+                for (addr, p) in whole_mappings(a, kind, &run, g) {
+                    if taker.full() {
                         break;
                     }
+                    if !taker.wants(p.len) {
+                        continue;
+                    }
+                    if !synced {
+                        // Unmapping needs the stream's work on these pages finished.
+                        let ready = if wait {
+                            c.sync_stream(stream)
+                        } else {
+                            c.stream_idle(stream)
+                        };
+                        if !ready {
+                            return taken;
+                        }
+                        synced = true;
+                    }
+                    let len = p.len as u64 * g;
+                    let Some(hole) = self.carve_free(a, kind, run.seg, hint, addr, addr + len)
+                    else {
+                        continue;
+                    };
+                    hint = match a.kinds[kind].heap.span(hole).next {
+                        crate::heap::NIL => None,
+                        n => Some(n),
+                    };
+                    if c.driver.unmap(c.dev, addr, len).is_err() {
+                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                        // Put the carved range back as free space.
+                        self.refill(a, kind, run.seg, addr, addr + len);
+                        return taken;
+                    }
+                    let base = a.kinds[kind].segment(run.seg).base;
                     if let Some(crate::arena::Segment {
                         backing: Backing::Vmm { pages },
                         ..
-                    }) = a.kinds[kind].segments[seg_idx as usize].as_mut()
+                    }) = a.kinds[kind].segments[run.seg as usize].as_mut()
                     {
-                        pages[idx] = None;
+                        let first = ((addr - base) / g) as usize;
+                        for e in &mut pages[first..first + p.len as usize] {
+                            *e = None;
+                        }
                     }
                     if kind != to_kind {
-                        dev.add_reserved(kind, -(g as i64));
+                        dev.add_reserved(kind, -(len as i64));
                         dev.add_segments(kind, -1);
-                        dev.add_reserved(to_kind, g as i64);
+                        dev.add_reserved(to_kind, len as i64);
                         dev.add_segments(to_kind, 1);
                     }
-                    out.push(h);
-                    page += g;
+                    taker.take(p.chunk());
+                    taken += p.len as usize;
                 }
             }
-            if out.len() >= want {
-                break;
-            }
         }
-        out
+        taken
+    }
+
+    /// Turns `[lo, hi)`, inside a free span of heap `kind`'s segment `seg_idx`, into a hole:
+    /// the span `hint` when it holds the range, else found by a scan of the segment. Returns
+    /// the hole's span, or `None` when no free span holds the range.
+    fn carve_free(
+        &self,
+        a: &mut ArenaState,
+        kind: HeapKind,
+        seg_idx: u32,
+        hint: Option<crate::heap::SpanId>,
+        lo: u64,
+        hi: u64,
+    ) -> Option<crate::heap::SpanId> {
+        let holds = |s: &crate::heap::Span| {
+            s.state == SpanState::Free && s.seg == seg_idx && s.start <= lo && hi <= s.end()
+        };
+        let heap = &a.kinds[kind].heap;
+        let id = match hint.filter(|&h| holds(heap.span(h))) {
+            Some(h) => h,
+            None => {
+                let first = a.kinds[kind].segment(seg_idx).first;
+                heap.segment_spans(first).find(|(_, s)| holds(s))?.0
+            }
+        };
+        Some(a.carve(kind, id, lo, hi, &self.core.shared))
     }
 
     /// Turns the (still mapped) range `[lo, hi)`, which was carved into a hole, back into free

@@ -2,7 +2,7 @@
 //! needing the fewest new pages), which whole pages of an arena are free, and how large an
 //! extent is. No driver, no lock: it reads an [`ArenaState`] and is tested on its own.
 
-use crate::arena::{ArenaState, Backing, HeapKind};
+use crate::arena::{ArenaState, Backing, HeapKind, Page};
 use crate::heap::{SpanId, SpanState};
 
 /// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
@@ -90,6 +90,7 @@ pub(super) struct PageRun {
 
 impl PageRun {
     /// Its pages.
+    #[cfg(test)]
     pub fn pages(&self, g: u64) -> usize {
         ((self.hi - self.lo) / g) as usize
     }
@@ -151,12 +152,55 @@ pub(super) fn free_page_runs(
     runs
 }
 
-/// Whole free pages an arena could give up (both heaps), leaving out `exclude`.
-pub(super) fn count_free_pages(a: &ArenaState, exclude: Option<Exclude>, g: u64) -> usize {
+/// The chunk mappings lying wholly inside page run `r` of heap `kind`, as (first address,
+/// page), in address order: what can be taken out of the run (a chunk moves whole).
+pub(super) fn whole_mappings(
+    a: &ArenaState,
+    kind: HeapKind,
+    r: &PageRun,
+    g: u64,
+) -> Vec<(u64, Page)> {
+    let seg = a.kinds[kind].segment(r.seg);
+    let Backing::Vmm { pages } = &seg.backing else {
+        return Vec::new();
+    };
+    let (lo, hi) = ((r.lo - seg.base) / g, (r.hi - seg.base) / g);
+    let mut out = Vec::new();
+    let mut i = lo;
+    while i < hi {
+        let Some(p) = pages[i as usize] else {
+            // Free pages are mapped; a run holds no unmapped page. Skip defensively.
+            i += 1;
+            continue;
+        };
+        let start = i - p.index as u64;
+        let end = start + p.len as u64;
+        if start >= lo && end <= hi {
+            out.push((seg.base + start * g, p));
+        }
+        i = end;
+    }
+    out
+}
+
+/// Whole free pages an arena could give up (both heaps), leaving out `exclude`, counting only
+/// chunks of at most `max_len` pages (larger ones could not be placed).
+pub(super) fn count_free_pages(
+    a: &ArenaState,
+    exclude: Option<Exclude>,
+    g: u64,
+    max_len: u32,
+) -> usize {
     HeapKind::ALL
         .into_iter()
-        .flat_map(|k| free_page_runs(a, k, exclude, g, usize::MAX))
-        .map(|r| r.pages(g))
+        .flat_map(|k| {
+            free_page_runs(a, k, exclude, g, usize::MAX)
+                .into_iter()
+                .map(move |r| (k, r))
+        })
+        .flat_map(|(k, r)| whole_mappings(a, k, &r, g))
+        .filter(|(_, p)| p.len <= max_len)
+        .map(|(_, p)| p.len as usize)
         .sum()
 }
 
@@ -213,7 +257,11 @@ mod tests {
         let kh = &mut a.kinds[HeapKind::Large];
         if let Some(s) = kh.segments[0].as_mut() {
             if let Backing::Vmm { pages } = &mut s.backing {
-                pages[p] = Some(PhysHandle(p as u64 + 1));
+                pages[p] = Some(Page {
+                    handle: PhysHandle(p as u64 + 1),
+                    index: 0,
+                    len: 1,
+                });
             }
         }
         let (lo, hi) = (BASE + p as u64 * G, BASE + (p as u64 + 1) * G);
@@ -272,7 +320,7 @@ mod tests {
     #[test]
     fn free_page_runs_leave_out_the_window_and_stop_at_want() {
         let a = arena(8, &[0, 1, 2, 3, 6]);
-        assert_eq!(count_free_pages(&a, None, G), 5);
+        assert_eq!(count_free_pages(&a, None, G, u32::MAX), 5);
         let runs = free_page_runs(&a, HeapKind::Large, None, G, 1);
         assert_eq!(runs.len(), 1, "stops once `want` pages are found");
         // Excluding pages 1..2 of the run 0..4 keeps the larger side (pages 2 and 3).
@@ -295,7 +343,8 @@ mod tests {
                     lo: BASE,
                     hi: BASE + 8 * G
                 }),
-                G
+                G,
+                u32::MAX
             ),
             5
         );
@@ -320,7 +369,7 @@ mod tests {
             (1, BASE, BASE + 2 * G)
         );
         // A window over the whole span leaves nothing of it.
-        assert_eq!(count_free_pages(&a, x(BASE, BASE + 4 * G), G), 0);
+        assert_eq!(count_free_pages(&a, x(BASE, BASE + 4 * G), G, u32::MAX), 0);
     }
 
     #[test]
@@ -337,7 +386,11 @@ mod tests {
         kh.vmm_segs.push(seg);
         if let Some(s) = kh.segments[seg as usize].as_mut() {
             if let Backing::Vmm { pages } = &mut s.backing {
-                pages[3] = Some(PhysHandle(99));
+                pages[3] = Some(Page {
+                    handle: PhysHandle(99),
+                    index: 0,
+                    len: 1,
+                });
             }
         }
         let hole = kh.heap.holes().next().unwrap();
@@ -349,7 +402,53 @@ mod tests {
             &SharedGauges::default(),
         );
         assert_eq!(free_page_runs(&a, HeapKind::Small, None, G, 9).len(), 1);
-        assert_eq!(count_free_pages(&a, None, G), 3);
+        assert_eq!(count_free_pages(&a, None, G, u32::MAX), 3);
+    }
+
+    #[test]
+    fn only_chunks_wholly_inside_a_run_can_be_taken() {
+        // Pages 0..8 mapped and free: one 4-page chunk (0..4) and four single pages.
+        let mut a = arena(8, &[]);
+        let shared = SharedGauges::default();
+        {
+            let kh = &mut a.kinds[HeapKind::Large];
+            if let Some(s) = kh.segments[0].as_mut() {
+                if let Backing::Vmm { pages } = &mut s.backing {
+                    for i in 0..4 {
+                        pages[i as usize] = Some(Page {
+                            handle: PhysHandle(1),
+                            index: i,
+                            len: 4,
+                        });
+                    }
+                    for i in 4..8 {
+                        pages[i] = Some(Page {
+                            handle: PhysHandle(10 + i as u64),
+                            index: 0,
+                            len: 1,
+                        });
+                    }
+                }
+            }
+            let hole = kh.heap.holes().next().unwrap();
+            a.fill(HeapKind::Large, hole, BASE, BASE + 8 * G, &shared);
+        }
+        let runs = free_page_runs(&a, HeapKind::Large, None, G, usize::MAX);
+        let all: Vec<_> = runs
+            .iter()
+            .flat_map(|r| whole_mappings(&a, HeapKind::Large, r, G))
+            .map(|(addr, p)| ((addr - BASE) / G, p.len))
+            .collect();
+        assert_eq!(all, vec![(0, 4), (4, 1), (5, 1), (6, 1), (7, 1)]);
+        // Excluding page 1 cuts the run to pages 2..8: the chunk at 0..4 is no longer whole.
+        let x = Some(Exclude {
+            kind: HeapKind::Large,
+            lo: BASE + G,
+            hi: BASE + 2 * G,
+        });
+        assert_eq!(count_free_pages(&a, x, G, u32::MAX), 4);
+        // Chunks longer than the window's longest run are not counted either.
+        assert_eq!(count_free_pages(&a, None, G, 3), 4);
     }
 
     #[test]
