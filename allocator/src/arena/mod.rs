@@ -371,25 +371,35 @@ impl ArenaState {
                 }
                 p.needs_device_sync = false;
             }
-            let done = p.events.iter().all(|&(s, ev)| {
-                if wait {
+            // Completed events leave the block as they are seen, so that a block held back by
+            // one stream does not query another stream's finished event again on every poll.
+            let mut k = 0;
+            while k < p.events.len() {
+                let (s, ev) = p.events[k];
+                let ok = if wait {
                     driver.event_synchronize(dev, ev).is_ok()
                 } else if blocked.contains(&s) {
                     false
                 } else {
                     // A failed query is treated as "not yet": the block stays pending rather
                     // than risk reuse while another stream writes it.
-                    let done = driver.event_query(dev, ev).unwrap_or(false);
-                    if !done {
+                    let ok = driver.event_query(dev, ev).unwrap_or(false);
+                    if !ok {
                         blocked.push(s);
                     }
-                    done
-                }
-            });
-            if done {
-                for (_, ev) in p.events.drain(..) {
+                    ok
+                };
+                if ok {
                     events.put(ev);
+                    p.events.swap_remove(k);
+                } else if wait {
+                    break;
+                } else {
+                    k += 1;
                 }
+            }
+            let done = p.events.is_empty();
+            if done {
                 done_spans.push((p.kind, p.span));
             }
             !done

@@ -16,10 +16,12 @@
 //!    space and unmapped holes that needs the fewest new pages (often the growing end);
 //! 3. find physical pages for the unmapped part of the window, cheapest first: **stitch** whole
 //!    free pages cached anywhere in the device pool (any arena, either heap), unmapping them
-//!    where they are once the owning stream's work has finished (an event query, never a host
-//!    wait: a busy stream's pages are left), then create new pages with the driver while the
-//!    per-process limit and the device allow; only when that is still short (memory
-//!    pressure) wait for busy streams and take their cached pages too (`stream_sync`);
+//!    where they are once the owning stream's work has finished (an event query: while new
+//!    memory can cover the request, a busy stream's pages are left, never waited for), then
+//!    create new chunks with the driver while the per-process limit and the device allow.
+//!    Under memory pressure (new memory alone cannot cover the request), or with
+//!    `stream_sync:always`, growth waits for busy streams first and takes their cached
+//!    chunks before creating any (`stream_sync`);
 //! 4. if that is not enough: wait for pending frees' events, free them, and retry once; then
 //!    fail with an [`OomReport`](crate::OomReport) (pages already gathered stay mapped in the
 //!    window as cache);
@@ -31,8 +33,10 @@
 //! dominate; a host wait idles the GPU. So growth grants access per run of mapped pages, not
 //! per page; reads `cuMemGetInfo` (~10 µs) only when its last answer, corrected by what this
 //! pool reserved since, says the device may be too full (`DeviceState::free_seen`); polls
-//! pending frees per stream only up to the first unfinished event; and blocks the host only
-//! under memory pressure, or on explicit `empty_cache` / `set_memory_fraction` / `trim`.
+//! pending frees per stream only up to the first unfinished event; buys memory in chunks of
+//! up to 20 MiB (Note [Chunks] in `vmm.rs`); and blocks the host only under memory pressure,
+//! or on explicit `empty_cache` / `set_memory_fraction` / `trim` (without VMM, the release
+//! threshold too waits for those, as `cuMemFree` synchronises the device).
 //!
 //! Without VMM the arena grows by `cuMemAlloc` segments (2 MiB for small requests, 20 MiB for
 //! requests under 10 MiB, else the request rounded to 2 MiB, as PyTorch does), and the OOM
@@ -89,9 +93,10 @@
 //!    out is rejected before anything moves: no counter changes but the OOM counters, and
 //!    reserved memory stays as it was (ACCEPTANCE B8). Two exceptions, both leaving memory in
 //!    a usable state: a request that passes the check but runs short while gathering (the
-//!    driver ran out, e.g. another process took memory) keeps the pages it stitched, mapped in
-//!    its window as cache, and releases the pages it created; linear growth first returns
-//!    wholly free segments to the driver, then tries again.
+//!    driver ran out, e.g. another process took memory, or cached chunks packed less well into
+//!    the window than the check's largest-first placement) keeps the chunks it stitched,
+//!    mapped in its window as cache, and releases the chunks it created; linear growth first
+//!    returns wholly free segments to the driver, then tries again.
 //! 4. **Accounting.** `DeviceState::reserved` and `segments` equal what the driver holds for
 //!    this pool (mapped pages, linear segments, and handles whose release or unmap failed), by
 //!    heap kind and in all, and reserved never exceeds the limit except by what live blocks kept after the

@@ -23,8 +23,10 @@ impl<D: Driver> DevicePool<D> {
         released
     }
 
-    /// Releases up to `budget` bytes of cached memory from one arena. With VMM its pages must
-    /// be idle: `wait` blocks on the stream's work; without, a busy stream's pages stay.
+    /// Releases up to `budget` bytes of cached memory from one arena (whole chunks: the last
+    /// may overshoot). With VMM its chunks must be idle: `wait` blocks on the stream's work;
+    /// without, a busy stream's chunks stay. Without VMM, `cuMemFree` synchronises the device,
+    /// so without `wait` nothing is released.
     pub(super) fn release_arena(
         &self,
         dev: &mut DeviceState,
@@ -49,7 +51,8 @@ impl<D: Driver> DevicePool<D> {
                     left: want,
                     taken: Vec::new(),
                 };
-                self.steal_pages(a, stream, None, dev, kind, wait, &mut budget_pages);
+                // Each heap's chunks, counted as that heap's, so per-pool statistics stay true.
+                self.steal_pages(a, stream, None, dev, kind, wait, &mut budget_pages, &[kind]);
                 for ch in budget_pages.taken {
                     self.release_handle(dev, kind, ch);
                     c.counters
@@ -58,7 +61,8 @@ impl<D: Driver> DevicePool<D> {
                     released += ch.pages as u64 * g;
                 }
             }
-        } else {
+        } else if wait {
+            // cuMemFree synchronises the device (a host wait): only where waiting is allowed.
             let mut synced = false;
             for kind in [HeapKind::Large, HeapKind::Small] {
                 let free_segs: Vec<(u32, u64, u64)> = a.kinds[kind]

@@ -16,10 +16,10 @@
 //! inside it ([`whole_mappings`]), and a chunk goes where a run of the window's missing pages
 //! has room for it (first fit, [`Placement`]). So a chunk of 10 granules can fill a 10-page gap
 //! of another stream, but not a 3-page one: that gap is filled with smaller chunks or new
-//! granules. Releasing (`empty_cache`, the release threshold) gives back whole chunks within
-//! its budget. The feasibility check counts only cached chunks no longer than the window's
-//! longest run of missing pages, which can still overcount when several compete for one run;
-//! then the request may run short after stitching, and keeps what it stitched as cache.
+//! granules. Releasing (`empty_cache`, the release threshold, a lowered limit) gives back whole
+//! chunks, the last of which may overshoot its budget. The feasibility check places the cached chunks in the window's runs largest first;
+//! gathering, arena by arena and first fit, may place fewer, and then the request may run
+//! short after stitching, and keeps what it stitched as cache.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use std::sync::Arc;
 use super::device::{DeviceState, Lost, Stuck};
 use super::grow::Grow;
 use super::window::{
-    choose_window, count_free_pages, free_page_runs, vmm_extent, whole_mappings, Exclude,
+    choose_window, free_chunk_lens, free_page_runs, vmm_extent, whole_mappings, Exclude,
 };
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind, Page};
@@ -297,8 +297,8 @@ impl<D: Driver> DevicePool<D> {
     /// `Ok(cached pages)`, or `Err(limit_hit)`: whether the limit (rather than the device) is
     /// what stops it.
     ///
-    /// The count of cached chunks is an upper bound when chunks of several sizes compete for
-    /// the window's runs (it checks each against the longest run only): a request it lets
+    /// The cached chunks are placed in the window's runs largest first, the best packing;
+    /// gathering goes arena by arena, first fit, and may place fewer, so a request this lets
     /// through may still run short while gathering, and then keeps what it stitched as cache.
     fn check_feasible(
         &self,
@@ -311,21 +311,39 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let g = c.granularity;
         let need = w.missing.len();
-        let longest = Placement::new(&w.missing, g).largest_open();
+        let mut fit = Placement::new(&w.missing, g);
+        let longest = fit.largest_open();
         let cached = if need > 0 {
-            let lost: usize = dev
+            // The cached chunks that could serve the window, placed largest first in its runs
+            // of missing pages (the best packing; gathering, which goes arena by arena, may
+            // place fewer).
+            let mut lens: Vec<u32> = dev
                 .lost
                 .iter()
-                .filter(|l| l.chunk.pages <= longest)
-                .map(|l| l.chunk.pages as usize)
-                .sum();
-            let mut n = count_free_pages(a, Some(w.exclude(kind)), g, longest) + lost;
+                .map(|l| l.chunk.pages)
+                .filter(|&n| n <= longest)
+                .collect();
+            lens.extend(free_chunk_lens(a, Some(w.exclude(kind)), g, longest));
             for other in self.all_arenas() {
                 if !Arc::ptr_eq(&other, arena) {
-                    n += count_free_pages(&other.state.lock(), None, g, longest);
+                    lens.extend(free_chunk_lens(&other.state.lock(), None, g, longest));
                 }
             }
-            n
+            lens.sort_unstable_by(|x, y| y.cmp(x));
+            let mut placed = 0usize;
+            for n in lens {
+                if fit.full() {
+                    break;
+                }
+                if fit.wants(n) {
+                    fit.take(Chunk {
+                        handle: crate::driver::PhysHandle(0),
+                        pages: n,
+                    });
+                    placed += n as usize;
+                }
+            }
+            placed
         } else {
             0
         };
@@ -338,8 +356,11 @@ impl<D: Driver> DevicePool<D> {
             let estimate = dev.free_seen.map(|(free, then)| {
                 (free.saturating_add(then).saturating_sub(reserved) / g) as usize
             });
+            // Trusted only when it says new memory alone covers the request: a stale low
+            // estimate (another process freed memory since) must not make growth think it is
+            // under pressure, which would wait for busy streams.
             match estimate {
-                Some(pages) if cached.saturating_add(pages) >= need => pages,
+                Some(pages) if pages >= need => pages,
                 _ => match c.driver.mem_info(c.dev) {
                     Ok(i) => {
                         dev.free_seen = Some((i.free, reserved));
@@ -474,7 +495,7 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         }
-        if !place.full() && cached > 0 && !wait_first {
+        if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {
             // Memory pressure: the limit or the device stops creation, so waiting for busy
             // streams' cached chunks is now the only way to meet the request.
             moved += self.stitch(dev, arena, a, kind, w, true, &mut place);
@@ -540,6 +561,7 @@ impl<D: Driver> DevicePool<D> {
                 kind,
                 wait,
                 place,
+                &HeapKind::ALL,
             ) as u64;
         }
         if !place.full() {
@@ -548,7 +570,16 @@ impl<D: Driver> DevicePool<D> {
                     continue;
                 }
                 let mut o = other.state.lock();
-                let got = self.steal_pages(&mut o, other.stream, None, dev, kind, wait, place);
+                let got = self.steal_pages(
+                    &mut o,
+                    other.stream,
+                    None,
+                    dev,
+                    kind,
+                    wait,
+                    place,
+                    &HeapKind::ALL,
+                );
                 c.counters
                     .num_cross_stream_pages
                     .fetch_add(got as u64, Relaxed);
@@ -581,10 +612,12 @@ impl<D: Driver> DevicePool<D> {
         if let Err(e) = self.map_pages(dev, a, kind, w.seg, gathered.placed) {
             return Err(e.into());
         }
-        if let Some(e) = gathered.driver_err {
-            return Err(e.into());
-        }
         if short {
+            // A driver failure is reported only when it left the request short: a window
+            // that stitching completed anyway serves the request.
+            if let Some(e) = gathered.driver_err {
+                return Err(e.into());
+            }
             return self.give_up(dev, arena, a, size, rounded, gathered.limit_hit, retried);
         }
         match a.try_take(kind, rounded, size, &c.shared) {
@@ -755,8 +788,9 @@ impl<D: Driver> DevicePool<D> {
     /// Takes whole free chunks out of arena `a` (whose stream is `stream`) for `taker`, skipping
     /// `exclude`, while the taker wants them. The stream's work must be finished first: with
     /// `wait` it blocks on it, without it takes nothing when an event query says the stream is
-    /// still busy. The chunks are unmapped; their address ranges become holes. `to_kind` is the
-    /// heap the chunks are for (for per-pool reserved accounting). Returns the pages taken.
+    /// still busy. The chunks are unmapped; their address ranges become holes. Only heaps in
+    /// `from` give chunks; `to_kind` is the heap the chunks are for (for per-pool reserved
+    /// accounting). Returns the pages taken.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn steal_pages(
         &self,
@@ -767,12 +801,13 @@ impl<D: Driver> DevicePool<D> {
         to_kind: HeapKind,
         wait: bool,
         taker: &mut dyn Taker,
+        from: &[HeapKind],
     ) -> usize {
         let c = &*self.core;
         let g = c.granularity;
         let mut taken = 0usize;
         let mut synced = false;
-        for kind in HeapKind::ALL {
+        for &kind in from {
             if taker.full() {
                 break;
             }
@@ -792,11 +827,7 @@ impl<D: Driver> DevicePool<D> {
                     }
                     if !synced {
                         // Unmapping needs the stream's work on these pages finished.
-                        let ready = if wait {
-                            c.sync_stream(stream)
-                        } else {
-                            c.stream_idle(stream)
-                        };
+                        let ready = c.stream_idle(stream) || (wait && c.sync_stream(stream));
                         if !ready {
                             return taken;
                         }

@@ -183,14 +183,14 @@ pub(super) fn whole_mappings(
     out
 }
 
-/// Whole free pages an arena could give up (both heaps), leaving out `exclude`, counting only
-/// chunks of at most `max_len` pages (larger ones could not be placed).
-pub(super) fn count_free_pages(
+/// The sizes (in pages) of the whole free chunks an arena could give up (both heaps), leaving
+/// out `exclude`, and only chunks of at most `max_len` pages (larger ones could not be placed).
+pub(super) fn free_chunk_lens(
     a: &ArenaState,
     exclude: Option<Exclude>,
     g: u64,
     max_len: u32,
-) -> usize {
+) -> Vec<u32> {
     HeapKind::ALL
         .into_iter()
         .flat_map(|k| {
@@ -200,7 +200,21 @@ pub(super) fn count_free_pages(
         })
         .flat_map(|(k, r)| whole_mappings(a, k, &r, g))
         .filter(|(_, p)| p.len <= max_len)
-        .map(|(_, p)| p.len as usize)
+        .map(|(_, p)| p.len)
+        .collect()
+}
+
+/// Whole free pages an arena could give up (see [`free_chunk_lens`]).
+#[cfg(test)]
+pub(super) fn count_free_pages(
+    a: &ArenaState,
+    exclude: Option<Exclude>,
+    g: u64,
+    max_len: u32,
+) -> usize {
+    free_chunk_lens(a, exclude, g, max_len)
+        .into_iter()
+        .map(|n| n as usize)
         .sum()
 }
 
