@@ -830,8 +830,10 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
     entry(|| {
         let f = fake()?;
         f.vmm()?;
-        let d = f
-            .owners()
+        // Held across the free, as in cuMemFree_v2: a freed range's address can be reserved
+        // again at once by another thread, whose entry this free must not remove.
+        let mut owners = f.owners();
+        let d = owners
             .reservations
             .get(&ptr)
             .map(|&(_, d)| d)
@@ -839,7 +841,7 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
         f.sim
             .free_va(d, ptr, self::size(size))
             .map_err(|e| code(&e))?;
-        f.owners().reservations.remove(&ptr);
+        owners.reservations.remove(&ptr);
         Ok(())
     })
 }
@@ -1017,14 +1019,17 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     entry(|| {
         let f = fake()?;
         f.current_device()?;
-        let d = f
-            .owners()
+        // The owners lock is held across the free: once the simulator has freed the range,
+        // another thread's cuMemAlloc may get the same address, and its owner entry must not
+        // be removed by this free.
+        let mut owners = f.owners();
+        let d = owners
             .linear
             .get(&dptr)
             .copied()
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         f.sim.mem_free(d, dptr).map_err(|e| code(&e))?;
-        f.owners().linear.remove(&dptr);
+        owners.linear.remove(&dptr);
         Ok(())
     })
 }
