@@ -1,7 +1,7 @@
 //! Provenance: who allocated each live block, and the ledger of live bytes per (tag, site).
 //!
 //! Every allocation of a pool with `provenance:tags` (the default) or `provenance:stacks`
-//! records in the block's [`BlockMeta`](crate::heap::BlockMeta), beside its span:
+//! records in the block's `BlockMeta` (`crate::heap`), beside its span:
 //!
 //! - the **tag**: the innermost entry of the allocating thread's tag stack ([`tag_push`],
 //!   [`tag_pop`], [`TagGuard`], [`with_tag`]; `cistern_tag_push` from C), interned to a small
@@ -16,8 +16,8 @@
 //!
 //! # Note [Provenance on the hot path]
 //!
-//! The hot path reads the thread-locals once before taking the arena lock ([`origin`]); under
-//! the lock it writes the block's meta and bumps one slot of the arena's [`Ledger`] (the slot of
+//! The hot path reads the thread-locals once before taking the arena lock (`origin`); under
+//! the lock it writes the block's meta and bumps one slot of the arena's `Ledger` (the slot of
 //! the previous allocation is remembered, so a run of allocations under one tag skips the hash
 //! lookup). The ledger is per arena, like the gauges of Note [Sharded gauges] in
 //! [`crate::stats`]: no shared write; [`crate::DevicePool::ledger`] sums the arenas when read.

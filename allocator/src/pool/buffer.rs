@@ -39,7 +39,8 @@ impl<D: Driver> Buffer<D> {
     pub fn device(&self) -> DeviceId {
         self.device
     }
-    /// Declares that `stream` also uses this buffer (see [`DevicePool::record_stream`](super::DevicePool::record_stream)).
+    /// Declares that `stream` also uses this buffer (see
+    /// [`DevicePool::record_stream`](super::DevicePool::record_stream)).
     pub fn record_stream(&self, stream: StreamId) {
         if let Some(a) = &self.arena {
             if stream != a.stream {

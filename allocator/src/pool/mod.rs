@@ -4,12 +4,13 @@
 //! # One allocation, end to end
 //!
 //! `alloc_raw(size, stream)` rounds `size` up to 512 B and picks the small heap (at most
-//! `small_size`, 1 MiB by default) or the large one. It finds the stream's arena (`crate::arena`) through a
-//! small thread-local cache (no shared lock), locks it, and asks the heap for a free span
-//! (O(1), see [`crate::heap`]). On a hit it updates the arena's share of the statistics, tells
-//! the driver's hazard hook, and returns: one uncontended lock, no driver call.
+//! `small_size`, 1 MiB by default) or the large one. It finds the stream's arena
+//! (`crate::arena`) through a small thread-local cache (no shared lock), locks it, and asks the
+//! heap for a free span (O(1), see `crate::heap`). On a hit it updates the arena's share of the
+//! statistics, tells the driver's hazard hook, and returns: one uncontended lock, no driver
+//! call.
 //!
-//! On a miss it takes the slow path, [`DevicePool::grow`], under the device lock:
+//! On a miss it takes the slow path, `DevicePool::grow` (`grow.rs`), under the device lock:
 //!
 //! 1. poll the events of pending (`record_stream`ed) frees;
 //! 2. with VMM, choose a *window* in the arena's virtual segment for the request: the run of free
@@ -34,7 +35,7 @@
 //! per page; reads `cuMemGetInfo` (~10 µs) only when its last answer, corrected by what this
 //! pool reserved since, says the device may be too full (`DeviceState::free_seen`); polls
 //! pending frees per stream only up to the first unfinished event; buys memory in chunks of
-//! up to 20 MiB (Note [Chunks] in `vmm.rs`); and blocks the host only under memory pressure,
+//! up to 20 MiB (Note \[Chunks\] in `vmm.rs`); and blocks the host only under memory pressure,
 //! or on explicit `empty_cache` / `set_memory_fraction` / `trim` (without VMM, the release
 //! threshold too waits for those, as `cuMemFree` synchronises the device).
 //!
@@ -72,7 +73,7 @@
 //! | `buffer.rs` | [`Buffer`], the owning handle |
 //! | `publish.rs` | the pool's side of the cross-process registry: its `RecordSource`, device records, [`Pool::start_registry`] |
 //!
-//! An arena's own books (heaps, page tables, live map, pending frees) are [`crate::arena`]'s,
+//! An arena's own books (heaps, page tables, live map, pending frees) are `crate::arena`'s,
 //! one layer down; nothing there names the pool.
 //!
 //! # The contract between the hot path and growth
@@ -99,9 +100,9 @@
 //!    returns wholly free segments to the driver, then tries again.
 //! 4. **Accounting.** `DeviceState::reserved` and `segments` equal what the driver holds for
 //!    this pool (mapped pages, linear segments, and handles whose release or unmap failed), by
-//!    heap kind and in all, and reserved never exceeds the limit except by what live blocks kept after the
-//!    limit was lowered.
-//! 5. **Cross-stream safety.** Memory moves between arenas only as whole free pages (VMM) after
+//!    heap kind and in all, and reserved never exceeds the limit except by what live blocks kept
+//!    after the limit was lowered.
+//! 5. **Cross-stream safety.** Memory moves between arenas only as whole free chunks (VMM) after
 //!    the donor stream's work on them is known finished, or as wholly free segments returned
 //!    to the driver (`cuMemFree` synchronises); no block is ever reused by another stream.
 //! 6. **Give up once.** When memory is short and frees are waiting on events, growth asks for

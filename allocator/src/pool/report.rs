@@ -108,7 +108,7 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    /// Checks the whole pool's consistency (see [`crate::arena`]); tests run it after every
+    /// Checks the whole pool's consistency (see `crate::arena`); tests run it after every
     /// operation. Returns a description of the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let c = &*self.core;

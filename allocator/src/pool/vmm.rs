@@ -17,9 +17,10 @@
 //! has room for it (first fit, [`Placement`]). So a chunk of 10 granules can fill a 10-page gap
 //! of another stream, but not a 3-page one: that gap is filled with smaller chunks or new
 //! granules. Releasing (`empty_cache`, the release threshold, a lowered limit) gives back whole
-//! chunks, the last of which may overshoot its budget. The feasibility check places the cached chunks in the window's runs largest first;
-//! gathering, arena by arena and first fit, may place fewer, and then the request may run
-//! short after stitching, and keeps what it stitched as cache.
+//! chunks, the last of which may overshoot its budget. The feasibility check places the cached
+//! chunks in the window's runs largest first; gathering, arena by arena and first fit, may place
+//! fewer, and then the request may run short after stitching, and keeps what it stitched as
+//! cache.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
