@@ -66,7 +66,8 @@
 //! | `mod.rs` | [`Pool`] over every device, this contract and the lock order |
 //! | `device.rs` | [`DevicePool`], its device-lock state, the thread-local arena cache, the hot path (alloc, free, `record_stream`) and teardown |
 //! | `grow.rs` | the slow path: `grow` picks the strategy (VMM in `vmm.rs`, `cuMemAlloc` segments here), the give-up rule, the OOM report |
-//! | `vmm.rs` | VMM growth in named phases, mapping, stitching and page stealing |
+//! | `vmm.rs` | VMM growth in named phases (plan, feasibility, gather, map) and stitching |
+//! | `pages.rs` | chunks in and out of page tables: mapping, releasing, stealing |
 //! | `window.rs` | the pure window arithmetic (which pages a request needs, which pages are free) |
 //! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
 //! | `report.rs` | statistics, invariant checks, live views, snapshots, reports |
@@ -117,6 +118,7 @@
 mod buffer;
 mod device;
 mod grow;
+mod pages;
 mod publish;
 mod release;
 mod report;

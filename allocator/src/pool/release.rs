@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::device::{DeviceState, Lost};
-use super::vmm::Budget;
+use super::pages::Budget;
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, HeapKind};
 use crate::driver::{Driver, StreamId};
