@@ -30,7 +30,10 @@ fn writes_a_cost_table_the_replay_reads() {
         .count();
     assert!(n >= 20, "{n} measurements");
     let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(stderr.contains("set_access over 10 mappings"), "{stderr}");
+    assert!(
+        stderr.contains("set_access over 10 fresh mappings"),
+        "{stderr}"
+    );
     let table = CostTable::from_json_file(&out).unwrap();
     for call in DriverCall::ALL {
         let c = table.get(call);

@@ -179,7 +179,8 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
     let mut waste_at_peak: Option<u64> = None;
-    let mut calls_at_peak = 0u64;
+    // Calls made before the first operation (a pool's setup) are not churn either.
+    let mut calls_at_peak = model.total_driver_calls();
     let mut series = SeriesBuilder::new(seq.ops.len());
     let mut oom = None;
     let mut done = 0usize;
@@ -231,7 +232,12 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         driver_time_us: cost.driver_time_us,
         host_waits: cost.host_waits,
         pages_moved: cost.pages_moved,
-        steady_driver_calls: model.total_driver_calls().saturating_sub(calls_at_peak),
+        // No peak reached (nothing reserved): no steady state to speak of.
+        steady_driver_calls: if peak_reserved == 0 {
+            0
+        } else {
+            model.total_driver_calls().saturating_sub(calls_at_peak)
+        },
         ops_per_sec: (secs > 0.0).then(|| done as f64 / secs),
         ops: done,
         capacity: None,

@@ -255,6 +255,13 @@ impl CostTable {
                             "per_mib_us" => {
                                 c.per_mib_us = match fv {
                                     Value::Null => None,
+                                    _ if !names_a_size(call) => {
+                                        return Err(format!(
+                                            "`{name}`: {key} names no size, so a per-MiB term \
+                                             would be ignored: fold it into per_call_us or \
+                                             remove it"
+                                        ))
+                                    }
                                     _ => Some(micros(fv, &name)?),
                                 }
                             }
@@ -324,11 +331,25 @@ fn kind_of(v: &Value) -> String {
 }
 
 /// A non-negative finite number of microseconds.
+/// Whether calls of this kind name a size that the simulator prices per MiB (see "Units").
+fn names_a_size(call: DriverCall) -> bool {
+    matches!(
+        call,
+        DriverCall::CreatePhysical
+            | DriverCall::Map
+            | DriverCall::Unmap
+            | DriverCall::SetAccess
+            | DriverCall::ReserveVa
+            | DriverCall::FreeVa
+            | DriverCall::MemAlloc
+    )
+}
+
 fn micros(v: &Value, name: &str) -> Result<f64, String> {
     match v.as_f64() {
-        Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        Some(x) if x.is_finite() && (0.0..=1e9).contains(&x) => Ok(x),
         Some(x) => Err(format!(
-            "`{name}` must be a number of microseconds >= 0, got {x}"
+            "`{name}` must be a number of microseconds >= 0 and at most 1e9 (1000 s), got {x}"
         )),
         None => Err(format!(
             "`{name}` must be a number of microseconds >= 0, got {}",

@@ -785,6 +785,13 @@ fn cost_table_errors_name_the_file_the_key_and_the_fix() {
     assert!(m.contains("rename it") && m.contains("set_access") && m.contains("host_wait_us"));
     let m = e(r#"{"map": -1}"#);
     assert!(m.contains("`map`") && m.contains(">= 0"), "{m}");
+    let m = e(r#"{"map": 1e12}"#);
+    assert!(m.contains("`map`") && m.contains("1e9"), "{m}");
+    let m = e(r#"{"mem_free": {"per_call_us": 30, "per_mib_us": 1}}"#);
+    assert!(
+        m.contains("mem_free names no size") && m.contains("fold it"),
+        "{m}"
+    );
     let m = e(r#"{"map": "fast"}"#);
     assert!(m.contains("`map`") && m.contains("string"), "{m}");
     let m = e(r#"{"map": {"per_call": 1}}"#);
