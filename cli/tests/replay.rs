@@ -298,6 +298,7 @@ fn costs_file_prices_the_calls_and_a_bad_one_names_the_fix() {
         "event_destroy",
         "stream_wait_event",
         "device_synchronize",
+        "stream_synchronize",
     ] {
         zero.insert(k.into(), 0.0.into());
     }

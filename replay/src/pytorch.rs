@@ -25,9 +25,8 @@
 //!   (`cuMemCreate` each), maps each (`cuMemMap`), then one `cuMemSetAccess` over the newly
 //!   mapped range (`mapAndSetAccess`), which the simulator prices per mapping spanned. Before
 //!   unmapping a range (`unmapHandles`), PyTorch calls `cudaStreamSynchronize` on the segment's
-//!   stream; the [`Driver`] seam has no stream synchronisation, so the model records an event
-//!   on that stream and synchronises it (`event_record` + `event_synchronize`, one host wait;
-//!   the event is created once per model), then unmaps and releases each page.
+//!   stream, which the model makes as `stream_synchronize` (one call, one host wait), then it
+//!   unmaps and releases each page.
 //!
 //! No page is ever unmapped and mapped elsewhere: `pages_moved` is 0 for both.
 //!
@@ -39,7 +38,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use cistern::driver::{DeviceId, Driver, EventId, PhysHandle, StreamId};
+use cistern::driver::{DeviceId, Driver, PhysHandle, StreamId};
 use cistern::{CostTable, SimDriver};
 use rustc_hash::FxHashMap;
 
@@ -167,8 +166,6 @@ pub struct PytorchModel {
     reserved: u64,
     allocated: u64,
     counters: PytorchCounters,
-    /// The event `unmap_block` synchronises a stream with (created on first use).
-    sync_event: Option<EventId>,
 }
 
 impl PytorchModel {
@@ -204,7 +201,6 @@ impl PytorchModel {
             reserved: 0,
             allocated: 0,
             counters: PytorchCounters::default(),
-            sync_event: None,
         }
     }
 
@@ -855,19 +851,10 @@ impl PytorchModel {
         self.counters.num_device_free += 1;
     }
 
-    /// `cudaStreamSynchronize(stream)`, as an event recorded on the stream and synchronised
-    /// (the driver seam has no stream synchronisation): one host wait.
+    /// `cudaStreamSynchronize(stream)`: one host wait.
     fn stream_synchronize(&mut self, stream: u64) {
-        let ev = match self.sync_event {
-            Some(e) => e,
-            None => match self.driver.event_create(DEV) {
-                Ok(e) => *self.sync_event.insert(e),
-                Err(_) => return,
-            },
-        };
-        // A live event on a live device: the simulator accepts both calls.
-        let _ = self.driver.event_record(DEV, ev, StreamId(stream));
-        let _ = self.driver.event_synchronize(DEV, ev);
+        // A live device: the simulator accepts the call.
+        let _ = self.driver.stream_synchronize(DEV, StreamId(stream));
     }
 
     /// `release_expandable_segment`: free the address space of a wholly unmapped segment.

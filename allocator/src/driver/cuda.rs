@@ -53,7 +53,7 @@ use super::{
 ///
 /// [`CudaDriver::new`] refuses to start (with [`DriverErrorKind::NoDriver`]) unless the library
 /// exports all of them; a fake `libcuda.so` must export at least these.
-pub const CUDA_SYMBOLS: [&str; 30] = [
+pub const CUDA_SYMBOLS: [&str; 31] = [
     "cuInit",
     "cuGetErrorString",
     "cuDeviceGetCount",
@@ -84,6 +84,7 @@ pub const CUDA_SYMBOLS: [&str; 30] = [
     "cuEventSynchronize",
     "cuEventDestroy_v2",
     "cuStreamWaitEvent",
+    "cuStreamSynchronize",
 ];
 
 /// How to get going when no usable driver is found; every [`CudaDriver::new`] error ends with it.
@@ -720,6 +721,17 @@ impl Driver for CudaDriver {
         // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
         cu(call, "cuCtxSynchronize", || unsafe {
             sys::cuCtxSynchronize()
+        })
+    }
+
+    fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
+        let call = DriverCall::StreamSynchronize;
+        let st = stream_ptr(call, stream)?;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: `st` is a stream handle of dev's context (or the legacy default stream, 0);
+        // the call blocks until the stream's queued work has finished.
+        cu(call, "cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(st)
         })
     }
 }

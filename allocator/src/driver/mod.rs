@@ -118,11 +118,12 @@ pub enum DriverCall {
     EventDestroy,
     StreamWaitEvent,
     DeviceSynchronize,
+    StreamSynchronize,
 }
 
 impl DriverCall {
     /// Every call kind, in declaration order.
-    pub const ALL: [DriverCall; 19] = [
+    pub const ALL: [DriverCall; 20] = [
         DriverCall::DeviceCount,
         DriverCall::Capabilities,
         DriverCall::MemInfo,
@@ -142,6 +143,7 @@ impl DriverCall {
         DriverCall::EventDestroy,
         DriverCall::StreamWaitEvent,
         DriverCall::DeviceSynchronize,
+        DriverCall::StreamSynchronize,
     ];
 
     /// The CUDA driver function this call kind corresponds to.
@@ -166,6 +168,7 @@ impl DriverCall {
             DriverCall::EventDestroy => "cuEventDestroy",
             DriverCall::StreamWaitEvent => "cuStreamWaitEvent",
             DriverCall::DeviceSynchronize => "cuCtxSynchronize",
+            DriverCall::StreamSynchronize => "cuStreamSynchronize",
         }
     }
 
@@ -191,6 +194,7 @@ impl DriverCall {
             DriverCall::EventDestroy => "event_destroy",
             DriverCall::StreamWaitEvent => "stream_wait_event",
             DriverCall::DeviceSynchronize => "device_synchronize",
+            DriverCall::StreamSynchronize => "stream_synchronize",
         }
     }
 
@@ -200,12 +204,15 @@ impl DriverCall {
     }
 
     /// Whether the call blocks the host until GPU work has finished (a *host wait*):
-    /// `cuEventSynchronize`, `cuCtxSynchronize`, and `cuMemFree`, which synchronises the device
-    /// before freeing.
+    /// `cuEventSynchronize`, `cuStreamSynchronize`, `cuCtxSynchronize`, and `cuMemFree`, which
+    /// synchronises the device before freeing.
     pub fn blocks_host(self) -> bool {
         matches!(
             self,
-            DriverCall::EventSynchronize | DriverCall::DeviceSynchronize | DriverCall::MemFree
+            DriverCall::EventSynchronize
+                | DriverCall::StreamSynchronize
+                | DriverCall::DeviceSynchronize
+                | DriverCall::MemFree
         )
     }
 }
@@ -333,6 +340,16 @@ pub trait Driver: Send + Sync + 'static {
     ) -> DriverResult<()>;
     /// Blocks the host until all work on device `dev` has completed.
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
+    /// Blocks the host until all work queued on `stream` so far has completed
+    /// (`cuStreamSynchronize`). The default records a fresh event there and waits for it.
+    fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
+        let ev = self.event_create(dev)?;
+        let r = self
+            .event_record(dev, ev, stream)
+            .and_then(|()| self.event_synchronize(dev, ev));
+        let _ = self.event_destroy(dev, ev);
+        r
+    }
 
     /// Called when the pool hands `[ptr, ptr + size)` to a user on `stream`. Real drivers ignore
     /// it; the simulator records a hazard if unfinished work on another stream touches the range.
@@ -407,6 +424,9 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     }
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         (**self).device_synchronize(dev)
+    }
+    fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
+        (**self).stream_synchronize(dev, stream)
     }
     #[inline]
     fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {

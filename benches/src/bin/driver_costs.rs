@@ -22,7 +22,8 @@
 //!   printed;
 //! * `mem_alloc` / `mem_free` at 2, 20 and 64 MiB (per call and per MiB), `reserve_va` /
 //!   `free_va` of 64 GiB, `mem_info`, events (create, record, query, synchronize, destroy),
-//!   `stream_wait_event`, `device_synchronize` on an idle device, `capabilities`,
+//!   `stream_wait_event`, `stream_synchronize` and `device_synchronize` on an idle device,
+//!   `capabilities`,
 //!   `device_count`.
 //!
 //! A host wait's real price is GPU idle time, which depends on the work queued; the table keeps
@@ -223,7 +224,7 @@ impl Bench {
     fn small_calls(&mut self) -> DriverResult<()> {
         let (d, dev, reps) = (self.d.clone(), self.dev, self.reps);
         let s = StreamId::DEFAULT;
-        let mut t = [(); 10].map(|_| Vec::with_capacity(reps));
+        let mut t = [(); 11].map(|_| Vec::with_capacity(reps));
         let va_len = 64 << 30;
         for _ in 0..reps {
             let (r, us) = timed(|| d.mem_info(dev));
@@ -250,6 +251,9 @@ impl Bench {
             let (r, us) = timed(|| d.device_synchronize(dev));
             r?;
             t[7].push(us);
+            let (r, us) = timed(|| d.stream_synchronize(dev, s));
+            r?;
+            t[10].push(us);
             // A 64 GiB reservation may be refused (small address space, MIG): then those two
             // kinds keep no figure rather than losing every measurement.
             let (va, us) = timed(|| d.reserve_va(dev, va_len, self.g));
@@ -271,6 +275,7 @@ impl Bench {
             DriverCall::DeviceSynchronize,
             DriverCall::ReserveVa,
             DriverCall::FreeVa,
+            DriverCall::StreamSynchronize,
         ];
         for (call, times) in calls.into_iter().zip(t) {
             let bytes = if matches!(call, DriverCall::ReserveVa | DriverCall::FreeVa) {

@@ -1163,6 +1163,23 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     })
 }
 
+/// `cuStreamSynchronize`: waits for the work queued on `hStream` of the current context's
+/// device (the simulator completes it). Needs a current context.
+///
+/// # Safety
+///
+/// None: the stream handle is only passed on as a value.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
+    entry(|| {
+        let f = fake()?;
+        let d = f.current_device()?;
+        f.sim
+            .stream_synchronize(d, StreamId(hStream as usize as u64))
+            .map_err(|e| code(&e))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

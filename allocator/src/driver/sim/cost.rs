@@ -27,8 +27,8 @@
 //! is in the range of `cuMemCreate` + `cuMemMap` for large sizes and has a size-dependent part:
 //! these give ≈194 µs for 1 GiB, ≈23 µs for 20 MiB), `mem_free` 30 (the call itself; its
 //! implicit device synchronisation is a host wait, below), `event_create` 1, `event_destroy` 1,
-//! `event_synchronize` 1 and `device_synchronize` 5 (the calls' own overhead, not the wait),
-//! `stream_wait_event` 0.5 (like a record).
+//! `event_synchronize` 1, `stream_synchronize` 1 and `device_synchronize` 5 (the calls' own
+//! overhead, not the wait), `stream_wait_event` 0.5 (like a record).
 //!
 //! # Units
 //!
@@ -138,6 +138,7 @@ fn default_cost(call: DriverCall) -> CallCost {
         EventSynchronize => CallCost::flat(1.0),
         DeviceSynchronize => CallCost::flat(5.0),
         StreamWaitEvent => CallCost::flat(0.5),
+        StreamSynchronize => CallCost::flat(1.0),
     }
 }
 

@@ -397,6 +397,32 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
+        let call = DriverCall::StreamSynchronize;
+        self.enter(call)?;
+        let d = self.device(call, dev)?;
+        let mut st = d.state.lock();
+        // What an event recorded now would capture: the stream's last work and the waits
+        // queued on it.
+        let mut positions = Vec::new();
+        if let Some(ss) = st.streams.get(&stream.0) {
+            if let Some(work) = ss.last {
+                positions.push(Pos {
+                    stream: stream.0,
+                    work,
+                });
+            }
+            for &p in &ss.pending_waits {
+                merge_pos(&mut positions, p);
+            }
+        }
+        let n: usize = positions.into_iter().map(|p| st.complete_through(p)).sum();
+        if n > 0 {
+            d.unfinished.fetch_sub(n, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     fn event_destroy(&self, dev: DeviceId, event: EventId) -> DriverResult<()> {
         let call = DriverCall::EventDestroy;
         self.enter(call)?;
