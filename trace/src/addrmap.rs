@@ -77,7 +77,7 @@ pub(crate) struct FinishError {
     pub error: SequenceError,
 }
 
-/// The result of [`AddrSequencer::finish`].
+/// The result of `AddrSequencer::finish`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddrSequence {
     /// The replayable sequence; initial allocations come first.
