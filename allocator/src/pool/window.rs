@@ -466,6 +466,45 @@ mod tests {
     }
 
     #[test]
+    fn among_equal_windows_the_smallest_run_wins() {
+        // Live blocks at pages 5 and 12 leave runs 0..5, 6..12 and 13..16, all unmapped: a
+        // 3-page request needs three new pages in each, so the tightest run (13..16) wins.
+        let mut a = arena(16, &[5, 12]);
+        let shared = SharedGauges::default();
+        let (p, _) = a.try_take(HeapKind::Large, G, G, &shared).unwrap();
+        let (q, _) = a.try_take(HeapKind::Large, G, G, &shared).unwrap();
+        let mut live = [p, q];
+        live.sort_unstable();
+        assert_eq!(live, [BASE + 5 * G, BASE + 12 * G]);
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
+        assert_eq!(lo, BASE + 13 * G);
+        assert_eq!(missing.len(), 3);
+        // Four pages fit only in the first two runs; the smaller of those (0..5) wins.
+        let (lo, _) = choose_window(&a, HeapKind::Large, 0, 4 * G, G).unwrap();
+        assert_eq!(lo, BASE);
+    }
+
+    #[test]
+    fn a_window_stays_in_its_extent() {
+        // Two extents of the large heap: 4 pages at BASE, 8 pages further up. A 6-page
+        // request fits only the second; the first extent's holes never borrow the second's.
+        let mut a = arena(4, &[]);
+        let far = BASE + (1 << 30);
+        let kh = &mut a.kinds[HeapKind::Large];
+        let seg = kh.add_segment(
+            far,
+            8 * G,
+            Backing::Vmm {
+                pages: vec![None; 8],
+            },
+        );
+        kh.vmm_segs.push(seg);
+        assert!(choose_window(&a, HeapKind::Large, 0, 6 * G, G).is_none());
+        let (lo, missing) = choose_window(&a, HeapKind::Large, seg, 6 * G, G).unwrap();
+        assert_eq!((lo, missing.len()), (far, 6));
+    }
+
+    #[test]
     fn extents_are_twice_the_device_for_large_heaps() {
         assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Large), 22 * G);
         assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Small), 11 * G);
