@@ -354,19 +354,7 @@ impl Driver for SimDriver {
         if !st.events.contains_key(&event.0) {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
         }
-        let mut positions = Vec::new();
-        if let Some(ss) = st.streams.get(&stream.0) {
-            if let Some(work) = ss.last {
-                positions.push(Pos {
-                    stream: stream.0,
-                    work,
-                });
-            }
-            for &p in &ss.pending_waits {
-                merge_pos(&mut positions, p);
-            }
-        }
-        positions.retain(|&p| !st.is_complete(p));
+        let positions = st.capture(stream.0);
         st.events.insert(event.0, positions);
         Ok(())
     }
@@ -402,20 +390,8 @@ impl Driver for SimDriver {
         self.enter(call)?;
         let d = self.device(call, dev)?;
         let mut st = d.state.lock();
-        // What an event recorded now would capture: the stream's last work and the waits
-        // queued on it.
-        let mut positions = Vec::new();
-        if let Some(ss) = st.streams.get(&stream.0) {
-            if let Some(work) = ss.last {
-                positions.push(Pos {
-                    stream: stream.0,
-                    work,
-                });
-            }
-            for &p in &ss.pending_waits {
-                merge_pos(&mut positions, p);
-            }
-        }
+        // What an event recorded now would capture, completed now.
+        let positions = st.capture(stream.0);
         let n: usize = positions.into_iter().map(|p| st.complete_through(p)).sum();
         if n > 0 {
             d.unfinished.fetch_sub(n, Ordering::Relaxed);

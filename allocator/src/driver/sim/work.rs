@@ -126,6 +126,22 @@ impl DevState {
         q.get(i)
     }
 
+    /// What an event recorded on `stream` now captures: the stream's last work and the waits
+    /// queued on it, less what has completed already.
+    pub(super) fn capture(&self, stream: u64) -> Vec<Pos> {
+        let mut positions = Vec::new();
+        if let Some(ss) = self.streams.get(&stream) {
+            if let Some(work) = ss.last {
+                positions.push(Pos { stream, work });
+            }
+            for &p in &ss.pending_waits {
+                merge_pos(&mut positions, p);
+            }
+        }
+        positions.retain(|&p| !self.is_complete(p));
+        positions
+    }
+
     pub(super) fn is_complete(&self, p: Pos) -> bool {
         match self.streams.get(&p.stream).and_then(|s| s.queue.front()) {
             Some(w) => w.id > p.work,
