@@ -295,9 +295,33 @@ pub fn site_count() -> usize {
     sites().lock().frames.len() - 1
 }
 
-fn is_internal(name: &str) -> bool {
-    let n = name.trim_start_matches('<');
-    n.starts_with("backtrace::") || n.starts_with("cistern::provenance::")
+/// This crate's sources, to recognise its frames by file when release builds inline them under
+/// short names (`capture_site`, `origin<...>`) without the `cistern::` path.
+const CRATE_SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/");
+
+/// The source file a symbolised frame (`function (file:line)`) names, if any.
+fn frame_file(frame: &str) -> Option<&str> {
+    let (_, place) = frame.rsplit_once(" (")?;
+    Some(place.rsplit_once(':').map_or(place, |(f, _)| f))
+}
+
+/// Whether a symbolised frame belongs to the capture itself: the backtrace crate, or this
+/// module (by name, or by file when the capture was inlined).
+fn is_internal(frame: &str) -> bool {
+    let n = frame.trim_start_matches('<');
+    n.starts_with("backtrace::")
+        || n.starts_with("cistern::provenance::")
+        || n.contains("<cistern::provenance::")
+        || frame_file(frame).is_some_and(|f| {
+            f.contains("/backtrace-")
+                || f == concat!(env!("CARGO_MANIFEST_DIR"), "/src/provenance.rs")
+        })
+}
+
+/// Whether a symbolised frame is cistern's own (the pool's), by name or by source file.
+fn is_cistern(frame: &str) -> bool {
+    frame.trim_start_matches('<').starts_with("cistern::")
+        || frame_file(frame).is_some_and(|f| f.starts_with(CRATE_SRC))
 }
 
 /// The frames of call site `id`, symbolised now: `function (file:line)` per frame, innermost
@@ -345,7 +369,7 @@ pub fn site_label(id: u32) -> String {
     let frames = site_frames(id);
     let user: Vec<&str> = frames
         .iter()
-        .filter(|f| !f.trim_start_matches('<').starts_with("cistern::"))
+        .filter(|f| !is_cistern(f))
         .take(3)
         .enumerate()
         .map(|(i, f)| match f.find(" (") {
