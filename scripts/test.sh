@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test of the project, on a machine without a GPU: the Rust workspace (which also builds
+# Every test of the project, on a machine without a GPU: the Rust workspace in debug and in
+# release (which also builds
 # libcistern.so and the fake libcuda.so), then the Python package's tests through ctypes, once on
 # the simulated GPU (CISTERN_DRIVER=sim) and once through the real CUDA backend over the fake
 # libcuda (tests only: it is never put on the library path anywhere else).
@@ -8,6 +9,11 @@ cd "$(dirname "$0")/.."
 
 echo "== cargo test --workspace"
 cargo test --workspace
+
+# Users run release builds (libcistern.so, the wheel): every test must pass there too
+# (inlining and optimisation change what a backtrace sees, and how fast races run).
+echo "== cargo test --workspace --release"
+cargo test --workspace --release
 
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 lib="$target_dir/debug/libcistern.so"
