@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every test of the project, on a machine without a GPU: the Rust workspace in debug and in
-# release (which also builds
-# libcistern.so and the fake libcuda.so), then the Python package's tests through ctypes, once on
-# the simulated GPU (CISTERN_DRIVER=sim) and once through the real CUDA backend over the fake
-# libcuda (tests only: it is never put on the library path anywhere else).
+# release (which also builds libcistern.so and the fake libcuda.so), then the Python package's
+# tests through ctypes, once on the simulated GPU (CISTERN_DRIVER=sim) and once through the real
+# CUDA backend over the fake libcuda (tests only: it is never put on the library path anywhere
+# else).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
