@@ -18,7 +18,7 @@ impl<D: Driver> DevicePool<D> {
         let mut released = 0;
         for arena in self.all_arenas() {
             let mut st = arena.state.lock();
-            released += self.release_arena(dev, arena.stream, &mut st, u64::MAX, true);
+            released += self.release_arena(dev, arena.handle_here(), &mut st, u64::MAX, true);
         }
         released
     }
@@ -30,7 +30,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn release_arena(
         &self,
         dev: &mut DeviceState,
-        stream: StreamId,
+        stream: Option<StreamId>,
         a: &mut ArenaState,
         budget: u64,
         wait: bool,
@@ -133,11 +133,11 @@ impl<D: Driver> DevicePool<D> {
             }
             let got = match held {
                 Some((h, ref mut hs)) if Arc::ptr_eq(h, &arena) => {
-                    self.release_arena(dev, arena.stream, hs, budget, wait)
+                    self.release_arena(dev, arena.handle_here(), hs, budget, wait)
                 }
                 _ => {
                     let mut st = arena.state.lock();
-                    self.release_arena(dev, arena.stream, &mut st, budget, wait)
+                    self.release_arena(dev, arena.handle_here(), &mut st, budget, wait)
                 }
             };
             budget = budget.saturating_sub(got);
@@ -219,7 +219,7 @@ impl<D: Driver> DevicePool<D> {
                 let mut st = arena.state.lock();
                 over = over.saturating_sub(self.release_arena(
                     &mut dev,
-                    arena.stream,
+                    arena.handle_here(),
                     &mut st,
                     over,
                     true,

@@ -521,7 +521,7 @@ impl<D: Driver> DevicePool<D> {
         if !place.full() {
             moved += self.steal_pages(
                 a,
-                arena.stream,
+                arena.handle_here(),
                 Some(w.exclude(kind)),
                 dev,
                 kind,
@@ -538,7 +538,7 @@ impl<D: Driver> DevicePool<D> {
                 let mut o = other.state.lock();
                 let got = self.steal_pages(
                     &mut o,
-                    other.stream,
+                    other.handle_here(),
                     None,
                     dev,
                     kind,
