@@ -207,6 +207,13 @@ impl<D: Driver> DevicePool<D> {
     /// resolves the handle (one `stream_info` call: this is the path of a thread's first use of
     /// a handle, and of every growth). A new stream seen with the handle of an arena's stream
     /// means that stream is gone: its arena retires (see [`DevicePool::retire`]).
+    ///
+    /// Known limit: a thread's cache of handle -> arena is checked against retirements, not
+    /// against the driver, so a thread that destroys a stream and allocates at once on a new
+    /// stream that got the same handle is served from the old arena's cached blocks until its
+    /// next growth or until any other thread meets the new stream. Asking the driver on every
+    /// allocation (`cuStreamGetId`) would close it at the price of a driver call on the hot
+    /// path.
     pub(super) fn arena(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
         let c = &*self.core;
         let info = c.driver.stream_info(c.dev, stream)?;

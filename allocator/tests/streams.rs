@@ -1,0 +1,131 @@
+//! Streams as the driver names them: a handle is not an identity. A destroyed stream's handle
+//! can come back as a new stream (the pool must not hand the new stream blocks the old one may
+//! still be using, nor ever name the old one again), and the address space that arenas reserve
+//! from is finite (running out is an OOM with its report, never a bare driver error).
+//!
+//! The simulator takes any handle as a stream; `SimDriver::recreate_stream` says a handle now
+//! names a new stream, as `cuStreamDestroy` + `cuStreamCreate` may on the real driver. The rules
+//! that need a driver which creates streams (per-thread streams, streams of other devices) are
+//! tested over the fake libcuda (`tests/fakecuda/tests/`).
+
+mod common;
+
+use cistern::{Error, SimConfig, StreamId};
+use common::*;
+
+const H: u64 = 0x7000;
+
+/// The extent (segment) of the pool's report that holds `ptr`.
+fn extent_of(pool: &SimPool, ptr: u64) -> u64 {
+    pool.device(0)
+        .unwrap()
+        .segments_snapshot()
+        .iter()
+        .find(|s| s.address <= ptr && ptr < s.address + s.total_size)
+        .map(|s| s.address)
+        .unwrap_or_else(|| panic!("{ptr:#x} is in no segment"))
+}
+
+#[test]
+fn a_recreated_handle_is_a_new_stream_and_the_old_arena_retires() {
+    both(|vmm| {
+        let (sim, pool) = pool(GIB, vmm);
+        let pool = std::sync::Arc::new(pool);
+        // The first stream on H: one block kept live, one freed into H's cache.
+        let live = alloc(&pool, 8 * MIB, H);
+        let cached = alloc(&pool, 8 * MIB, H);
+        free(&pool, cached, H);
+        let old_extent = extent_of(&pool, live);
+        sim.recreate_stream(StreamId(H));
+        // Another thread meets the new stream first: it gets a new arena, never the cached
+        // block of the gone stream (whose last work may still be running).
+        let p2 = {
+            let pool = pool.clone();
+            std::thread::spawn(move || alloc(&pool, 8 * MIB, H))
+                .join()
+                .unwrap()
+        };
+        assert_ne!(
+            p2, cached,
+            "the new stream got the gone stream's cached block"
+        );
+        if vmm {
+            assert_ne!(extent_of(&pool, p2), old_extent);
+        }
+        // This thread had H cached: the retirement invalidated it, so it lands in the new
+        // arena too.
+        let p3 = alloc(&pool, 8 * MIB, H);
+        assert_ne!(p3, cached);
+        if vmm {
+            assert_eq!(extent_of(&pool, p3), extent_of(&pool, p2));
+        }
+        // The retired arena's live block can still be freed; its memory is still accounted.
+        free(&pool, live, H);
+        free(&pool, p2, H);
+        free(&pool, p3, H);
+        check(&pool);
+        let pool = std::sync::Arc::try_unwrap(pool).ok().unwrap();
+        assert_no_leak(&sim, pool);
+    });
+}
+
+#[test]
+fn the_retired_arenas_pages_go_to_other_streams_only_after_a_device_sync() {
+    // Two streams' worth of the device: the new stream on H must take the retired arena's
+    // free pages, and may only do so once the device is idle (the gone stream cannot be
+    // waited for by name).
+    let (sim, pool) = pool(64 * MIB, true);
+    let p = alloc(&pool, 48 * MIB, H);
+    free(&pool, p, H);
+    sim.recreate_stream(StreamId(H));
+    let syncs = sim.calls(cistern::driver::DriverCall::DeviceSynchronize);
+    // Met first on another thread (see `DevicePool::arena` on what a thread that had the
+    // handle cached sees).
+    let q = std::thread::scope(|t| t.spawn(|| alloc(&pool, 48 * MIB, H)).join().unwrap());
+    assert_ne!(q, p);
+    assert!(
+        sim.calls(cistern::driver::DriverCall::DeviceSynchronize) > syncs,
+        "pages of a gone stream were moved without synchronising the device"
+    );
+    free(&pool, q, H);
+    check(&pool);
+    assert_no_leak(&sim, pool);
+}
+
+#[test]
+fn running_out_of_address_space_is_an_oom_with_a_report() {
+    // A 1.5 TiB device: each stream's large heap reserves 3 TiB of the simulator's 16 TiB
+    // address range, so five streams leave 1 TiB. Later streams get smaller reservations; when
+    // not even the request fits, the allocation is an OOM that says why.
+    let (_sim, pool) = pool_with(SimConfig::default().capacity(3 << 39), true, "");
+    let mut live = Vec::new();
+    let mut failure = None;
+    for s in 0..64u64 {
+        match pool.alloc_raw(0, 64 * MIB, StreamId(0x100 + s)) {
+            Ok(p) => live.push((p, 0x100 + s)),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+        check(&pool);
+    }
+    let e = failure.expect("64 streams of 2 TiB reservations fit in 16 TiB");
+    match &e {
+        Error::OutOfMemory(r) => {
+            let text = e.to_string();
+            assert!(text.contains("virtual address space"), "{text}");
+            assert!(r.requested > 0);
+        }
+        other => panic!("expected an OOM with a report, got {other:?}"),
+    }
+    assert!(
+        live.len() > 5,
+        "smaller reservations should let more than 5 streams in: {}",
+        live.len()
+    );
+    for (p, s) in live {
+        free(&pool, p, s);
+    }
+    check(&pool);
+}
