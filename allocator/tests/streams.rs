@@ -129,3 +129,30 @@ fn running_out_of_address_space_is_an_oom_with_a_report() {
     }
     check(&pool);
 }
+
+#[test]
+fn teardown_leaves_memory_mapped_when_the_streams_work_cannot_be_waited_for() {
+    // The stream's work on a freed block is unfinished and every way of waiting for it fails:
+    // unmapping would pull the pages from under that work. The pool must leave them mapped.
+    let (sim, pool) = pool(GIB, true);
+    let p = alloc(&pool, 8 * MIB, H);
+    sim.launch(0, StreamId(H), &[(p, 8 * MIB)]).unwrap();
+    free(&pool, p, H);
+    for call in [
+        cistern::driver::DriverCall::EventSynchronize,
+        cistern::driver::DriverCall::EventRecord,
+        cistern::driver::DriverCall::StreamSynchronize,
+        cistern::driver::DriverCall::DeviceSynchronize,
+    ] {
+        sim.fail_from(call, 1);
+    }
+    let unmaps = sim.calls(cistern::driver::DriverCall::Unmap);
+    drop(pool);
+    assert_eq!(
+        sim.calls(cistern::driver::DriverCall::Unmap),
+        unmaps,
+        "teardown unmapped memory whose stream could not be waited for"
+    );
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    sim.clear_faults();
+}

@@ -36,7 +36,7 @@
 //!    and, on a cache hit, takes one uncontended arena lock and makes no driver call (the
 //!    arena and its heap: `arena/mod.rs`, `heap.rs`). On a miss it grows (`pool/grow.rs`,
 //!    `pool/vmm.rs`): it maps pages or allocates a segment through the driver seam
-//!    (`driver/mod.rs`, then `driver/cuda.rs` or `driver/sim/`), or fails with an OOM report.
+//!    (`driver/mod.rs`, then `driver/cuda/` or `driver/sim/`), or fails with an OOM report.
 //! 5. The address comes back as `void*`; a failure becomes NULL and a last error
 //!    ("out of memory: ..." with the report, for an OOM).
 //!
