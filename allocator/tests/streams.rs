@@ -190,3 +190,46 @@ fn streams_destroyed_and_replaced_in_a_loop_do_not_keep_their_reservations() {
         assert_no_leak(&sim, pool);
     });
 }
+
+#[test]
+fn a_forgotten_stream_is_never_named_again_and_its_handle_starts_afresh() {
+    both(|vmm| {
+        let (sim, pool) = pool(GIB, vmm);
+        let live = alloc(&pool, 4 * MIB, H);
+        let cached = alloc(&pool, 8 * MIB, H);
+        free(&pool, cached, H);
+        // The program destroys the stream (telling the pool) and the driver hands the handle to
+        // its next stream: even on this thread, which had the handle cached, the new stream is
+        // not served the gone stream's cached block.
+        pool.forget_stream(StreamId(H)).unwrap();
+        sim.recreate_stream(StreamId(H));
+        let p = alloc(&pool, 8 * MIB, H);
+        assert_ne!(p, cached);
+        free(&pool, p, H);
+        free(&pool, live, H);
+        check(&pool);
+        // A stream destroyed for good: giving its cache back never names its handle (a device
+        // synchronisation instead of an event on it).
+        let gone = 0x9000;
+        let q = alloc(&pool, 8 * MIB, gone);
+        free(&pool, q, gone);
+        pool.forget_stream(StreamId(gone)).unwrap();
+        let (records, syncs) = (
+            sim.calls(cistern::driver::DriverCall::EventRecord),
+            sim.calls(cistern::driver::DriverCall::DeviceSynchronize),
+        );
+        pool.forget_stream(StreamId(H)).unwrap();
+        pool.empty_cache();
+        let named = sim.calls(cistern::driver::DriverCall::EventRecord) - records;
+        assert_eq!(named, 0, "a gone stream's handle was used {named} time(s)");
+        if vmm {
+            assert!(sim.calls(cistern::driver::DriverCall::DeviceSynchronize) > syncs);
+        }
+        check(&pool);
+        // The default streams cannot be destroyed.
+        for s in [0, 1, 2] {
+            assert!(pool.forget_stream(StreamId(s)).is_err());
+        }
+        assert_no_leak(&sim, pool);
+    });
+}

@@ -254,6 +254,25 @@ pub extern "C" fn cistern_record_stream(ptr: *mut c_void, stream: cistern_stream
     })
 }
 
+/// Says that `stream` is about to be destroyed (or just was): cistern never names it again, and
+/// a stream that later gets the same handle from the driver is not served the gone stream's
+/// cached memory (whose last work may still be running). Live allocations made on it stay
+/// valid. Call it around `cuStreamDestroy` / `cudaStreamDestroy` when streams are created and
+/// destroyed while the process runs (PyTorch's streams never are). The default streams (0,
+/// `cudaStreamLegacy`, `cudaStreamPerThread`) are refused (last error).
+#[no_mangle]
+pub extern "C" fn cistern_forget_stream(stream: cistern_stream_t) {
+    guard::call("cistern_forget_stream", (), || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => return fail_no_pool("cistern_forget_stream", why),
+        };
+        if let Err(e) = with_pool!(pool, |p| p.forget_stream(stream_id(stream))) {
+            fail(format!("cistern_forget_stream({stream:p}): {e}"), true);
+        }
+    })
+}
+
 /// The base address and size of the allocation that contains `ptr` (any address inside a
 /// live allocation), as PyTorch's `getBaseAllocation` means it: the memory to share with
 /// another process, `ptr` being at offset `ptr - base` in it. For a pool of `cuMemAlloc`

@@ -258,6 +258,25 @@ impl<D: Driver> DevicePool<D> {
         self.retired.lock().push(arena);
     }
 
+    /// Retires the arenas of the stream handle `stream` (see [`Pool::forget_stream`]), without
+    /// a driver call: the stream may be destroyed already. Returns whether there was one.
+    ///
+    /// [`Pool::forget_stream`]: super::Pool::forget_stream
+    pub fn forget_stream(&self, stream: StreamId) -> bool {
+        let mut map = self.arenas.write();
+        let gone: Vec<u64> = map
+            .iter()
+            .filter(|(_, a)| a.stream == stream)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &gone {
+            if let Some(old) = map.remove(id) {
+                self.retire(old);
+            }
+        }
+        !gone.is_empty()
+    }
+
     /// Runs `f` on the cached arena of `stream`, if this thread has it cached (and no arena
     /// retired since it was cached).
     #[inline]
