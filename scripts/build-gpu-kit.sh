@@ -64,6 +64,10 @@ if find "$KIT" \( -name 'libcuda.so*' -o -name '*fakecuda*' \) | grep -q .; then
   echo "a libcuda.so got into the kit" >&2
   exit 1
 fi
+# The device's glibc must be at least the newest version these binaries ask for.
+glibc=$(objdump -T "$KIT"/driver_costs "$KIT"/cuda_driver "$KIT"/cudarc_kernel "$KIT"/cistern \
+  "$KIT"/libcistern.so 2> /dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n 1)
+echo "the kit needs ${glibc:-an unknown glibc} or newer on the device"
 du -sh "$KIT"
 [ "$(du -sm "$KIT" | cut -f1)" -lt 64 ] || {
   echo "kit over 64 MiB" >&2

@@ -16,9 +16,11 @@
 #   torch_train_native   PyTorch, its own allocator: a small training loop's losses, twice
 #   torch_shim           builds cistern_torch's OOM shim once (C++, cached); without it the
 #                        cistern steps run with CISTERN_TORCH_SHIM=0 (OOM after the fact)
-#   torch_train_cistern  the same loop with cistern: the same losses? peak reserved side by side
+#   torch_train_cistern  the same loop with cistern: the same losses? peak reserved and
+#                        torch.empty+del cost side by side
 #   torch_oom            OOM raises torch.OutOfMemoryError (a huge request, a memory fraction)
 #   torch_record_stream  record_stream across two streams (with a control that must corrupt)
+#   torch_snapshot       cistern's snapshot through PyTorch's memory viewer (_memory_viz)
 #   torch_ipc            a cistern tensor shared with another process (torch.multiprocessing)
 #   torch_graphs         CUDA graph capture and replay under cistern
 #   plugin_pytest        pytorch-plugin/tests' GPU tests (test_gpu_*), when pytest is there
@@ -30,8 +32,9 @@
 # table printed last, made from steps.tsv only. Exit status: 0 when no step failed or timed out,
 # 1 otherwise, 2 when the kit is missing, 3 when it refuses to run over a fake driver.
 #
-# Environment: KIT (default gpu-kit), OUT (default ./gpu-out), BUDGET_S, ONLY=step,step (rerun
-# just these; the others are recorded as skipped), PYTHON (default python3).
+# Environment (paths relative to the repository root): KIT (default gpu-kit), OUT (default
+# gpu-out), BUDGET_S, ONLY=step,step (rerun just these; the others are recorded as skipped),
+# PYTHON (default python3).
 #
 # It never runs over cistern's fake libcuda (tests/fakecuda): it refuses (exit 3) when
 # CISTERN_FAKECUDA is set, when the kit holds any libcuda.so*, when a directory on
@@ -251,6 +254,7 @@ run_env() {
   done
   "${PYTHON:-python3}" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 || true
   echo "vm.max_map_count: $(cat /proc/sys/vm/max_map_count 2> /dev/null)"
+  echo "glibc: $(ldd --version 2> /dev/null | head -n 1)"
 }
 
 run_driver_costs() {
@@ -382,6 +386,7 @@ main() {
   step torch_train_cistern 90 run_torch train --mode cistern
   step torch_oom 60 run_torch oom
   step torch_record_stream 45 run_torch record_stream
+  step torch_snapshot 45 run_torch snapshot
   step torch_ipc 75 run_torch ipc
   step torch_graphs 45 run_torch graphs
   step plugin_pytest 90 run_plugin_pytest

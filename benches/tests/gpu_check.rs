@@ -332,13 +332,19 @@ fn without_a_kit_every_step_is_skipped_and_the_summary_comes_last() {
         "pool_novmm",
         "cudarc_kernel",
         "torch_oom",
+        "torch_snapshot",
         "replay_measured",
     ] {
         let r = row(&summary, step);
         assert_eq!(r[1], "skipped", "{summary}");
         assert!(r.join(" ").contains("rebuild the kit"), "{summary}");
     }
-    for step in ["torch_train_native", "torch_ipc", "plugin_pytest"] {
+    for step in [
+        "torch_train_native",
+        "torch_shim",
+        "torch_ipc",
+        "plugin_pytest",
+    ] {
         // Skipped for want of torch, CUDA, pytest or the kit; on a machine with a GPU and torch
         // the native run could pass.
         let r = row(&summary, step);

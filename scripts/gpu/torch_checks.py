@@ -4,9 +4,10 @@ One check per process (cistern_torch.install() must precede CUDA initialisation)
 
     python3 torch_checks.py train --mode native     # the reference losses, run twice
     python3 torch_checks.py shim                    # builds cistern_torch's OOM shim (cached)
-    python3 torch_checks.py train --mode cistern    # the same losses? peak reserved side by side
+    python3 torch_checks.py train --mode cistern    # the same losses? peak reserved, alloc cost
     python3 torch_checks.py oom                     # OOM raises torch.OutOfMemoryError
     python3 torch_checks.py record_stream           # a block used on a second stream
+    python3 torch_checks.py snapshot                # cistern's snapshot in PyTorch's memory viewer
     python3 torch_checks.py ipc                     # a CUDA tensor shared with another process
     python3 torch_checks.py graphs                  # CUDA graph capture and replay
 
@@ -115,6 +116,24 @@ def train_once(torch, seed: int = 0) -> list:
     return losses
 
 
+def alloc_cost_ns(torch) -> dict:
+    """torch.empty + del per tensor (Python and the dispatcher included), best of 3 x 20000."""
+    dev = torch.device("cuda")
+    res = {}
+    for name, n in (("4KiB", 4096), ("64MiB", 64 << 20)):
+        x = torch.empty(n, dtype=torch.uint8, device=dev)
+        del x
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter_ns()
+            for _ in range(20000):
+                x = torch.empty(n, dtype=torch.uint8, device=dev)
+                del x
+            best = min(best, (time.perf_counter_ns() - t0) / 20000)
+        res[name] = round(best)
+    return res
+
+
 def cmd_train(a) -> None:
     torch = torch_or_skip(a.mode)
     torch.use_deterministic_algorithms(True)
@@ -134,8 +153,11 @@ def cmd_train(a) -> None:
     else:
         peak = torch.cuda.max_memory_reserved()
         waits = None
-    rec = {"mode": a.mode, "losses": losses, "seconds": round(seconds, 3), "peak_reserved": peak}
-    key(seconds=round(seconds, 2), peak_reserved_mib=round(peak / 2**20))
+    cost = alloc_cost_ns(torch)
+    rec = {"mode": a.mode, "losses": losses, "seconds": round(seconds, 3), "peak_reserved": peak,
+           "alloc_cost_ns": cost}
+    key(seconds=round(seconds, 2), peak_reserved_mib=round(peak / 2**20),
+        **{f"empty_del_ns_{k}": v for k, v in cost.items()})
     if a.mode == "native":
         again = train_once(torch)  # same process, other addresses: is the loop deterministic?
         rec["deterministic"] = again == losses
@@ -151,7 +173,8 @@ def cmd_train(a) -> None:
             ref = json.load(f)
     except OSError:
         raise Skip("no native losses to compare with (step torch_train_native did not pass)")
-    key(native_peak_reserved_mib=round(ref["peak_reserved"] / 2**20))
+    key(native_peak_reserved_mib=round(ref["peak_reserved"] / 2**20),
+        **{f"native_empty_del_ns_{k}": v for k, v in ref.get("alloc_cost_ns", {}).items()})
     same = ref["losses"] == losses
     key(same_losses=int(same), last_loss=float.fromhex(losses[-1]))
     if same:
@@ -273,6 +296,47 @@ def cmd_record_stream(_a) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+def cmd_snapshot(_a) -> None:
+    """cistern's snapshot through PyTorch's memory viewer (_memory_viz), and dump_snapshot."""
+    torch = torch_or_skip("cistern")
+    import cistern_torch
+    from cistern_torch import _snapshot
+    from torch.cuda import _memory_viz
+
+    dev = torch.device("cuda")
+    with cistern_torch.tag("kept"):
+        kept = [torch.empty(n, dtype=torch.uint8, device=dev) for n in (1000, 3 << 20, 40 << 20)]
+    side_stream = torch.cuda.Stream()
+    with torch.cuda.stream(side_stream):
+        side = torch.empty(5 << 20, dtype=torch.uint8, device=dev)
+    snap = cistern_torch.snapshot()
+    problems = _snapshot.validate(snap)
+    viz = {}
+    for name, fn in (("segsum", _memory_viz.segsum), ("segment_plot", _memory_viz.segment_plot),
+                     ("memory", _memory_viz.memory)):
+        try:
+            text = fn(snap)
+            with open(os.path.join(OUT, f"snapshot_{name}.{'txt' if name == 'segsum' else 'html'}"),
+                      "w") as f:
+                f.write(text)
+            viz[name] = "ok"
+        except Exception as e:  # noqa: BLE001
+            viz[name] = err_text(e)
+    try:
+        cistern_torch.dump_snapshot(os.path.join(OUT, "snapshot.pickle"))
+        viz["dump_snapshot"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        viz["dump_snapshot"] = err_text(e)
+    emit("snapshot", segments=len(snap.get("segments", [])), problems=problems[:5], **viz)
+    key(segments=len(snap.get("segments", [])), problems=len(problems),
+        **{k: int(v == "ok") for k, v in viz.items()})
+    del kept, side
+    bad = {k: v for k, v in viz.items() if v != "ok"}
+    if problems or bad:
+        raise Fail(f"snapshot problems {problems[:3]}, viewer {bad}")
+
+
+# ---------------------------------------------------------------------------------------------
 def _ipc_child(buf, install: bool, q) -> None:
     try:
         from multiprocessing.reduction import ForkingPickler
@@ -369,10 +433,11 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
     p.add_argument("--mode", choices=["native", "cistern"], required=True)
-    for name in ("shim", "oom", "record_stream", "ipc", "graphs"):
+    for name in ("shim", "oom", "record_stream", "snapshot", "ipc", "graphs"):
         sub.add_parser(name)
     a = ap.parse_args()
     cmds = {"train": cmd_train, "shim": cmd_shim, "oom": cmd_oom, "record_stream": cmd_record_stream,
+            "snapshot": cmd_snapshot,
             "ipc": cmd_ipc, "graphs": cmd_graphs}
     try:
         cmds[a.cmd](a)
