@@ -2,7 +2,8 @@
 //! cistern's fake libcuda (found by content, wherever it could be picked up), its summary is
 //! made from the step results it recorded, and every step degrades to "skipped: <why>" without
 //! the kit. The script is sourced for its functions (nothing runs when it is sourced), so these
-//! tests drive the step runner with stub commands. Shellcheck-clean when shellcheck is here.
+//! tests drive the step runner with stub commands. Shellcheck-clean when shellcheck is here;
+//! the device helpers (`scripts/gpu/`) compile warning-free when gcc is here.
 
 #[path = "../../tests/fakecuda/tests/common/mod.rs"]
 mod fakecuda;
@@ -372,4 +373,40 @@ fn the_scripts_are_shellcheck_clean() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
+}
+
+#[test]
+fn the_device_helpers_compile() {
+    // pairbench is compiled by build-gpu-kit.sh, or on the device: warning-free, no CUDA headers.
+    match Command::new("gcc").arg("--version").output() {
+        Ok(_) => {
+            let dir = temp_dir("cc");
+            let o = Command::new("gcc")
+                .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+                .arg(dir.join("pairbench"))
+                .arg(repo().join("scripts/gpu/pairbench.c"))
+                .arg("-ldl")
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", text(&o));
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        Err(_) => eprintln!("skipping pairbench: no gcc here"),
+    }
+    // torch_checks.py: compiled only (without torch every check is skipped).
+    match Command::new("python3").arg("--version").output() {
+        Ok(_) => {
+            let src = repo().join("scripts/gpu/torch_checks.py");
+            let o = Command::new("python3")
+                .args([
+                    "-c",
+                    "import sys; compile(open(sys.argv[1]).read(), sys.argv[1], 'exec')",
+                ])
+                .arg(&src)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", text(&o));
+        }
+        Err(_) => eprintln!("skipping torch_checks.py: no python3 here"),
+    }
 }
