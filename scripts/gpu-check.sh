@@ -38,10 +38,10 @@
 #
 # It never runs over cistern's fake libcuda (tests/fakecuda): it refuses (exit 3) when
 # CISTERN_FAKECUDA is set, when the kit holds any libcuda.so*, when a directory on
-# LD_LIBRARY_PATH or a file in LD_PRELOAD is the fake, or when the libcuda.so.1 that ldconfig or
-# the dynamic loader would pick is (the fake is recognised by its content, the string
-# "cistern-fakecuda"). Tests: benches/tests/gpu_check.rs (sources this file: its functions are
-# defined and nothing runs when it is sourced).
+# LD_LIBRARY_PATH or a file in LD_PRELOAD is the fake, or when the libcuda that ldconfig or the
+# dynamic loader would pick (libcuda.so or libcuda.so.1) is; the fake is recognised by its
+# content, the string "cistern-fakecuda". Tests: benches/tests/gpu_check.rs (it sources this
+# file: its functions are defined and nothing runs when it is sourced).
 set -u
 
 GPU_CHECK_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -57,14 +57,15 @@ is_fake() {
   [ -f "$1" ] && grep -qaF "$FAKE_MARK" "$1" 2>/dev/null
 }
 
-# loader_libcuda: the file the dynamic loader maps for dlopen("libcuda.so.1") with this
-# environment (empty when none loads or there is no python3 to ask).
+# loader_libcuda [NAME]: the file the dynamic loader maps for dlopen(NAME) (default
+# libcuda.so.1, the CUDA runtime's; cudarc tries libcuda.so first) with this environment; empty
+# when none loads or there is no python3 to ask.
 loader_libcuda() {
   command -v "${PYTHON:-python3}" > /dev/null 2>&1 || return 0
-  "${PYTHON:-python3}" - 2> /dev/null << 'PY' || true
-import ctypes
+  "${PYTHON:-python3}" - "${1:-libcuda.so.1}" 2> /dev/null << 'PY' || true
+import ctypes, sys
 try:
-    ctypes.CDLL("libcuda.so.1")
+    ctypes.CDLL(sys.argv[1])
 except OSError:
     raise SystemExit(0)
 for line in open("/proc/self/maps"):
@@ -121,11 +122,14 @@ guard() {
       fi
     done
   fi
-  f=$(loader_libcuda)
-  if [ -n "$f" ] && is_fake "$f"; then
-    refuse "dlopen(\"libcuda.so.1\") loads $f, cistern's fake" \
-      "remove its directory from the library path (LD_LIBRARY_PATH, ld.so.conf) and rerun"
-  fi
+  local name
+  for name in libcuda.so libcuda.so.1; do
+    f=$(loader_libcuda "$name")
+    if [ -n "$f" ] && is_fake "$f"; then
+      refuse "dlopen(\"$name\") loads $f, cistern's fake" \
+        "remove its directory from the library path (LD_LIBRARY_PATH, ld.so.conf) and rerun"
+    fi
+  done
   echo "gpu-check: driver guard ok (libcuda.so.1 loads as: ${f:-nothing found})"
 }
 
