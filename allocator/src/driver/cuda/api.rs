@@ -127,6 +127,9 @@ driver_api! {
     cuStreamSynchronize(CUstream);
     cuStreamGetId(CUstream, *mut c_ulonglong);
     cuStreamGetCtx(CUstream, *mut CUcontext);
+    // The mode is a `CUstreamCaptureMode`, read and written as a plain integer here so that no
+    // value the driver writes back can be an invalid Rust enum.
+    cuThreadExchangeStreamCaptureMode(*mut c_uint);
 }
 
 // SAFETY: the table holds plain function pointers into a library that stays loaded; the CUDA

@@ -34,6 +34,19 @@
 //! `CU_STREAM_PER_THREAD` (`0x2`, a different stream on every thread) are resolved through the
 //! device's context on the calling thread, as the driver resolves them.
 //!
+//! # Stream capture
+//!
+//! Another thread (or this one) may be capturing a CUDA graph while cistern runs: PyTorch
+//! allocates during `torch.cuda.graph`, whose default mode is global. In that mode the
+//! calls the driver calls "potentially unsafe" (`cuMemAlloc`, `cuMemFree`, and the event, stream
+//! and context queries and synchronisations) are refused and *invalidate the capture*. None of
+//! cistern's such calls is part of the user's graph, so each runs with the calling thread's
+//! capture mode exchanged to relaxed for the call and put back after
+//! (`cuThreadExchangeStreamCaptureMode`, as PyTorch's `CUDAStreamCaptureModeGuard` does around
+//! `cudaMalloc`): a capture elsewhere is left valid. Calls that conflict with a capture
+//! whatever the mode (a query of an event recorded inside one) still fail, and the pool treats
+//! them as "not yet".
+//!
 //! # Handles
 //!
 //! [`StreamId`], [`EventId`] and [`PhysHandle`] carry the raw `CUstream`, `CUevent` and
@@ -69,6 +82,9 @@ const FIX: &str =
 
 /// The granularity reported for devices without VMM: the size of the pool's linear segments.
 const LINEAR_GRANULARITY: u64 = 2 << 20;
+
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_uint = 2;
 
 /// The code reported when the driver library cannot be loaded at all (`CUDA_ERROR_NOT_INITIALIZED`).
 const CODE_NOT_LOADED: i32 = CUresult::CUDA_ERROR_NOT_INITIALIZED as i32;
@@ -264,6 +280,28 @@ impl CudaDriver {
                     ),
                 )
             })
+    }
+
+    /// Runs `f` with this thread's stream-capture mode relaxed (see the module documentation).
+    fn relaxed<R>(&self, f: impl FnOnce() -> R) -> R {
+        let api = self.api;
+        let mut mode: c_uint = CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a live, writable integer holding a valid mode; the driver stores
+        // the thread's previous mode in it.
+        let swapped = matches!(
+            catch_unwind(AssertUnwindSafe(|| unsafe {
+                (api.cuThreadExchangeStreamCaptureMode)(&mut mode)
+            })),
+            Ok(CUresult::CUDA_SUCCESS)
+        );
+        let r = f();
+        if swapped {
+            // SAFETY: as above; `mode` now holds the mode to put back.
+            let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
+                (api.cuThreadExchangeStreamCaptureMode)(&mut mode)
+            }));
+        }
+        r
     }
 
     /// Reads what device `d` can do (no context needed).
@@ -652,9 +690,11 @@ impl Driver for CudaDriver {
         let size = to_usize(call, size)?;
         let _bound = self.bind(call, dev)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is a live, writable CUdeviceptr; dev's context is current.
-        cu(call, "cuMemAlloc_v2", || unsafe {
-            (self.api.cuMemAlloc_v2)(&mut ptr, size)
+        self.relaxed(|| {
+            // SAFETY: `ptr` is a live, writable CUdeviceptr; dev's context is current.
+            cu(call, "cuMemAlloc_v2", || unsafe {
+                (self.api.cuMemAlloc_v2)(&mut ptr, size)
+            })
         })?;
         Ok(ptr)
     }
@@ -662,9 +702,11 @@ impl Driver for CudaDriver {
     fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
         let call = DriverCall::MemFree;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: a plain address; the driver refuses one that cuMemAlloc did not return.
-        cu(call, "cuMemFree_v2", || unsafe {
-            (self.api.cuMemFree_v2)(ptr)
+        self.relaxed(|| {
+            // SAFETY: a plain address; the driver refuses one that cuMemAlloc did not return.
+            cu(call, "cuMemFree_v2", || unsafe {
+                (self.api.cuMemFree_v2)(ptr)
+            })
         })
     }
 
@@ -696,8 +738,10 @@ impl Driver for CudaDriver {
         let call = DriverCall::EventQuery;
         let ev = event_ptr(call, event)?;
         let _bound = self.bind(call, dev)?;
+        let api = self.api;
         // SAFETY: `ev` came from event_create (contract); the query never blocks.
-        match catch_unwind(|| unsafe { (self.api.cuEventQuery)(ev) }) {
+        let query = || catch_unwind(|| unsafe { (api.cuEventQuery)(ev) });
+        match self.relaxed(query) {
             Ok(CUresult::CUDA_SUCCESS) => Ok(true),
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
             Ok(r) => Err(cuda_error(call, "cuEventQuery", r)),
@@ -709,9 +753,11 @@ impl Driver for CudaDriver {
         let call = DriverCall::EventSynchronize;
         let ev = event_ptr(call, event)?;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: `ev` came from event_create (contract).
-        cu(call, "cuEventSynchronize", || unsafe {
-            (self.api.cuEventSynchronize)(ev)
+        self.relaxed(|| {
+            // SAFETY: `ev` came from event_create (contract).
+            cu(call, "cuEventSynchronize", || unsafe {
+                (self.api.cuEventSynchronize)(ev)
+            })
         })
     }
 
@@ -744,9 +790,11 @@ impl Driver for CudaDriver {
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         let call = DriverCall::DeviceSynchronize;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
-        cu(call, "cuCtxSynchronize", || unsafe {
-            (self.api.cuCtxSynchronize)()
+        self.relaxed(|| {
+            // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
+            cu(call, "cuCtxSynchronize", || unsafe {
+                (self.api.cuCtxSynchronize)()
+            })
         })
     }
 
@@ -804,10 +852,12 @@ impl Driver for CudaDriver {
         let call = DriverCall::StreamSynchronize;
         let st = stream_ptr(call, stream)?;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: `st` is a stream handle of dev's context (or the legacy default stream, 0);
-        // the call blocks until the stream's queued work has finished.
-        cu(call, "cuStreamSynchronize", || unsafe {
-            (self.api.cuStreamSynchronize)(st)
+        self.relaxed(|| {
+            // SAFETY: `st` is a stream handle of dev's context (or the legacy default stream, 0);
+            // the call blocks until the stream's queued work has finished.
+            cu(call, "cuStreamSynchronize", || unsafe {
+                (self.api.cuStreamSynchronize)(st)
+            })
         })
     }
 }
