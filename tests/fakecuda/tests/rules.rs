@@ -7,7 +7,7 @@ mod common;
 
 use std::ffi::{c_int, c_ulonglong};
 use std::process::Command;
-use std::ptr::null_mut;
+use std::ptr::{null, null_mut};
 
 use cudarc::driver::sys::{self, CUresult, CUresult::*};
 
@@ -104,6 +104,34 @@ fn rw(dev: c_int) -> sys::CUmemAccessDesc {
             id: dev,
         },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// `bytes` of device `dev`'s memory, reserved, mapped and read-write for `dev` (the current
+/// context must be `dev`'s, for the reservation).
+fn mapped(dev: c_int, bytes: usize) -> (sys::CUdeviceptr, sys::CUmemGenericAllocationHandle) {
+    let (mut va, mut h) = (0, 0);
+    let p = prop(dev);
+    let d = rw(dev);
+    // SAFETY: every pointer is a live local; the handles are the fake's.
+    unsafe {
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut va, bytes, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuMemCreate(&mut h, bytes, &p, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemMap(va, bytes, 0, h, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemSetAccess(va, bytes, &d, 1), CUDA_SUCCESS);
+    }
+    (va, h)
+}
+
+fn status(s: sys::CUstream) -> Result<sys::CUstreamCaptureStatus, CUresult> {
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `st` is a live, writable status.
+    match unsafe { sys::cuStreamIsCapturing(s, &mut st) } {
+        CUDA_SUCCESS => Ok(st),
+        r => Err(r),
     }
 }
 
@@ -340,5 +368,258 @@ fn child_contexts() {
             sys::cuMemGetInfo_v2(&mut free, &mut total),
             CUDA_ERROR_INVALID_CONTEXT
         );
+    }
+}
+
+// ---- stream capture --------------------------------------------------------------------------
+
+fn begin(s: sys::CUstream, mode: sys::CUstreamCaptureMode) -> CUresult {
+    // SAFETY: a stream handle of the fake's, and a valid mode.
+    unsafe { sys::cuStreamBeginCapture_v2(s, mode) }
+}
+
+fn end(s: sys::CUstream) -> (CUresult, sys::CUgraph) {
+    let mut g: sys::CUgraph = 0x99 as sys::CUgraph;
+    // SAFETY: `g` is a live, writable CUgraph.
+    let r = unsafe { sys::cuStreamEndCapture(s, &mut g) };
+    (r, g)
+}
+
+fn exchange(mode: sys::CUstreamCaptureMode) -> sys::CUstreamCaptureMode {
+    let mut m = mode;
+    // SAFETY: `m` is a live, readable and writable mode.
+    assert_eq!(
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) },
+        CUDA_SUCCESS
+    );
+    m
+}
+
+#[test]
+fn stream_capture_prohibits_unsafe_calls() {
+    run_child("child_capture", &[]);
+}
+
+#[test]
+#[ignore = "child process of stream_capture_prohibits_unsafe_calls"]
+fn child_capture() {
+    use sys::CUstreamCaptureMode::*;
+    use sys::CUstreamCaptureStatus::*;
+    if !is_child("child_capture") {
+        return;
+    }
+    let h = hooks();
+    let c0 = init_ctx(0);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let (mut s, mut nb, mut ev) = (null_mut(), null_mut(), null_mut());
+        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut nb, 1), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventCreate(&mut ev, 2), CUDA_SUCCESS);
+        let mut mem: sys::CUdeviceptr = 0;
+        assert_eq!(sys::cuMemAlloc_v2(&mut mem, MIB), CUDA_SUCCESS);
+
+        // Beginning and ending: the legacy stream cannot be captured, a capture cannot begin
+        // twice, a stream not capturing cannot end one.
+        assert_eq!(
+            begin(null_mut(), CU_STREAM_CAPTURE_MODE_GLOBAL),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_ILLEGAL_STATE);
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_RELAXED), CUDA_SUCCESS);
+        assert_eq!(end(s).0, CUDA_SUCCESS);
+
+        // A potentially unsafe call during a global capture fails and invalidates it.
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+        assert_eq!(
+            begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL),
+            CUDA_ERROR_ILLEGAL_STATE
+        );
+        assert_eq!(status(s), Ok(CU_STREAM_CAPTURE_STATUS_ACTIVE));
+        let mut p: sys::CUdeviceptr = 0;
+        assert_eq!(
+            sys::cuMemAlloc_v2(&mut p, MIB),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        );
+        assert_eq!(status(s), Ok(CU_STREAM_CAPTURE_STATUS_INVALIDATED));
+        let (r, g) = end(s);
+        assert_eq!((r, g), (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, null_mut()));
+        assert_eq!(status(s), Ok(CU_STREAM_CAPTURE_STATUS_NONE));
+        for call in [
+            |_: sys::CUstream, _: sys::CUevent, m: sys::CUdeviceptr| sys::cuMemFree_v2(m),
+            |_, e, _| sys::cuEventQuery(e),
+            |_, e, _| sys::cuEventSynchronize(e),
+            |_, _, _| sys::cuCtxSynchronize(),
+            |s, _, _| sys::cuStreamSynchronize(s),
+            |s, _, _| sys::cuStreamQuery(s),
+        ] {
+            assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+            assert_eq!(call(nb, ev, mem), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+
+        // Work on a capturing stream is recorded, not run; its event is a captured event, which
+        // even a relaxed thread may not query. The VMM calls are not unsafe.
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+        assert_eq!((h.launch)(s, mem, MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventRecord(ev, s), CUDA_SUCCESS);
+        let mut info = (
+            CU_STREAM_CAPTURE_STATUS_NONE,
+            0u64,
+            null_mut(),
+            null(),
+            7usize,
+        );
+        assert_eq!(
+            sys::cuStreamGetCaptureInfo_v2(
+                s,
+                &mut info.0,
+                &mut info.1,
+                &mut info.2,
+                &mut info.3,
+                &mut info.4
+            ),
+            CUDA_SUCCESS
+        );
+        assert_eq!(info.0, CU_STREAM_CAPTURE_STATUS_ACTIVE);
+        assert!(info.1 != 0 && !info.2.is_null() && info.4 == 0, "{info:?}");
+        let (va, handle) = mapped(0, 2 * MIB);
+        assert_eq!(
+            exchange(CU_STREAM_CAPTURE_MODE_RELAXED),
+            CU_STREAM_CAPTURE_MODE_GLOBAL
+        );
+        assert_eq!(sys::cuEventQuery(ev), CUDA_ERROR_CAPTURED_EVENT);
+        assert_eq!(sys::cuEventSynchronize(ev), CUDA_ERROR_CAPTURED_EVENT);
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, MIB), CUDA_SUCCESS, "relaxed");
+        assert_eq!(sys::cuMemFree_v2(p), CUDA_SUCCESS);
+        assert_eq!(
+            exchange(CU_STREAM_CAPTURE_MODE_GLOBAL),
+            CU_STREAM_CAPTURE_MODE_RELAXED
+        );
+        // Cross-stream capture: a stream waiting on a captured event joins the capture.
+        let mut joined = null_mut();
+        assert_eq!(sys::cuStreamCreate(&mut joined, 1), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamWaitEvent(joined, ev, 0), CUDA_SUCCESS);
+        assert_eq!(status(joined), Ok(CU_STREAM_CAPTURE_STATUS_ACTIVE));
+        assert_eq!(end(joined).0, CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+        let (r, g) = end(s);
+        assert_eq!(r, CUDA_SUCCESS);
+        assert!(info.2 == g && !g.is_null());
+        assert_eq!(status(joined), Ok(CU_STREAM_CAPTURE_STATUS_NONE));
+        assert_eq!(sys::cuGraphDestroy(g), CUDA_SUCCESS);
+        assert_eq!(sys::cuGraphDestroy(g), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            sys::cuStreamQuery(s),
+            CUDA_SUCCESS,
+            "captured work never ran"
+        );
+        assert_eq!(
+            sys::cuEventQuery(ev),
+            CUDA_ERROR_CAPTURED_EVENT,
+            "until recorded again"
+        );
+        assert_eq!(sys::cuEventRecord(ev, s), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemUnmap(va, 2 * MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(handle), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(va, 2 * MIB), CUDA_SUCCESS);
+
+        // The legacy stream while a blocking stream captures: an implicit dependency, refused
+        // (and invalidating); a non-blocking stream's capture does not matter.
+        assert_eq!(begin(nb, CU_STREAM_CAPTURE_MODE_RELAXED), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventRecord(ev, null_mut()), CUDA_SUCCESS);
+        assert_eq!(end(nb).0, CUDA_SUCCESS);
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_RELAXED), CUDA_SUCCESS);
+        assert_eq!(status(null_mut()), Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT));
+        assert_eq!(
+            status(s),
+            Ok(CU_STREAM_CAPTURE_STATUS_ACTIVE),
+            "a query does not invalidate"
+        );
+        assert_eq!(
+            sys::cuEventRecord(ev, LEGACY),
+            CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+        );
+        assert_eq!(status(s), Ok(CU_STREAM_CAPTURE_STATUS_INVALIDATED));
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+
+        // Other threads: a global capture prohibits unsafe calls in every thread in global
+        // mode; a thread-local capture only in its own thread; a thread in relaxed or
+        // thread-local mode ignores others' captures. A non-relaxed capture must end on its
+        // own thread.
+        let c = c0 as usize;
+        let other = move |mode: sys::CUstreamCaptureMode, s: usize| {
+            std::thread::spawn(move || {
+                assert_eq!(sys::cuCtxPushCurrent_v2(c as sys::CUcontext), CUDA_SUCCESS);
+                exchange(mode);
+                let mut p: sys::CUdeviceptr = 0;
+                let r = sys::cuMemAlloc_v2(&mut p, MIB);
+                if r == CUDA_SUCCESS {
+                    assert_eq!(sys::cuMemFree_v2(p), CUDA_SUCCESS);
+                }
+                let e = end(s as sys::CUstream).0;
+                (r, e)
+            })
+            .join()
+            .unwrap()
+        };
+        let su = s as usize;
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+        assert_eq!(
+            other(CU_STREAM_CAPTURE_MODE_GLOBAL, su),
+            (
+                CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+            )
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        for mode in [
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CU_STREAM_CAPTURE_MODE_RELAXED,
+        ] {
+            assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+            assert_eq!(other(mode, su).0, CUDA_SUCCESS);
+            assert_eq!(end(s).0, CUDA_SUCCESS);
+        }
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), CUDA_SUCCESS);
+        assert_eq!(other(CU_STREAM_CAPTURE_MODE_GLOBAL, su).0, CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemAlloc_v2(&mut p, MIB),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            "its own thread"
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        // A relaxed capture may be ended by another thread.
+        assert_eq!(begin(s, CU_STREAM_CAPTURE_MODE_RELAXED), CUDA_SUCCESS);
+        assert_eq!(
+            other(CU_STREAM_CAPTURE_MODE_GLOBAL, su),
+            (CUDA_SUCCESS, CUDA_SUCCESS)
+        );
+
+        // The error strings are the driver's.
+        for (r, text) in [
+            (
+                CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                "operation not permitted when stream is capturing",
+            ),
+            (
+                CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                "operation failed due to a previous error during capture",
+            ),
+            (
+                CUDA_ERROR_CAPTURED_EVENT,
+                "operation not permitted on an event last recorded in a capturing stream",
+            ),
+            (
+                CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+                "operation would make the legacy stream depend on a capturing blocking stream",
+            ),
+        ] {
+            let mut t = std::ptr::null();
+            assert_eq!(sys::cuGetErrorString(r, &mut t), CUDA_SUCCESS);
+            assert_eq!(std::ffi::CStr::from_ptr(t).to_str().unwrap(), text);
+        }
+        assert_eq!(sys::cuMemFree_v2(mem), CUDA_SUCCESS);
     }
 }
