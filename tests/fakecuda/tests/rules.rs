@@ -623,3 +623,485 @@ fn child_capture() {
         assert_eq!(sys::cuMemFree_v2(mem), CUDA_SUCCESS);
     }
 }
+
+// ---- peers and sticky errors -----------------------------------------------------------------
+
+#[test]
+fn peers_need_access_and_an_illegal_address_is_sticky() {
+    run_child("child_peers", &[("CISTERN_FAKECUDA_DEVICES", "3")]);
+}
+
+#[test]
+#[ignore = "child process of peers_need_access_and_an_illegal_address_is_sticky"]
+fn child_peers() {
+    if !is_child("child_peers") {
+        return;
+    }
+    let h = hooks();
+    let c0 = init_ctx(0);
+    let c1 = init_ctx(1);
+    let c2 = init_ctx(2);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        let mut can = -1;
+        assert_eq!(sys::cuDeviceCanAccessPeer(&mut can, 0, 1), CUDA_SUCCESS);
+        assert_eq!(can, 1);
+        assert_eq!(sys::cuDeviceCanAccessPeer(&mut can, 1, 1), CUDA_SUCCESS);
+        assert_eq!(can, 0);
+        assert_eq!(
+            sys::cuDeviceCanAccessPeer(&mut can, 0, 3),
+            CUDA_ERROR_INVALID_DEVICE
+        );
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let (va, handle) = mapped(0, 4 * MIB);
+        let (mut s1, mut s2) = (null_mut(), null_mut());
+        assert_eq!(sys::cuCtxPushCurrent_v2(c1), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s1, 1), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxSetCurrent(c2), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s2, 1), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
+        // Device 1 granted access: its work may touch device 0's memory, and completes with a
+        // synchronisation of its stream.
+        let d1 = rw(1);
+        assert_eq!(sys::cuMemSetAccess(va, 4 * MIB, &d1, 1), CUDA_SUCCESS);
+        assert_eq!((h.launch)(s1, va, 4 * MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamQuery(s1), CUDA_ERROR_NOT_READY);
+        assert_eq!(sys::cuStreamSynchronize(s1), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamQuery(s1), CUDA_SUCCESS);
+        // Revoked, or never granted: an illegal address, which corrupts the toucher's context
+        // for good; other contexts go on.
+        let mut none = rw(1);
+        none.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        assert_eq!(sys::cuMemSetAccess(va, 4 * MIB, &none, 1), CUDA_SUCCESS);
+        assert_eq!((h.launch)(s2, va, MIB), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuStreamQuery(s2), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(c2), CUDA_SUCCESS);
+        let (mut free, mut total, mut ev, mut s) = (0, 0, null_mut(), null_mut());
+        assert_eq!(
+            sys::cuMemGetInfo_v2(&mut free, &mut total),
+            CUDA_ERROR_ILLEGAL_ADDRESS
+        );
+        assert_eq!(sys::cuEventCreate(&mut ev, 2), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuCtxSynchronize(), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemGetInfo_v2(&mut free, &mut total), CUDA_SUCCESS);
+        let mut n = 0;
+        assert_eq!(sys::cuDeviceGetCount(&mut n), CUDA_SUCCESS, "no context");
+        // Memory of no allocation is an illegal address too.
+        assert_eq!((h.launch)(s1, 0x10, 4), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuStreamQuery(s1), CUDA_ERROR_ILLEGAL_ADDRESS);
+        let mut t = std::ptr::null();
+        assert_eq!(
+            sys::cuGetErrorString(CUDA_ERROR_ILLEGAL_ADDRESS, &mut t),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            std::ffi::CStr::from_ptr(t).to_str().unwrap(),
+            "an illegal memory access was encountered"
+        );
+        assert_eq!(sys::cuMemUnmap(va, 4 * MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(handle), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(va, 4 * MIB), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn without_peer_support_access_for_another_device_is_refused() {
+    run_child(
+        "child_no_peers",
+        &[
+            ("CISTERN_FAKECUDA_DEVICES", "2"),
+            ("CISTERN_FAKECUDA_PEERS", "0"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of without_peer_support_access_for_another_device_is_refused"]
+fn child_no_peers() {
+    if !is_child("child_no_peers") {
+        return;
+    }
+    let c0 = init_ctx(0);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        let mut can = -1;
+        assert_eq!(sys::cuDeviceCanAccessPeer(&mut can, 0, 1), CUDA_SUCCESS);
+        assert_eq!(can, 0);
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let (va, handle) = mapped(0, 2 * MIB);
+        let d1 = rw(1);
+        assert_eq!(
+            sys::cuMemSetAccess(va, 2 * MIB, &d1, 1),
+            CUDA_ERROR_INVALID_DEVICE
+        );
+        assert_eq!(sys::cuMemUnmap(va, 2 * MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(handle), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(va, 2 * MIB), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn an_injected_sticky_error_corrupts_the_context() {
+    run_child(
+        "child_sticky",
+        &[(
+            "CISTERN_FAKECUDA_FAIL",
+            "cuEventQuery:2=719,cuMemGetInfo:1=2",
+        )],
+    );
+}
+
+#[test]
+#[ignore = "child process of an_injected_sticky_error_corrupts_the_context"]
+fn child_sticky() {
+    if !is_child("child_sticky") {
+        return;
+    }
+    let c0 = init_ctx(0);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let (mut free, mut total) = (0, 0);
+        // A non-sticky coded fault fails once.
+        assert_eq!(
+            sys::cuMemGetInfo_v2(&mut free, &mut total),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(sys::cuMemGetInfo_v2(&mut free, &mut total), CUDA_SUCCESS);
+        let mut ev = null_mut();
+        assert_eq!(sys::cuEventCreate(&mut ev, 2), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev), CUDA_ERROR_LAUNCH_FAILED);
+        // From now on every call on the context fails the same way.
+        assert_eq!(sys::cuEventQuery(ev), CUDA_ERROR_LAUNCH_FAILED);
+        assert_eq!(sys::cuEventRecord(ev, null_mut()), CUDA_ERROR_LAUNCH_FAILED);
+        assert_eq!(
+            sys::cuMemGetInfo_v2(&mut free, &mut total),
+            CUDA_ERROR_LAUNCH_FAILED
+        );
+        let mut p = 0;
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, MIB), CUDA_ERROR_LAUNCH_FAILED);
+        assert_eq!(sys::cuCtxSynchronize(), CUDA_ERROR_LAUNCH_FAILED);
+        assert_eq!(sys::cuEventDestroy_v2(ev), CUDA_ERROR_LAUNCH_FAILED);
+    }
+}
+
+// ---- process exit ----------------------------------------------------------------------------
+
+extern "C" fn after_the_fakes_atexit() {
+    let mut n = 0;
+    // SAFETY: `n` is a live, writable c_int; the fake is still loaded during exit.
+    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
+    eprintln!("at exit: cuDeviceGetCount = {}", r as i32);
+}
+
+#[test]
+fn calls_during_exit_are_deinitialized() {
+    let stderr = run_child("child_exit", &[]);
+    assert!(
+        stderr.contains("before exit: cuDeviceGetCount = 0"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("at exit: cuDeviceGetCount = 4"), "{stderr}");
+}
+
+#[test]
+#[ignore = "child process of calls_during_exit_are_deinitialized"]
+fn child_exit() {
+    if !is_child("child_exit") {
+        return;
+    }
+    // Registered before cuInit registers the fake's hook, so it runs after it.
+    // SAFETY: a plain `extern "C" fn()` that does not unwind.
+    assert_eq!(unsafe { libc::atexit(after_the_fakes_atexit) }, 0);
+    let mut n = 0;
+    // SAFETY: `n` is a live, writable c_int.
+    unsafe {
+        assert_eq!(sys::cuInit(0), CUDA_SUCCESS);
+        eprintln!(
+            "before exit: cuDeviceGetCount = {}",
+            sys::cuDeviceGetCount(&mut n) as i32
+        );
+    }
+}
+
+// ---- memory: one address space, reserve, granularity, deferred release, properties -----------
+
+#[test]
+fn one_address_space_under_a_limit() {
+    run_child(
+        "child_address_space",
+        &[
+            ("CISTERN_FAKECUDA_DEVICES", "2"),
+            ("CISTERN_FAKECUDA_VA_LIMIT", "64MiB"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of one_address_space_under_a_limit"]
+fn child_address_space() {
+    if !is_child("child_address_space") {
+        return;
+    }
+    let c0 = init_ctx(0);
+    let c1 = init_ctx(1);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        let (mut a, mut b, mut c) = (0, 0, 0);
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut a, 32 * MIB, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxSetCurrent(c1), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut b, 32 * MIB, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert!(
+            a + 32 * MIB as u64 <= b || b + 32 * MIB as u64 <= a,
+            "{a:#x} {b:#x}"
+        );
+        // The limit counts every device's reservations.
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut c, 2 * MIB, 0, 0, 0),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(sys::cuMemAddressFree(a, 32 * MIB), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut c, 2 * MIB, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuMemAddressFree(c, 2 * MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(b, 32 * MIB), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn rlimit_as_limits_the_address_space() {
+    run_child("child_rlimit", &[]);
+}
+
+#[test]
+#[ignore = "child process of rlimit_as_limits_the_address_space"]
+fn child_rlimit() {
+    if !is_child("child_rlimit") {
+        return;
+    }
+    const TIB: usize = 1 << 40;
+    let lim = libc::rlimit {
+        rlim_cur: TIB as libc::rlim_t,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: `lim` is a live rlimit; lowering the soft limit of this child only.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0);
+    let c0 = init_ctx(0);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let mut a = 0;
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut a, 2 * TIB, 0, 0, 0),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(
+            sys::cuMemAddressReserve(&mut a, TIB / 2, 0, 0, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuMemAddressFree(a, TIB / 2), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn the_driver_reserve_and_granularities() {
+    run_child(
+        "child_reserve",
+        &[
+            ("CISTERN_FAKECUDA_CAPACITY", "1GiB"),
+            ("CISTERN_FAKECUDA_RESERVE", "128MiB"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "child process of the_driver_reserve_and_granularities"]
+fn child_reserve() {
+    if !is_child("child_reserve") {
+        return;
+    }
+    let c0 = init_ctx(0);
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let (mut free, mut total) = (0, 0);
+        assert_eq!(sys::cuMemGetInfo_v2(&mut free, &mut total), CUDA_SUCCESS);
+        assert_eq!((free, total), (896 * MIB, 1024 * MIB));
+        let p = prop(0);
+        let mut h = 0;
+        assert_eq!(
+            sys::cuMemCreate(&mut h, 960 * MIB, &p, 0),
+            CUDA_ERROR_OUT_OF_MEMORY,
+            "the reserve is not for cuMemCreate"
+        );
+        let mut lin = 0;
+        assert_eq!(
+            sys::cuMemAlloc_v2(&mut lin, 960 * MIB),
+            CUDA_ERROR_OUT_OF_MEMORY
+        );
+        assert_eq!(sys::cuMemCreate(&mut h, 896 * MIB, &p, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(h), CUDA_SUCCESS);
+        let (mut min, mut rec) = (0, 0);
+        use sys::CUmemAllocationGranularity_flags::*;
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(&mut min, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(&mut rec, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            CUDA_SUCCESS
+        );
+        assert_eq!((min, rec), (2 * MIB, 4 * MIB));
+    }
+}
+
+#[test]
+fn a_mapped_handle_is_released_at_its_last_unmap() {
+    run_child(
+        "child_deferred_release",
+        &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of a_mapped_handle_is_released_at_its_last_unmap"]
+fn child_deferred_release() {
+    if !is_child("child_deferred_release") {
+        return;
+    }
+    let c0 = init_ctx(0);
+    let used = || {
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: both are live, writable usizes.
+        assert_eq!(
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+            CUDA_SUCCESS
+        );
+        total - free
+    };
+    // SAFETY (whole block): as in child_streams.
+    unsafe {
+        assert_eq!(sys::cuCtxSetCurrent(c0), CUDA_SUCCESS);
+        let before = used();
+        let (va, h) = mapped(0, 8 * MIB);
+        let p = prop(0);
+        let mut h2 = 0;
+        assert_eq!(sys::cuMemCreate(&mut h2, 8 * MIB, &p, 0), CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuMemMap(va + 8 * MIB as u64, 0, 0, h2, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(used(), before + 16 * MIB);
+        assert_eq!(sys::cuMemRelease(h), CUDA_SUCCESS, "still mapped");
+        assert_eq!(used(), before + 16 * MIB, "freed only at the unmap");
+        assert_eq!(sys::cuMemRelease(h), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(
+            sys::cuMemMap(va, 8 * MIB, 0, h, 0),
+            CUDA_ERROR_INVALID_HANDLE
+        );
+        assert_eq!(sys::cuMemUnmap(va, 8 * MIB), CUDA_SUCCESS);
+        assert_eq!(used(), before + 8 * MIB);
+        assert_eq!(sys::cuMemRelease(h2), CUDA_SUCCESS);
+        assert_eq!(used(), before);
+        assert_eq!(sys::cuMemAddressFree(va, 8 * MIB), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn allocation_properties_are_checked() {
+    run_child("child_properties", &[]);
+    run_child(
+        "child_properties_supported",
+        &[
+            ("CISTERN_FAKECUDA_FABRIC", "1"),
+            ("CISTERN_FAKECUDA_RDMA", "1"),
+        ],
+    );
+}
+
+fn create_with(p: &sys::CUmemAllocationProp) -> CUresult {
+    let mut h = 0;
+    // SAFETY: `h` and `p` are live locals.
+    let r = unsafe { sys::cuMemCreate(&mut h, 2 * MIB, p, 0) };
+    if r == CUDA_SUCCESS {
+        // SAFETY: the handle just created.
+        assert_eq!(unsafe { sys::cuMemRelease(h) }, CUDA_SUCCESS);
+    }
+    r
+}
+
+fn with_handle_types(bits: u32) -> sys::CUmemAllocationProp {
+    let mut p = prop(0);
+    // SAFETY: the field is a C enum read as an integer by the fake; the value is passed, never
+    // matched on in Rust.
+    p.requestedHandleTypes =
+        unsafe { std::mem::transmute::<u32, sys::CUmemAllocationHandleType>(bits) };
+    p
+}
+
+#[test]
+#[ignore = "child process of allocation_properties_are_checked"]
+fn child_properties() {
+    if !is_child("child_properties") {
+        return;
+    }
+    // SAFETY: a plain flags value.
+    assert_eq!(unsafe { sys::cuInit(0) }, CUDA_SUCCESS);
+    assert_eq!(create_with(&prop(0)), CUDA_SUCCESS);
+    assert_eq!(create_with(&with_handle_types(1)), CUDA_SUCCESS, "POSIX fd");
+    assert_eq!(
+        create_with(&with_handle_types(2)),
+        CUDA_ERROR_NOT_SUPPORTED,
+        "Win32"
+    );
+    assert_eq!(create_with(&with_handle_types(4)), CUDA_ERROR_NOT_SUPPORTED);
+    assert_eq!(
+        create_with(&with_handle_types(8)),
+        CUDA_ERROR_NOT_SUPPORTED,
+        "fabric"
+    );
+    assert_eq!(
+        create_with(&with_handle_types(0x10)),
+        CUDA_ERROR_INVALID_VALUE
+    );
+    let mut p = prop(0);
+    p.allocFlags.gpuDirectRDMACapable = 1;
+    assert_eq!(create_with(&p), CUDA_ERROR_NOT_SUPPORTED);
+    p.allocFlags.gpuDirectRDMACapable = 2;
+    assert_eq!(create_with(&p), CUDA_ERROR_INVALID_VALUE);
+    let mut p = prop(0);
+    p.allocFlags.compressionType = 1;
+    assert_eq!(create_with(&p), CUDA_ERROR_NOT_SUPPORTED);
+    let mut p = prop(0);
+    p.allocFlags.usage = 2;
+    assert_eq!(create_with(&p), CUDA_ERROR_INVALID_VALUE);
+    let mut p = prop(0);
+    p.allocFlags.reserved[3] = 1;
+    assert_eq!(create_with(&p), CUDA_ERROR_INVALID_VALUE);
+}
+
+#[test]
+#[ignore = "child process of allocation_properties_are_checked"]
+fn child_properties_supported() {
+    if !is_child("child_properties_supported") {
+        return;
+    }
+    // SAFETY: a plain flags value.
+    assert_eq!(unsafe { sys::cuInit(0) }, CUDA_SUCCESS);
+    assert_eq!(create_with(&with_handle_types(8 | 1)), CUDA_SUCCESS);
+    let mut p = prop(0);
+    p.allocFlags.gpuDirectRDMACapable = 1;
+    assert_eq!(create_with(&p), CUDA_SUCCESS);
+}
