@@ -413,6 +413,90 @@ mod tests {
     }
 
     #[test]
+    fn the_strict_driver_knobs_are_read() {
+        let (k, w) = read(&[
+            (CAPACITY, "8GiB"),
+            (GRANULARITY, "64KiB"),
+            (RECOMMENDED_GRANULARITY, "1MiB"),
+            (RESERVE, "300MiB"),
+            (VA_LIMIT, "2TiB"),
+            (PEERS, "0"),
+            (FABRIC, "1"),
+            (RDMA, "1"),
+            (
+                FAIL,
+                "cuEventQuery:3=700,cuStreamSynchronize:1+=719,cuMemAlloc:2=2",
+            ),
+        ]);
+        assert!(w.is_empty(), "{w:?}");
+        assert_eq!(k.recommended_granularity, 1 << 20);
+        assert_eq!(k.reserve, 300 << 20);
+        assert_eq!(k.va_limit, 2 << 40);
+        assert!(!k.peers && k.fabric && k.rdma);
+        assert!(k.faults.is_empty());
+        assert_eq!(
+            k.coded_faults,
+            vec![
+                CodedFault {
+                    function: "cuEventQuery",
+                    nth: 3,
+                    and_after: false,
+                    code: 700
+                },
+                CodedFault {
+                    function: "cuStreamSynchronize",
+                    nth: 1,
+                    and_after: true,
+                    code: 719
+                },
+                CodedFault {
+                    function: "cuMemAlloc_v2",
+                    nth: 2,
+                    and_after: false,
+                    code: 2
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn strict_driver_defaults_follow_the_other_knobs() {
+        let (k, w) = read(&[(CAPACITY, "1GiB"), (GRANULARITY, "4MiB")]);
+        assert!(w.is_empty(), "{w:?}");
+        assert_eq!(k.recommended_granularity, 8 << 20, "twice the minimum");
+        assert_eq!(k.reserve, 128 << 20, "at most an eighth of the capacity");
+        assert_eq!(k.va_limit, DEFAULT_VA_LIMIT);
+        assert!(k.peers && !k.fabric && !k.rdma);
+        let (k, _) = read(&[]);
+        assert_eq!(k.reserve, DEFAULT_RESERVE);
+    }
+
+    #[test]
+    fn bad_strict_driver_knobs_warn_and_keep_the_default() {
+        let (k, w) = read(&[
+            (CAPACITY, "1GiB"),
+            (RECOMMENDED_GRANULARITY, "1MiB"),
+            (RESERVE, "2GiB"),
+            (VA_LIMIT, "0"),
+            (PEERS, "yes"),
+            (FABRIC, "2"),
+            (RDMA, ""),
+            (
+                FAIL,
+                "cuNothing:1=700,cuEventQuery:1=12345,cuEventQuery:1=0,cuEventQuery:x=700",
+            ),
+        ]);
+        assert_eq!(w.len(), 10, "{w:#?}");
+        assert_eq!(k.recommended_granularity, 4 << 20);
+        assert_eq!(k.reserve, 128 << 20);
+        assert_eq!(k.va_limit, DEFAULT_VA_LIMIT);
+        assert!(k.peers && !k.fabric && !k.rdma);
+        assert!(k.coded_faults.is_empty());
+        assert!(w.iter().any(|m| m.contains("cuNothing")), "{w:#?}");
+        assert!(w.iter().any(|m| m.contains("12345")), "{w:#?}");
+    }
+
+    #[test]
     fn every_simulated_call_can_be_named() {
         for c in DriverCall::ALL {
             assert_eq!(call_named(c.cuda_name()), Some(c));
