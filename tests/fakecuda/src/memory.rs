@@ -194,9 +194,11 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
 
 /// `cuMemAddressReserve`: reserves virtual address space, held by the simulator of the current
 /// context's device (a current context is needed: see the module documentation). `alignment` 0
-/// means the granularity; the `addr` hint is ignored, as the real driver may. Beyond the
-/// address-space limit, all devices together: `CUDA_ERROR_OUT_OF_MEMORY`, what the real driver
-/// returns when the process's address space is exhausted.
+/// means the granularity; the `addr` hint is ignored, as the real driver may ("addr - Fixed
+/// starting address range requested", a hint). Beyond the address-space limit, all devices
+/// together: `CUDA_ERROR_OUT_OF_MEMORY`. The documentation lists no code for an exhausted
+/// address space; the real driver returns `CUDA_ERROR_OUT_OF_MEMORY` there (as users see when
+/// their reservations pass the process's virtual address space), not `CUDA_ERROR_INVALID_VALUE`.
 ///
 /// # Safety
 ///
