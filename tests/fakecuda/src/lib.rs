@@ -1077,6 +1077,61 @@ mod tests {
     }
 
     #[test]
+    fn every_code_the_sources_name_is_described() {
+        // Every `CUDA_ERROR_*` the fake's sources return (or mention) is one it describes, so
+        // it never returns a code `cuGetErrorString` does not know.
+        let sources = [
+            include_str!("lib.rs"),
+            include_str!("context.rs"),
+            include_str!("streams.rs"),
+            include_str!("capture.rs"),
+            include_str!("memory.rs"),
+            include_str!("hooks.rs"),
+        ];
+        let described: Vec<String> = ERROR_STRINGS
+            .iter()
+            .map(|(r, _)| format!("{r:?}"))
+            .collect();
+        let mut seen = 0;
+        for src in sources {
+            for word in src.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("CUDA_ERROR_") && word != "CUDA_ERROR_" {
+                    seen += 1;
+                    assert!(
+                        described.iter().any(|d| d == word),
+                        "{word} is not described"
+                    );
+                }
+            }
+        }
+        assert!(seen > 50, "{seen}");
+    }
+
+    #[test]
+    fn symbol_lists_and_names() {
+        let all = exported_symbols();
+        assert_eq!(
+            all.len(),
+            CUDA_SYMBOLS.len() + CLIENT_SYMBOLS.len() + HOOK_SYMBOLS.len()
+                - CLIENT_SYMBOLS
+                    .iter()
+                    .filter(|s| CUDA_SYMBOLS.contains(s))
+                    .count()
+        );
+        assert_eq!(exported_function("cuMemAlloc"), Some("cuMemAlloc_v2"));
+        assert_eq!(exported_function("cuStreamCreate"), Some("cuStreamCreate"));
+        assert_eq!(
+            exported_function("cisternFakeLaunch"),
+            None,
+            "hooks take no faults"
+        );
+        assert_eq!(exported_function("cuLaunchKernel"), None);
+        assert!(described(700) && described(907) && !described(12345));
+        assert!(is_sticky(CUDA_ERROR_ILLEGAL_ADDRESS) && is_sticky(CUDA_ERROR_LAUNCH_FAILED));
+        assert!(!is_sticky(CUDA_ERROR_OUT_OF_MEMORY));
+    }
+
+    #[test]
     fn uuids_parse_back() {
         assert_eq!(
             parse_uuid("GPU-12345678-9abc-def0-0123-456789abcdef"),
