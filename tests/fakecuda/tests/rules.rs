@@ -245,8 +245,20 @@ fn child_streams() {
         assert_eq!(sys::cuStreamCreate(&mut t1, 0), CUDA_SUCCESS);
         assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
         assert_eq!(sys::cuEventRecord(ev1, s1), CUDA_ERROR_INVALID_HANDLE);
+        // The wait on another device's event is satisfied by completing the event's work then.
+        assert_eq!(sys::cuCtxPushCurrent_v2(c1), CUDA_SUCCESS);
+        let mut mem1: sys::CUdeviceptr = 0;
+        assert_eq!(sys::cuMemAlloc_v2(&mut mem1, MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
+        assert_eq!((h.launch)(t1, mem1, MIB), CUDA_SUCCESS);
         assert_eq!(sys::cuEventRecord(ev1, t1), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev1), CUDA_ERROR_NOT_READY);
         assert_eq!(sys::cuStreamWaitEvent(s1, ev1, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventQuery(ev1), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamQuery(t1), CUDA_SUCCESS);
+        // Device 0's stream touching device 1's linear memory (no peer access for cuMemAlloc
+        // memory without cuCtxEnablePeerAccess) is an illegal address, on device 0's context:
+        // checked at the end, as it corrupts the context.
 
         // Destroying a stream with queued work returns at once; the work completes later and
         // events recorded before stay queryable.
@@ -279,6 +291,15 @@ fn child_streams() {
         assert_eq!(sys::cuStreamSynchronize(s4), CUDA_SUCCESS);
         assert_eq!(sys::cuStreamQuery(s4), CUDA_SUCCESS);
         assert_eq!(sys::cuMemFree_v2(mem), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(c1), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemFree_v2(mem1), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(c1), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAlloc_v2(&mut mem1, MIB), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(null_mut()), CUDA_SUCCESS);
+        assert_eq!((h.launch)(s1, mem1, 4), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuStreamQuery(s1), CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(sys::cuStreamQuery(t1), CUDA_SUCCESS, "device 1 is fine");
     }
 }
 
