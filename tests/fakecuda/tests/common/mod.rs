@@ -11,13 +11,19 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// The fake's knobs, cleared from a child's environment unless a test sets them.
-pub const KNOBS: [&str; 6] = [
+pub const KNOBS: [&str; 12] = [
     "CISTERN_FAKECUDA",
     "CISTERN_FAKECUDA_CAPACITY",
     "CISTERN_FAKECUDA_DEVICES",
     "CISTERN_FAKECUDA_VMM",
     "CISTERN_FAKECUDA_FAIL",
     "CISTERN_FAKECUDA_GRANULARITY",
+    "CISTERN_FAKECUDA_RECOMMENDED_GRANULARITY",
+    "CISTERN_FAKECUDA_RESERVE",
+    "CISTERN_FAKECUDA_VA_LIMIT",
+    "CISTERN_FAKECUDA_PEERS",
+    "CISTERN_FAKECUDA_FABRIC",
+    "CISTERN_FAKECUDA_RDMA",
 ];
 
 /// The file cargo builds (`cdylib` of `cistern-fakecuda`).
