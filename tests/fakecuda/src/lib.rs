@@ -85,7 +85,8 @@ use knobs::Knobs;
 
 /// CUDA driver functions the fake exports for its clients (tests, the CUDA runtime, PyTorch)
 /// beyond what cistern's backend resolves ([`CUDA_SYMBOLS`]). Overlaps with it are allowed.
-pub const CLIENT_SYMBOLS: [&str; 15] = [
+pub const CLIENT_SYMBOLS: [&str; 16] = [
+    "cuCtxSetCurrent",
     "cuCtxPushCurrent_v2",
     "cuCtxPopCurrent_v2",
     "cuCtxGetDevice",

@@ -819,13 +819,12 @@ fn child_leak() {
     drop(d);
 }
 
-// ---- known cistern bugs the strict fake shows -----------------------------------------------
+// ---- stream capture ---------------------------------------------------------------------------
 
+/// Before the fix, an allocation during a user's global-mode capture (PyTorch's
+/// `torch.cuda.graph` default) polled pending frees with `cuEventQuery`, a potentially unsafe
+/// call that invalidated the capture; the backend now relaxes the thread's mode for its calls.
 #[test]
-#[ignore = "cistern bug: an allocation during a user's stream capture polls pending frees with \
-            cuEventQuery, a potentially unsafe call that invalidates a global-mode capture \
-            (PyTorch's torch.cuda.graph default); the pool should not query events while a \
-            capture is underway"]
 fn an_allocation_during_stream_capture_keeps_the_capture_valid() {
     run_child(
         "child_capture_pool",
