@@ -350,3 +350,101 @@ fn child_record_stream_on_another_device() {
         (cuda.release)(1);
     }
 }
+
+#[test]
+fn the_legacy_handles_name_one_stream_and_each_devices_default_stream_is_its_own() {
+    run_child("child_legacy_handles", &[("CISTERN_FAKECUDA_DEVICES", "2")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_legacy_handles() {
+    if !is_child("child_legacy_handles") {
+        return;
+    }
+    let pool = Pool::new(
+        CudaDriver::new().expect("CudaDriver on the fake"),
+        Config::default(),
+    )
+    .unwrap();
+    let cuda = Cuda::load();
+    let (c0, c1) = (cuda.context(0), cuda.context(1));
+    // `0` and `CU_STREAM_LEGACY` are the same stream: a block freed on one is the next
+    // allocation of the other, from one arena.
+    let p = pool.alloc_raw(0, 8 * MIB, StreamId::DEFAULT).unwrap();
+    pool.free_raw(p, StreamId::DEFAULT).unwrap();
+    let q = pool.alloc_raw(0, 8 * MIB, StreamId::LEGACY).unwrap();
+    assert_eq!(q, p, "CU_STREAM_LEGACY got an arena of its own");
+    assert_eq!(pool.stats(0).unwrap().get("num_streams"), 1);
+    // Device 1's default stream, named `0` by a thread whose current device is 1, is another
+    // stream than device 0's: its use of a device-0 block is recorded, and the free waits for
+    // an event recorded on device 1's legacy stream.
+    cuda.push(c1);
+    let r = pool.alloc_raw(1, 4 * MIB, StreamId::DEFAULT).unwrap();
+    cuda.launch(StreamId::DEFAULT, r, 4 * MIB);
+    pool.record_stream(q, StreamId::DEFAULT).unwrap();
+    cuda.pop();
+    pool.free_raw(q, StreamId::DEFAULT).unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().get("num_pending_frees"),
+        1,
+        "device 1's default stream was taken for device 0's"
+    );
+    cuda.push(c1);
+    cuda.complete(StreamId::DEFAULT);
+    pool.free_raw(r, StreamId::DEFAULT).unwrap();
+    cuda.pop();
+    cuda.push(c0);
+    cuda.complete(StreamId::DEFAULT);
+    cuda.pop();
+    let again = pool.alloc_raw(0, 8 * MIB, StreamId::DEFAULT).unwrap();
+    pool.free_raw(again, StreamId::DEFAULT).unwrap();
+    assert_eq!(cuda.hazards(), 0);
+    pool.check_invariants().unwrap();
+    pool.empty_cache();
+    // SAFETY: both primary contexts were retained once above.
+    unsafe {
+        (cuda.release)(0);
+        (cuda.release)(1);
+    }
+}
+
+#[test]
+fn a_thread_without_a_context_is_left_without_one() {
+    run_child("child_no_context_left_behind", &[]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_no_context_left_behind() {
+    if !is_child("child_no_context_left_behind") {
+        return;
+    }
+    let pool = Pool::new(
+        CudaDriver::new().expect("CudaDriver on the fake"),
+        Config::default(),
+    )
+    .unwrap();
+    let lib = Cuda::load();
+    // SAFETY: the fake is loaded; `cuCtxGetCurrent` writes one pointer.
+    let current = || unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut Ptr) -> c_uint> =
+            lib._lib.get(b"cuCtxGetCurrent\0").unwrap();
+        let mut c: Ptr = std::ptr::null_mut();
+        assert_eq!(f(&mut c), 0);
+        c
+    };
+    std::thread::scope(|t| {
+        t.spawn(|| {
+            assert!(current().is_null());
+            let p = pool.alloc_raw(0, MIB, StreamId::DEFAULT).unwrap();
+            assert!(
+                current().is_null(),
+                "the pool left its context current on a thread that had none"
+            );
+            pool.free_raw(p, StreamId::DEFAULT).unwrap();
+            assert!(current().is_null());
+        });
+    });
+    pool.empty_cache();
+}
