@@ -93,3 +93,67 @@ fn stub_libcuda_so_earlier_on_the_path_is_not_opened() {
         "exactly the driver's libcuda.so.1 must be loaded, never the libcuda.so before it"
     );
 }
+
+#[test]
+#[ignore = "runs in a child process started by the_driver_already_in_the_process_is_the_one_used"]
+fn child_uses_the_loaded_driver() {
+    let Ok(path) = std::env::var(CHILD) else {
+        eprintln!("skipping: runs in a child process");
+        return;
+    };
+    // As the CUDA runtime (or PyTorch) would have: the driver loaded from a path the loader's
+    // search does not reach.
+    // SAFETY: the fake driver; its initialisers are sound.
+    let lib = unsafe {
+        libloading::os::unix::Library::open(
+            Some(&path),
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+        )
+    }
+    .expect("load the driver by its path");
+    let d = CudaDriver::new().unwrap_or_else(|e| panic!("CudaDriver::new: {e}"));
+    assert!(d.mem_info(0).unwrap().total > 0);
+    println!("MAPPED {}", mapped_drivers().join(" "));
+    drop(d);
+    drop(lib);
+}
+
+#[test]
+fn the_driver_already_in_the_process_is_the_one_used() {
+    let dir = common::fake_dir();
+    let root = std::env::temp_dir().join(format!("cistern-loaded-{}", std::process::id()));
+    let private = root.join("private");
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&private).unwrap();
+    std::fs::create_dir_all(&empty).unwrap();
+    let driver = private.join("libcuda.so.1");
+    std::fs::copy(dir.join("libcuda.so.1"), &driver).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "child_uses_the_loaded_driver",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+    ]);
+    common::child_env(&mut cmd, &[]);
+    // Nothing on the search path: only the already loaded driver can serve.
+    cmd.env("LD_LIBRARY_PATH", &empty);
+    cmd.env(CHILD, &driver);
+    let out = cmd.output().expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child failed\n{stdout}\n{stderr}"
+    );
+    let mapped = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("MAPPED "))
+        .unwrap_or_else(|| panic!("no MAPPED line\n{stdout}"));
+    assert_eq!(
+        mapped.split_whitespace().collect::<Vec<_>>(),
+        [driver.to_string_lossy().as_ref()]
+    );
+}
