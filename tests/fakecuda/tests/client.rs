@@ -258,6 +258,9 @@ fn child_threads_and_streams() {
                         for (p, _, s) in std::mem::take(&mut live) {
                             pool.free_raw(p, s).expect("free");
                         }
+                        // As a program that destroys streams should: the pool is told first,
+                        // and never names the handle again.
+                        pool.forget_stream(own).expect("forget_stream");
                         cuda.destroy(own);
                         own = cuda.stream();
                     }
@@ -271,6 +274,7 @@ fn child_threads_and_streams() {
                     pool.free_raw(p, s).expect("free");
                 }
                 cuda.complete(StreamId::PER_THREAD);
+                pool.forget_stream(own).expect("forget_stream");
                 cuda.destroy(own);
                 cuda.pop();
             })
