@@ -17,9 +17,8 @@ cargo test --workspace --release
 
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 lib="$target_dir/debug/libcistern.so"
-if [ ! -f "$lib" ]; then
-  cargo build -p cistern-ffi
-fi
+# Always (a no-op when fresh): a libcistern.so left by an older build must not be what is tested.
+cargo build -p cistern-ffi
 
 # pytest, in a project-local virtual environment when the system has none.
 py=python3
@@ -52,8 +51,10 @@ CISTERN_CONF="registry_dir:$regdir/sim" CISTERN_LIB="$lib" CISTERN_DRIVER=sim ru
 # The fake libcuda is built as libcistern_fakecuda.so (never as libcuda.so inside target/, which
 # cargo puts on the library path of every test: it would shadow a real driver). Here it is copied
 # under the driver's names into a private directory for these runs only.
+# Always built here (a no-op when fresh): `cargo test` need not leave an up-to-date copy in
+# target/debug, only in target/debug/deps.
+cargo build -p cistern-fakecuda
 fake="$target_dir/debug/libcistern_fakecuda.so"
-[ -f "$fake" ] || cargo build -p cistern-fakecuda
 fakedir=$(mktemp -d)
 cp "$fake" "$fakedir/libcuda.so"
 ln -sf libcuda.so "$fakedir/libcuda.so.1"

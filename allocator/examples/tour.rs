@@ -83,7 +83,7 @@ fn training_loop(pool: &Pool<Arc<dyn Driver>>) -> Result<(), Box<dyn std::error:
             drop(a);
             if acts.len() % 3 == 0 {
                 let g = dev.try_alloc((24 + grads.len() as u64) * MIB, compute)?;
-                g.record_stream(comm);
+                g.record_stream(comm)?;
                 grads.push(g);
             }
         }

@@ -329,7 +329,17 @@ impl<T, D: Driver> CudaBuffer<T, D> {
         }
         let id = stream_id(stream);
         if id != self.inner.stream() {
-            self.inner.buf.record_stream(id);
+            if let Err(e) = self.inner.buf.record_stream(id) {
+                // The pool cannot follow the stream: order it after the allocation stream
+                // instead, as for a stream of another context.
+                crate::log_rate_limited(&format!("cistern: {e}"));
+                let r = self
+                    .stream
+                    .record_event(None)
+                    .and_then(|ev| stream.wait(&ev));
+                stream.context().record_err(r);
+                return false;
+            }
         }
         true
     }

@@ -37,8 +37,6 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::{FxHashMap, FxHasher};
 
-use crate::driver::StreamId;
-
 /// Distinct tags kept; later new names all become [`OVERFLOW_TAG`] (a tag per step in a loop
 /// must not grow memory without bound).
 pub const MAX_TAGS: usize = 1 << 16;
@@ -541,18 +539,19 @@ pub struct LedgerEntry {
 #[derive(Clone, Debug)]
 pub struct Mark {
     pub(crate) pool: u64,
-    /// Each arena's sequence number at the mark.
-    pub(crate) seqs: Vec<(StreamId, u64)>,
+    /// Each arena's sequence number at the mark, by the arena's stream id (a handle can name
+    /// several streams: per thread, or after a stream was destroyed).
+    pub(crate) seqs: Vec<(u64, u64)>,
     /// [`now_ns`] at the mark.
     pub time_ns: u64,
 }
 
 impl Mark {
     /// The arena sequence number at the mark (0: the arena did not exist yet).
-    pub(crate) fn seq_of(&self, stream: StreamId) -> u64 {
+    pub(crate) fn seq_of(&self, stream_id: u64) -> u64 {
         self.seqs
             .iter()
-            .find(|(s, _)| *s == stream)
+            .find(|(s, _)| *s == stream_id)
             .map_or(0, |(_, q)| *q)
     }
 }

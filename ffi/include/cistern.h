@@ -62,6 +62,14 @@ void cistern_set_memory_fraction(double fraction, int device);
 // `record_stream_fn` (`Tensor.record_stream`).
 void cistern_record_stream(void *ptr, cistern_stream_t stream);
 
+// Says that `stream` is about to be destroyed (or just was): cistern never names it again, and
+// a stream that later gets the same handle from the driver is not served the gone stream's
+// cached memory (whose last work may still be running). Live allocations made on it stay
+// valid. Call it around `cuStreamDestroy` / `cudaStreamDestroy` when streams are created and
+// destroyed while the process runs (PyTorch's streams never are). The default streams (0,
+// `cudaStreamLegacy`, `cudaStreamPerThread`) are refused (last error).
+void cistern_forget_stream(cistern_stream_t stream);
+
 // The base address and size of the allocation that contains `ptr` (any address inside a
 // live allocation), as PyTorch's `getBaseAllocation` means it: the memory to share with
 // another process, `ptr` being at offset `ptr - base` in it. For a pool of `cuMemAlloc`

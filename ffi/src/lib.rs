@@ -36,7 +36,7 @@
 //!    and, on a cache hit, takes one uncontended arena lock and makes no driver call (the
 //!    arena and its heap: `arena/mod.rs`, `heap.rs`). On a miss it grows (`pool/grow.rs`,
 //!    `pool/vmm.rs`): it maps pages or allocates a segment through the driver seam
-//!    (`driver/mod.rs`, then `driver/cuda.rs` or `driver/sim/`), or fails with an OOM report.
+//!    (`driver/mod.rs`, then `driver/cuda/` or `driver/sim/`), or fails with an OOM report.
 //! 5. The address comes back as `void*`; a failure becomes NULL and a last error
 //!    ("out of memory: ..." with the report, for an OOM).
 //!
@@ -250,6 +250,25 @@ pub extern "C" fn cistern_record_stream(ptr: *mut c_void, stream: cistern_stream
                 format!("cistern_record_stream({ptr:p}, {stream:p}): {e}"),
                 true,
             );
+        }
+    })
+}
+
+/// Says that `stream` is about to be destroyed (or just was): cistern never names it again, and
+/// a stream that later gets the same handle from the driver is not served the gone stream's
+/// cached memory (whose last work may still be running). Live allocations made on it stay
+/// valid. Call it around `cuStreamDestroy` / `cudaStreamDestroy` when streams are created and
+/// destroyed while the process runs (PyTorch's streams never are). The default streams (0,
+/// `cudaStreamLegacy`, `cudaStreamPerThread`) are refused (last error).
+#[no_mangle]
+pub extern "C" fn cistern_forget_stream(stream: cistern_stream_t) {
+    guard::call("cistern_forget_stream", (), || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => return fail_no_pool("cistern_forget_stream", why),
+        };
+        if let Err(e) = with_pool!(pool, |p| p.forget_stream(stream_id(stream))) {
+            fail(format!("cistern_forget_stream({stream:p}): {e}"), true);
         }
     })
 }

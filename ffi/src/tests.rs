@@ -67,13 +67,14 @@ fn panics_never_escape() {
     assert_eq!(n, 0);
     expect_caught("cistern_snapshot_json");
 
-    let calls: [(&str, &dyn Fn()); 7] = [
+    let calls: [(&str, &dyn Fn()); 8] = [
         ("cistern_init", &|| cistern_init(1)),
         ("cistern_empty_cache", &|| cistern_empty_cache()),
         ("cistern_set_memory_fraction", &|| {
             cistern_set_memory_fraction(0.5, 0)
         }),
         ("cistern_record_stream", &|| cistern_record_stream(p, s)),
+        ("cistern_forget_stream", &|| cistern_forget_stream(s)),
         ("cistern_reset_peak_stats", &|| cistern_reset_peak_stats(0)),
         ("cistern_tag_pop", &|| cistern_tag_pop()),
         // SAFETY: a NUL-terminated string.
@@ -91,7 +92,7 @@ fn panics_never_escape() {
     let e = unsafe { CStr::from_ptr(cistern_last_error()) };
     assert_eq!(e.to_bytes(), b"");
 
-    assert_eq!(guard::ABI_PANICS.load(Relaxed) - before, 13);
+    assert_eq!(guard::ABI_PANICS.load(Relaxed) - before, 14);
     // The pool is unharmed: the block is still live and frees normally.
     cistern_free(p, 4096, 0, s);
     let q = cistern_malloc(4096, 0, s);

@@ -25,6 +25,7 @@ fn header_declares_every_export() {
         "void cistern_empty_cache(void);",
         "void cistern_set_memory_fraction(double fraction, int device);",
         "void cistern_record_stream(void *ptr, cistern_stream_t stream);",
+        "void cistern_forget_stream(cistern_stream_t stream);",
         "void *cistern_base_alloc(void *ptr, size_t *size);",
         "size_t cistern_stats_json(int device, char *buf, size_t cap);",
         "size_t cistern_snapshot_json(char *buf, size_t cap);",

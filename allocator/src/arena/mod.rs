@@ -24,13 +24,14 @@ mod live;
 mod segment;
 mod shared;
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use std::thread::ThreadId;
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use crate::driver::{Driver, EventId, StreamId};
+use crate::driver::{DeviceId, Driver, EventId, StreamId, StreamInfo};
 use crate::error::Result;
 use crate::heap::{SpanId, SpanState};
 use crate::provenance::{Ledger, Origin};
@@ -40,16 +41,59 @@ pub(crate) use live::{LiveMap, LiveRef};
 pub(crate) use segment::{Backing, Chunk, HeapKind, Heaps, Page, Segment};
 pub(crate) use shared::{Counters, DeviceCore, EventCache};
 
+/// A stream, as an arena or a `record_stream` use knows it: the handle to name it with, and
+/// what identifies it (see [`crate::driver::Driver::stream_info`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StreamRef {
+    /// The handle the stream was first seen with.
+    pub handle: StreamId,
+    /// The device whose context the stream belongs to.
+    pub dev: DeviceId,
+    /// The driver's id of the stream (unique among live streams).
+    pub id: u64,
+    /// For `CU_STREAM_PER_THREAD`: the only thread on which `handle` names this stream.
+    pub thread: Option<ThreadId>,
+}
+
+impl StreamRef {
+    /// The stream `info` describes, seen as `handle` on the calling thread.
+    pub fn new(handle: StreamId, info: StreamInfo) -> Self {
+        StreamRef {
+            handle,
+            dev: info.device,
+            id: info.id,
+            thread: info.per_thread.then(|| std::thread::current().id()),
+        }
+    }
+
+    /// The handle that names this stream on the calling thread, if one does (a per-thread
+    /// stream can only be named on its own thread).
+    pub fn handle_here(&self) -> Option<StreamId> {
+        match self.thread {
+            Some(t) if t != std::thread::current().id() => None,
+            _ => Some(self.handle),
+        }
+    }
+
+    /// Whether both name the same stream.
+    pub fn same(&self, other: &StreamRef) -> bool {
+        self.dev == other.dev && self.id == other.id
+    }
+}
+
 /// A block freed while other streams may still use it.
 #[derive(Debug)]
 pub(crate) struct Pending {
     pub kind: HeapKind,
     pub span: SpanId,
-    /// One event per other stream that used the block, with that stream.
-    pub events: Vec<(StreamId, EventId)>,
-    /// Some stream's use could not be captured by an event and the device could not be
-    /// synchronised: the block waits for a successful device synchronisation.
+    /// One event per other stream that used the block: the stream's (device, id) and the
+    /// event, created on that device.
+    pub events: Vec<((DeviceId, u64), EventId)>,
+    /// Some stream's use could not be captured by an event and its device could not be
+    /// synchronised: the block waits for a successful synchronisation of device `sync_dev`.
     pub needs_device_sync: bool,
+    /// The device to synchronise when `needs_device_sync`.
+    pub sync_dev: DeviceId,
 }
 
 /// Everything behind an arena's lock.
@@ -58,7 +102,7 @@ pub(crate) struct ArenaState {
     pub kinds: Heaps,
     pub live: LiveMap,
     /// Streams other than the arena's that used a live block (`record_stream`).
-    pub uses: FxHashMap<u64, Vec<StreamId>>,
+    pub uses: FxHashMap<u64, Vec<StreamRef>>,
     pub pending: Vec<Pending>,
     pub gauges: LocalGauges,
     /// Live bytes per (tag, site) of this arena (see [`crate::provenance`]).
@@ -80,8 +124,13 @@ pub(crate) enum FreeOutcome {
 
 /// One stream's share of a device pool.
 pub(crate) struct Arena<D: Driver> {
-    /// The stream whose allocations this arena serves.
+    /// The stream whose allocations this arena serves (the handle it was first seen with).
     pub(crate) stream: StreamId,
+    /// What identifies that stream.
+    pub(crate) sref: StreamRef,
+    /// Set when the stream is known to be gone (its handle now names another stream): the
+    /// handle is never used again, and the arena only serves frees of its live blocks.
+    pub(crate) retired: AtomicBool,
     /// What every arena of the device shares.
     pub(crate) core: Arc<DeviceCore<D>>,
     /// The arena's books; see the lock order in [`crate::pool`].
@@ -89,13 +138,40 @@ pub(crate) struct Arena<D: Driver> {
 }
 
 impl<D: Driver> Arena<D> {
-    /// A new, empty arena for `stream`.
-    pub(crate) fn new(stream: StreamId, core: Arc<DeviceCore<D>>) -> Self {
+    /// A new, empty arena for the stream `sref`.
+    pub(crate) fn new(sref: StreamRef, core: Arc<DeviceCore<D>>) -> Self {
         Arena {
-            stream,
+            stream: sref.handle,
+            sref,
+            retired: AtomicBool::new(false),
             core,
             state: Mutex::new(ArenaState::default()),
         }
+    }
+
+    /// The handle that names this arena's stream on the calling thread: `None` when the stream
+    /// is gone, or is another thread's per-thread stream. Every driver call on the arena's
+    /// stream goes through this.
+    pub(crate) fn handle_here(&self) -> Option<StreamId> {
+        if self.retired.load(Relaxed) {
+            return None;
+        }
+        self.sref.handle_here()
+    }
+
+    /// Notes that `stream` (resolved as `info`) uses the live block at `base`, unless it is the
+    /// arena's own stream. Returns whether a use was added.
+    pub(crate) fn add_use(&self, base: u64, stream: StreamId, info: StreamInfo) -> bool {
+        let u = StreamRef::new(stream, info);
+        if u.same(&self.sref) {
+            return false;
+        }
+        let mut a = self.state.lock();
+        let uses = a.uses.entry(base).or_default();
+        if !uses.iter().any(|x| x.same(&u)) {
+            uses.push(u);
+        }
+        true
     }
 
     /// Frees `ptr`, a block of this arena (found by address, or a [`crate::Buffer`]'s own).
@@ -105,7 +181,7 @@ impl<D: Driver> Arena<D> {
         if let Some(r) = &c.recorder {
             r.free(ptr);
         }
-        let outcome = self.state.lock().free(ptr, self.stream, c);
+        let outcome = self.state.lock().free(ptr, &self.sref, c);
         match outcome {
             FreeOutcome::Unknown => return Err(c.invalid_free(ptr, "unknown or already freed")),
             FreeOutcome::Pending => {
@@ -136,11 +212,24 @@ impl<D: Driver> Arena<D> {
         let mut synced = false;
         for kh in a.kinds.iter_mut() {
             for slot in &mut kh.segments {
-                let Some(seg) = slot.take() else { continue };
+                if slot.is_none() {
+                    continue;
+                }
                 if !synced {
-                    c.sync_stream(self.stream);
+                    // Unmapping needs the stream's work on these pages finished. If that cannot
+                    // be known, the memory stays mapped (lost to this process, never corrupted).
+                    if !c.sync_stream(self.handle_here()) {
+                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                        crate::log_rate_limited(&format!(
+                            "cistern: device {} stream {}: the stream's work could not be waited \
+                             for at teardown; its memory is left mapped",
+                            c.dev, self.stream
+                        ));
+                        return false;
+                    }
                     synced = true;
                 }
+                let Some(seg) = slot.take() else { continue };
                 match seg.backing {
                     Backing::Vmm { pages } => {
                         // Each chunk once, at its mapping's first granule.
@@ -294,7 +383,7 @@ impl ArenaState {
     pub fn free<D: Driver>(
         &mut self,
         ptr: u64,
-        own_stream: StreamId,
+        own: &StreamRef,
         core: &DeviceCore<D>,
     ) -> FreeOutcome {
         let (dev, driver, events, shared) = (core.dev, &*core.driver, &core.events, &core.shared);
@@ -312,24 +401,26 @@ impl ArenaState {
         }
         if let Some(streams) = self.uses.remove(&ptr) {
             let mut evs = Vec::with_capacity(streams.len());
-            let mut ok = true;
-            for s in streams.into_iter().filter(|s| *s != own_stream) {
-                match events.get(driver, dev) {
-                    Ok(ev) => {
-                        if driver.event_record(dev, ev, s).is_ok() {
-                            evs.push((s, ev));
-                        } else {
-                            events.put(ev);
-                            ok = false;
+            let mut sync_dev = dev;
+            let mut needs_device_sync = false;
+            for u in streams.into_iter().filter(|u| !u.same(own)) {
+                let recorded = u
+                    .handle_here()
+                    .and_then(|h| record_use(driver, events, dev, u.dev, h));
+                match recorded {
+                    Some(ev) => evs.push(((u.dev, u.id), ev)),
+                    // No event could be recorded (another thread's per-thread stream, a driver
+                    // fault): wait for the stream's whole device instead, so the block is still
+                    // never reused too early. If even that fails, the block stays pending until
+                    // a synchronisation of that device succeeds.
+                    None => {
+                        if !needs_device_sync && driver.device_synchronize(u.dev).is_err() {
+                            needs_device_sync = true;
+                            sync_dev = u.dev;
                         }
                     }
-                    Err(_) => ok = false,
                 }
             }
-            // An event could not be recorded (a destroyed stream, a driver fault): wait for
-            // the whole device instead, so the block is still never reused too early. If even
-            // that fails, the block stays pending until a device synchronisation succeeds.
-            let needs_device_sync = !ok && driver.device_synchronize(dev).is_err();
             if !evs.is_empty() || needs_device_sync {
                 let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
                 self.gauges.apply(kind.pool_index(), &d, shared);
@@ -339,6 +430,7 @@ impl ArenaState {
                     span: r.span,
                     events: evs,
                     needs_device_sync,
+                    sync_dev,
                 });
                 return FreeOutcome::Pending;
             }
@@ -358,7 +450,7 @@ impl ArenaState {
     pub fn process_pending<D: Driver>(&mut self, wait: bool, core: &DeviceCore<D>) -> usize {
         let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
         // Streams whose oldest pending event has not completed yet (small: one per stream).
-        let mut blocked: Vec<StreamId> = Vec::new();
+        let mut blocked: Vec<(DeviceId, u64)> = Vec::new();
         let mut done_spans: Vec<(HeapKind, SpanId)> = Vec::new();
         // Taken out (no allocation) so that the list can be filtered in order while the
         // finished blocks' spans are collected.
@@ -366,7 +458,7 @@ impl ArenaState {
         pending.retain_mut(|p| {
             if p.needs_device_sync {
                 // Only a blocking wait may synchronise the device (never the hot path).
-                if !wait || driver.device_synchronize(dev).is_err() {
+                if !wait || driver.device_synchronize(p.sync_dev).is_err() {
                     return true;
                 }
                 p.needs_device_sync = false;
@@ -376,21 +468,26 @@ impl ArenaState {
             let mut k = 0;
             while k < p.events.len() {
                 let (s, ev) = p.events[k];
+                let ev_dev = s.0;
                 let ok = if wait {
-                    driver.event_synchronize(dev, ev).is_ok()
+                    driver.event_synchronize(ev_dev, ev).is_ok()
                 } else if blocked.contains(&s) {
                     false
                 } else {
                     // A failed query is treated as "not yet": the block stays pending rather
                     // than risk reuse while another stream writes it.
-                    let ok = driver.event_query(dev, ev).unwrap_or(false);
+                    let ok = driver.event_query(ev_dev, ev).unwrap_or(false);
                     if !ok {
                         blocked.push(s);
                     }
                     ok
                 };
                 if ok {
-                    events.put(ev);
+                    if ev_dev == dev {
+                        events.put(ev);
+                    } else {
+                        let _ = driver.event_destroy(ev_dev, ev);
+                    }
                     p.events.swap_remove(k);
                 } else if wait {
                     break;
@@ -414,17 +511,24 @@ impl ArenaState {
     /// Retries the device synchronisation that blocks pending frees whose uses no event could
     /// capture (slow paths only: it blocks the host). Returns whether none is left waiting.
     pub fn retry_device_sync<D: Driver>(&mut self, core: &DeviceCore<D>) -> bool {
-        let (dev, driver) = (core.dev, &*core.driver);
-        if !self.pending.iter().any(|p| p.needs_device_sync) {
-            return true;
+        let driver = &*core.driver;
+        let mut devs: Vec<DeviceId> = Vec::new();
+        for p in self.pending.iter().filter(|p| p.needs_device_sync) {
+            if !devs.contains(&p.sync_dev) {
+                devs.push(p.sync_dev);
+            }
         }
-        if driver.device_synchronize(dev).is_err() {
-            return false;
+        let mut all = true;
+        for d in devs {
+            if driver.device_synchronize(d).is_ok() {
+                for p in self.pending.iter_mut().filter(|p| p.sync_dev == d) {
+                    p.needs_device_sync = false;
+                }
+            } else {
+                all = false;
+            }
         }
-        for p in &mut self.pending {
-            p.needs_device_sync = false;
-        }
-        true
+        all
     }
 
     /// Turns `[lo, hi)` inside free span `id` of heap `kind` into a hole, keeping the gauges.
@@ -476,4 +580,30 @@ impl ArenaState {
         }
         best
     }
+}
+
+/// Records an event on `stream` of device `on` for a block of device `dev`: from `dev`'s event
+/// cache when the stream is on the same device, else a fresh event of `on` (destroyed when it
+/// has completed). `None` when no event could be recorded.
+fn record_use<D: Driver>(
+    driver: &D,
+    events: &EventCache,
+    dev: DeviceId,
+    on: DeviceId,
+    stream: StreamId,
+) -> Option<EventId> {
+    let ev = if on == dev {
+        events.get(driver, dev).ok()?
+    } else {
+        driver.event_create(on).ok()?
+    };
+    if driver.event_record(on, ev, stream).is_ok() {
+        return Some(ev);
+    }
+    if on == dev {
+        events.put(ev);
+    } else {
+        let _ = driver.event_destroy(on, ev);
+    }
+    None
 }

@@ -97,8 +97,12 @@ impl<D: Driver> DeviceCore<D> {
     }
 
     /// Whether all work queued on `stream` so far has finished, without blocking: records an
-    /// event there and queries it. A failure to record or query counts as "busy".
-    pub(crate) fn stream_idle(&self, stream: StreamId) -> bool {
+    /// event there and queries it. A failure to record or query counts as "busy", and so does
+    /// a stream that cannot be named here (`None`: gone, or another thread's per-thread one).
+    pub(crate) fn stream_idle(&self, stream: Option<StreamId>) -> bool {
+        let Some(stream) = stream else {
+            return false;
+        };
         let d = &*self.driver;
         let Ok(ev) = self.events.get(d, self.dev) else {
             return false;
@@ -110,15 +114,19 @@ impl<D: Driver> DeviceCore<D> {
     }
 
     /// Records an event on `stream` and waits for it: all work queued there so far is done.
-    pub(crate) fn sync_stream(&self, stream: StreamId) -> bool {
+    /// When no event can be recorded there (or the stream cannot be named here: `None`), waits
+    /// for the whole device instead, which never touches the stream's handle.
+    pub(crate) fn sync_stream(&self, stream: Option<StreamId>) -> bool {
         self.counters.num_stream_syncs.fetch_add(1, Relaxed);
         let d = &*self.driver;
-        if let Ok(ev) = self.events.get(d, self.dev) {
-            let ok = d.event_record(self.dev, ev, stream).is_ok()
-                && d.event_synchronize(self.dev, ev).is_ok();
-            self.events.put(ev);
-            if ok {
-                return true;
+        if let Some(stream) = stream {
+            if let Ok(ev) = self.events.get(d, self.dev) {
+                let ok = d.event_record(self.dev, ev, stream).is_ok()
+                    && d.event_synchronize(self.dev, ev).is_ok();
+                self.events.put(ev);
+                if ok {
+                    return true;
+                }
             }
         }
         self.counters.num_sync_all_streams.fetch_add(1, Relaxed);

@@ -29,7 +29,13 @@
 //! * **Linear fallback**: `mem_alloc` / `mem_free` (`cuMemAlloc` / `cuMemFree`). `mem_free` may
 //!   synchronise the device: slow path only.
 //! * **Streams** are opaque `u64` values ([`StreamId`]), the raw `CUstream`; `0` is the legacy
-//!   default stream. The driver never creates or destroys streams for the pool.
+//!   default stream, [`StreamId::LEGACY`] (`CU_STREAM_LEGACY`) the same stream, and
+//!   [`StreamId::PER_THREAD`] (`CU_STREAM_PER_THREAD`) a different stream on every thread. The
+//!   driver never creates or destroys streams for the pool. A handle is not an identity: the
+//!   special ones name different streams on different threads or devices, and a destroyed
+//!   stream's handle may come back as a new stream. [`Driver::stream_info`] gives what does
+//!   identify a stream (its device and an id unique among the process's live streams); the pool
+//!   keys its arenas by it.
 //! * **Events**: `event_create` (timing disabled), `event_record` on a stream, `event_query`
 //!   (`Ok(true)` when all work before the record has completed; never blocks),
 //!   `event_synchronize` (blocks the host: slow paths only), `event_destroy`, and
@@ -55,6 +61,28 @@ pub struct StreamId(pub u64);
 impl StreamId {
     /// The legacy default stream.
     pub const DEFAULT: StreamId = StreamId(0);
+    /// `CU_STREAM_LEGACY`: the legacy default stream of the current context, as `0`.
+    pub const LEGACY: StreamId = StreamId(1);
+    /// `CU_STREAM_PER_THREAD`: the calling thread's own default stream of the current context.
+    pub const PER_THREAD: StreamId = StreamId(2);
+
+    /// Whether this is one of the three special handles (`0`, `CU_STREAM_LEGACY`,
+    /// `CU_STREAM_PER_THREAD`), which the driver resolves through the calling thread's context.
+    pub fn is_special(self) -> bool {
+        self.0 <= 2
+    }
+}
+
+/// What identifies a stream, as [`Driver::stream_info`] resolves a handle.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StreamInfo {
+    /// The device whose context the stream belongs to.
+    pub device: DeviceId,
+    /// An id no other live stream of the process has (`cuStreamGetId`).
+    pub id: u64,
+    /// Whether the handle names a different stream on every thread (`CU_STREAM_PER_THREAD`): it
+    /// can only be used for this stream on the thread that resolved it.
+    pub per_thread: bool,
 }
 
 impl fmt::Display for StreamId {
@@ -351,6 +379,25 @@ pub trait Driver: Send + Sync + 'static {
         r
     }
 
+    /// What `stream` names on the calling thread: its device and its id (see [`StreamInfo`]).
+    /// The special handles (`0`, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) are resolved on
+    /// device `dev`. The default is for drivers where any value is a stream of device `dev`
+    /// (the simulator, whose caller's streams no driver created): the handle is the id, and
+    /// no handle is special.
+    fn stream_info(&self, dev: DeviceId, stream: StreamId) -> DriverResult<StreamInfo> {
+        Ok(StreamInfo {
+            device: dev,
+            id: stream.0,
+            per_thread: false,
+        })
+    }
+
+    /// The device of the calling thread's current context, when it is one of this driver's
+    /// (`None`: no current context, or a driver without the notion).
+    fn current_device(&self) -> Option<DeviceId> {
+        None
+    }
+
     /// Called when the pool hands `[ptr, ptr + size)` to a user on `stream`. Real drivers ignore
     /// it; the simulator records a hazard if unfinished work on another stream touches the range.
     #[inline]
@@ -427,6 +474,12 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     }
     fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
         (**self).stream_synchronize(dev, stream)
+    }
+    fn stream_info(&self, dev: DeviceId, stream: StreamId) -> DriverResult<StreamInfo> {
+        (**self).stream_info(dev, stream)
+    }
+    fn current_device(&self) -> Option<DeviceId> {
+        (**self).current_device()
     }
     #[inline]
     fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {

@@ -41,17 +41,22 @@ impl<D: Driver> Buffer<D> {
     }
     /// Declares that `stream` also uses this buffer (see
     /// [`DevicePool::record_stream`](super::DevicePool::record_stream)).
-    pub fn record_stream(&self, stream: StreamId) {
-        if let Some(a) = &self.arena {
-            if stream != a.stream {
-                let mut st = a.state.lock();
-                let uses = st.uses.entry(self.ptr).or_default();
-                if !uses.contains(&stream) {
-                    uses.push(stream);
-                }
-                a.core.counters.num_record_streams.fetch_add(1, Relaxed);
-            }
+    ///
+    /// Fails, recording nothing, when the driver cannot resolve `stream` (no event could be
+    /// recorded on it either).
+    pub fn record_stream(&self, stream: StreamId) -> crate::error::Result<()> {
+        let Some(a) = &self.arena else { return Ok(()) };
+        let c = &*a.core;
+        let on = if stream.is_special() {
+            c.driver.current_device().unwrap_or(c.dev)
+        } else {
+            c.dev
+        };
+        let info = c.driver.stream_info(on, stream)?;
+        if a.add_use(self.ptr, stream, info) {
+            c.counters.num_record_streams.fetch_add(1, Relaxed);
         }
+        Ok(())
     }
 }
 

@@ -13,9 +13,11 @@ use rustc_hash::FxHashMap;
 
 use super::buffer::Buffer;
 use super::round_size;
-use crate::arena::{Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind};
+use crate::arena::{
+    Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind, StreamRef,
+};
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId, StreamInfo};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
@@ -81,7 +83,11 @@ static NEXT_UID: AtomicU64 = AtomicU64::new(1);
 struct CacheEntry {
     uid: u64,
     stream: StreamId,
-    arena: Arc<dyn Any + Send + Sync>,
+    /// The pool's [`DevicePool::generation`] when the entry was made: an arena retired since
+    /// makes every older entry stale.
+    generation: u64,
+    /// An `Arc<Arena<D>>` of the pool `uid` (type-erased: the cache serves every driver type).
+    arena: Box<dyn Any + Send + Sync>,
 }
 
 const TLS_ENTRIES: usize = 4;
@@ -98,7 +104,15 @@ type RangeIndex<D> = BTreeMap<u64, (u64, Weak<Arena<D>>)>;
 /// The pool of one device: an arena per stream, plus the state that all of them share.
 pub struct DevicePool<D: Driver> {
     pub(super) core: Arc<DeviceCore<D>>,
-    pub(super) arenas: RwLock<FxHashMap<StreamId, Arc<Arena<D>>>>,
+    /// The live streams' arenas, by the driver's stream id (see [`Driver::stream_info`]): a
+    /// handle is not an identity (`CU_STREAM_PER_THREAD` is another stream on every thread, and
+    /// a destroyed stream's handle can come back as a new stream).
+    pub(super) arenas: RwLock<FxHashMap<u64, Arc<Arena<D>>>>,
+    /// Arenas whose stream is gone, kept while they hold memory: their live blocks can still be
+    /// freed, and their free pages taken by other streams once the device is idle.
+    pub(super) retired: Mutex<Vec<Arc<Arena<D>>>>,
+    /// Bumped when an arena retires, so that threads drop their cached handle -> arena entries.
+    pub(super) generation: AtomicU64,
     /// Segment base -> (end, owning arena), to find a pointer's arena without its stream.
     pub(super) ranges: RwLock<RangeIndex<D>>,
     pub(super) state: Mutex<DeviceState>,
@@ -147,6 +161,8 @@ impl<D: Driver> DevicePool<D> {
                 recorder,
             }),
             arenas: RwLock::new(FxHashMap::default()),
+            retired: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
             ranges: RwLock::new(BTreeMap::new()),
             state: Mutex::new(DeviceState {
                 reserved: Default::default(),
@@ -187,29 +203,97 @@ impl<D: Driver> DevicePool<D> {
         self.state.lock().limit
     }
 
-    pub(super) fn arena(&self, stream: StreamId) -> Arc<Arena<D>> {
-        if let Some(a) = self.arenas.read().get(&stream) {
-            return a.clone();
+    /// The arena of the stream `stream` names on this thread, made on first use. The driver
+    /// resolves the handle (one `stream_info` call: this is the path of a thread's first use of
+    /// a handle, and of every growth). A new stream seen with the handle of an arena's stream
+    /// means that stream is gone: its arena retires (see [`DevicePool::retire`]).
+    ///
+    /// Known limit: a thread's cache of handle -> arena is checked against retirements, not
+    /// against the driver, so a thread that destroys a stream and allocates at once on a new
+    /// stream that got the same handle is served from the old arena's cached blocks until its
+    /// next growth or until any other thread meets the new stream. Asking the driver on every
+    /// allocation (`cuStreamGetId`) would close it at the price of a driver call on the hot
+    /// path.
+    pub(super) fn arena(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
+        let c = &*self.core;
+        let info = c.driver.stream_info(c.dev, stream)?;
+        if info.device != c.dev {
+            return Err(Error::InvalidArgument(format!(
+                "stream {stream} belongs to device {}, not device {}: allocate on the stream's \
+                 own device",
+                info.device, c.dev
+            )));
+        }
+        if let Some(a) = self.arenas.read().get(&info.id) {
+            return Ok(a.clone());
         }
         let mut map = self.arenas.write();
-        map.entry(stream)
-            .or_insert_with(|| Arc::new(Arena::new(stream, self.core.clone())))
-            .clone()
+        if let Some(a) = map.get(&info.id) {
+            return Ok(a.clone());
+        }
+        if !stream.is_special() {
+            let gone: Vec<u64> = map
+                .iter()
+                .filter(|(_, a)| a.stream == stream)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in gone {
+                if let Some(old) = map.remove(&id) {
+                    self.retire(old);
+                }
+            }
+        }
+        let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
+        map.insert(info.id, arena.clone());
+        Ok(arena)
     }
 
-    /// Runs `f` on the cached arena of `stream`, if this thread has it cached.
+    /// Retires `arena`, whose stream is gone: its handle is never used again (another stream
+    /// may have it now). Its live blocks stay valid and can be freed; its free pages go to other
+    /// streams only after a device synchronisation (the gone stream's last work may still run:
+    /// `cuStreamDestroy` does not wait for it). Every thread's cached entries are invalidated.
+    fn retire(&self, arena: Arc<Arena<D>>) {
+        arena.retired.store(true, Relaxed);
+        self.generation.fetch_add(1, Relaxed);
+        self.retired.lock().push(arena);
+    }
+
+    /// Retires the arenas of the stream handle `stream` (see [`Pool::forget_stream`]), without
+    /// a driver call: the stream may be destroyed already. Returns whether there was one.
+    ///
+    /// [`Pool::forget_stream`]: super::Pool::forget_stream
+    pub fn forget_stream(&self, stream: StreamId) -> bool {
+        let mut map = self.arenas.write();
+        let gone: Vec<u64> = map
+            .iter()
+            .filter(|(_, a)| a.stream == stream)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &gone {
+            if let Some(old) = map.remove(id) {
+                self.retire(old);
+            }
+        }
+        !gone.is_empty()
+    }
+
+    /// Runs `f` on the cached arena of `stream`, if this thread has it cached (and no arena
+    /// retired since it was cached).
     #[inline]
     pub(super) fn with_cached<R>(
         &self,
         stream: StreamId,
-        f: impl FnOnce(&Arena<D>) -> R,
+        f: impl FnOnce(&Arc<Arena<D>>) -> R,
     ) -> Option<R> {
         let uid = self.core.uid;
+        let generation = self.generation.load(Relaxed);
         ARENA_CACHE
             .try_with(|cell| {
                 let cache = cell.try_borrow().ok()?;
-                let e = cache.iter().find(|e| e.uid == uid && e.stream == stream)?;
-                let arena = e.arena.downcast_ref::<Arena<D>>()?;
+                let e = cache
+                    .iter()
+                    .find(|e| e.uid == uid && e.stream == stream && e.generation == generation)?;
+                let arena = e.arena.downcast_ref::<Arc<Arena<D>>>()?;
                 Some(f(arena))
             })
             .ok()
@@ -217,8 +301,9 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// The arena of `stream`, caching it for this thread.
-    pub(super) fn arena_cached(&self, stream: StreamId) -> Arc<Arena<D>> {
-        let arena = self.arena(stream);
+    pub(super) fn arena_cached(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
+        let generation = self.generation.load(Relaxed);
+        let arena = self.arena(stream)?;
         let uid = self.core.uid;
         let _ = ARENA_CACHE.try_with(|cell| {
             if let Ok(mut cache) = cell.try_borrow_mut() {
@@ -229,11 +314,12 @@ impl<D: Driver> DevicePool<D> {
                 cache.push(CacheEntry {
                     uid,
                     stream,
-                    arena: arena.clone(),
+                    generation,
+                    arena: Box::new(arena.clone()),
                 });
             }
         });
-        arena
+        Ok(arena)
     }
 
     #[inline]
@@ -282,14 +368,16 @@ impl<D: Driver> DevicePool<D> {
 
     /// Allocates `size` bytes for use on `stream`; returns the device pointer (0 for size 0).
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64> {
-        self.alloc_inner(size, stream).map(|(p, _)| p)
+        self.alloc_inner(size, stream, false).map(|(p, _)| p)
     }
 
-    /// Allocates and returns the pointer with the arena it came from (when needed).
+    /// Allocates and returns the pointer with the arena it came from (on a cache hit only
+    /// `with_arena` asks for it: cloning the `Arc` costs two atomic operations).
     pub(super) fn alloc_inner(
         &self,
         size: u64,
         stream: StreamId,
+        with_arena: bool,
     ) -> Result<(u64, Option<Arc<Arena<D>>>)> {
         if size == 0 {
             return Ok((0, None));
@@ -298,13 +386,14 @@ impl<D: Driver> DevicePool<D> {
             .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
         let kind = self.kind_of(rounded);
         let o = self.origin();
-        if let Some(Some(ptr)) = self.with_cached(stream, |a| {
+        if let Some(Some(hit)) = self.with_cached(stream, |a| {
             self.fast_alloc(a, kind, rounded, size, o.as_ref())
+                .map(|p| (p, with_arena.then(|| a.clone())))
         }) {
-            self.handed_out(ptr, rounded, size, stream);
-            return Ok((ptr, None));
+            self.handed_out(hit.0, rounded, size, stream);
+            return Ok(hit);
         }
-        let arena = self.arena_cached(stream);
+        let arena = self.arena_cached(stream)?;
         let ptr = match self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
             Some(p) => p,
             None => {
@@ -331,12 +420,8 @@ impl<D: Driver> DevicePool<D> {
 
     /// Allocates a [`Buffer`] that frees itself on drop.
     pub fn try_alloc(&self, size: u64, stream: StreamId) -> Result<Buffer<D>> {
-        let (ptr, arena) = self.alloc_inner(size, stream)?;
-        let arena = match (ptr, arena) {
-            (0, _) => None,
-            (_, Some(a)) => Some(a),
-            (_, None) => Some(self.arena_cached(stream)),
-        };
+        let (ptr, arena) = self.alloc_inner(size, stream, true)?;
+        let arena = if ptr == 0 { None } else { arena };
         Ok(Buffer {
             ptr,
             len: size,
@@ -375,7 +460,7 @@ impl<D: Driver> DevicePool<D> {
         if let Some(r) = &c.recorder {
             r.free(ptr);
         }
-        let hit = self.with_cached(stream, |a| a.state.lock().free(ptr, a.stream, c));
+        let hit = self.with_cached(stream, |a| a.state.lock().free(ptr, &a.sref, c));
         match hit {
             Some(FreeOutcome::Freed) => return Ok(()),
             Some(FreeOutcome::Pending) => {
@@ -417,25 +502,35 @@ impl<D: Driver> DevicePool<D> {
                 "record_stream: {ptr:#x} is not memory of this pool"
             )));
         };
-        c.counters.num_record_streams.fetch_add(1, Relaxed);
-        let mut a = arena.state.lock();
-        let Some(base) = a.block_containing(ptr) else {
+        let base = arena.state.lock().block_containing(ptr);
+        let Some(base) = base else {
             return Err(Error::InvalidArgument(format!(
                 "record_stream: {ptr:#x} is not inside a live block"
             )));
         };
-        if stream != arena.stream {
-            let uses = a.uses.entry(base).or_default();
-            if !uses.contains(&stream) {
-                uses.push(stream);
-            }
-        }
+        let info = self.resolve_use(stream)?;
+        c.counters.num_record_streams.fetch_add(1, Relaxed);
+        arena.add_use(base, stream, info);
         Ok(())
+    }
+
+    /// What `stream`, named by a caller of `record_stream`, is: a special handle means the
+    /// stream of the caller's current device (the block's device when it has none), as the
+    /// driver resolves it.
+    pub(super) fn resolve_use(&self, stream: StreamId) -> Result<StreamInfo> {
+        let c = &*self.core;
+        let on = if stream.is_special() {
+            c.driver.current_device().unwrap_or(c.dev)
+        } else {
+            c.dev
+        };
+        Ok(c.driver.stream_info(on, stream)?)
     }
 
     pub(super) fn all_arenas(&self) -> Vec<Arc<Arena<D>>> {
         let mut v: Vec<_> = self.arenas.read().values().cloned().collect();
         v.sort_by_key(|a| a.stream);
+        v.extend(self.retired.lock().iter().cloned());
         v
     }
 }
@@ -470,6 +565,7 @@ impl<D: Driver> Drop for DevicePool<D> {
             arena.teardown();
         }
         self.arenas.write().clear();
+        self.retired.lock().clear();
         for ev in c.events.drain() {
             let _ = c.driver.event_destroy(c.dev, ev);
         }

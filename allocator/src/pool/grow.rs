@@ -56,6 +56,9 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Grow> {
         let c = &*self.core;
         let mut dev = self.state.lock();
+        if !self.retired.lock().is_empty() {
+            self.reap_retired(&mut dev, Some(arena));
+        }
         if retried {
             // OOM protocol: wait for every pending free's events, then look again.
             for other in self.all_arenas() {

@@ -274,6 +274,23 @@ impl<D: Driver> Pool<D> {
         )))
     }
 
+    /// Says that `stream` is about to be destroyed (or just was): the pool never names the
+    /// handle again, and a later stream that gets the same handle from the driver starts
+    /// afresh instead of being served the gone stream's cached blocks (see
+    /// [`DevicePool::forget_stream`]). Blocks still live on it stay valid. The special handles
+    /// (`0`, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) cannot be destroyed: refused.
+    pub fn forget_stream(&self, stream: StreamId) -> Result<()> {
+        if stream.is_special() {
+            return Err(Error::InvalidArgument(format!(
+                "forget_stream({stream}): the default streams cannot be destroyed"
+            )));
+        }
+        for d in self.devices() {
+            d.forget_stream(stream);
+        }
+        Ok(())
+    }
+
     /// Statistics of device `dev`.
     pub fn stats(&self, dev: DeviceId) -> Result<Stats> {
         Ok(self.device(dev)?.stats())

@@ -185,7 +185,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn steal_pages(
         &self,
         a: &mut ArenaState,
-        stream: StreamId,
+        stream: Option<StreamId>,
         exclude: Option<Exclude>,
         dev: &mut DeviceState,
         to_kind: HeapKind,

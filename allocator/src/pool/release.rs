@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::device::{DeviceState, Lost};
 use super::pages::Budget;
 use super::DevicePool;
-use crate::arena::{Arena, ArenaState, HeapKind};
+use crate::arena::{Arena, ArenaState, Backing, HeapKind};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::heap::SpanState;
@@ -18,9 +18,69 @@ impl<D: Driver> DevicePool<D> {
         let mut released = 0;
         for arena in self.all_arenas() {
             let mut st = arena.state.lock();
-            released += self.release_arena(dev, arena.stream, &mut st, u64::MAX, true);
+            released += self.release_arena(dev, arena.handle_here(), &mut st, u64::MAX, true);
         }
         released
+    }
+
+    /// Gives back what retired arenas (their stream is gone, see `DevicePool::retire`) hold once
+    /// none of their blocks is live or pending: their cached pages, after a device
+    /// synchronisation (the gone stream cannot be waited for by name), then their address
+    /// ranges, and the arena leaves the pool. Without this, every stream destroyed and replaced
+    /// would keep its reservations for the process's life. `except` (the arena being grown) is
+    /// left alone.
+    pub(super) fn reap_retired(&self, dev: &mut DeviceState, except: Option<&Arc<Arena<D>>>) {
+        let c = &*self.core;
+        let retired: Vec<_> = self.retired.lock().clone();
+        for arena in retired {
+            if except.is_some_and(|e| Arc::ptr_eq(&arena, e)) {
+                continue;
+            }
+            let mut a = arena.state.lock();
+            if !a.pending.is_empty() {
+                a.process_pending(false, c);
+            }
+            if !a.live.is_empty() || !a.pending.is_empty() {
+                continue;
+            }
+            self.release_arena(dev, None, &mut a, u64::MAX, true);
+            if !self.free_extents(&mut a) {
+                continue;
+            }
+            drop(a);
+            self.retired.lock().retain(|r| !Arc::ptr_eq(r, &arena));
+        }
+    }
+
+    /// Frees every address range of an arena none of whose pages is mapped any more; returns
+    /// whether the arena holds no segment now.
+    fn free_extents(&self, a: &mut ArenaState) -> bool {
+        let c = &*self.core;
+        let mut all = true;
+        for kind in [HeapKind::Large, HeapKind::Small] {
+            let kh = &mut a.kinds[kind];
+            for slot in &mut kh.segments {
+                let Some(seg) = slot.as_ref() else { continue };
+                let unmapped = matches!(&seg.backing,
+                    Backing::Vmm { pages } if pages.iter().all(Option::is_none));
+                if !unmapped {
+                    all = false;
+                    continue;
+                }
+                if c.driver.free_va(c.dev, seg.base, seg.len).is_err() {
+                    c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                    all = false;
+                    continue;
+                }
+                self.ranges.write().remove(&seg.base);
+                if let Some(seg) = slot.take() {
+                    kh.heap.remove_segment(seg.first);
+                }
+            }
+            let segs = &kh.segments;
+            kh.vmm_segs.retain(|&s| segs[s as usize].is_some());
+        }
+        all
     }
 
     /// Releases up to `budget` bytes of cached memory from one arena (whole chunks: the last
@@ -30,7 +90,7 @@ impl<D: Driver> DevicePool<D> {
     pub(super) fn release_arena(
         &self,
         dev: &mut DeviceState,
-        stream: StreamId,
+        stream: Option<StreamId>,
         a: &mut ArenaState,
         budget: u64,
         wait: bool,
@@ -133,11 +193,11 @@ impl<D: Driver> DevicePool<D> {
             }
             let got = match held {
                 Some((h, ref mut hs)) if Arc::ptr_eq(h, &arena) => {
-                    self.release_arena(dev, arena.stream, hs, budget, wait)
+                    self.release_arena(dev, arena.handle_here(), hs, budget, wait)
                 }
                 _ => {
                     let mut st = arena.state.lock();
-                    self.release_arena(dev, arena.stream, &mut st, budget, wait)
+                    self.release_arena(dev, arena.handle_here(), &mut st, budget, wait)
                 }
             };
             budget = budget.saturating_sub(got);
@@ -172,6 +232,7 @@ impl<D: Driver> DevicePool<D> {
             a.process_pending(false, c);
         }
         self.release_cached(&mut dev);
+        self.reap_retired(&mut dev, None);
         for Lost { kind, chunk } in std::mem::take(&mut dev.lost) {
             self.release_handle(&mut dev, kind, chunk);
         }
@@ -219,7 +280,7 @@ impl<D: Driver> DevicePool<D> {
                 let mut st = arena.state.lock();
                 over = over.saturating_sub(self.release_arena(
                     &mut dev,
-                    arena.stream,
+                    arena.handle_here(),
                     &mut st,
                     over,
                     true,

@@ -202,7 +202,7 @@ impl<D: Driver> DevicePool<D> {
         let seqs = self
             .all_arenas()
             .iter()
-            .map(|a| (a.stream, a.state.lock().seq))
+            .map(|a| (a.sref.id, a.state.lock().seq))
             .collect();
         Mark {
             pool: self.core.uid,
@@ -226,12 +226,12 @@ impl<D: Driver> DevicePool<D> {
         self.live_detailed(|_| None)
     }
 
-    /// Live blocks whose sequence number is above `after(stream)` (all for `None`).
-    pub(super) fn live_detailed(&self, after: impl Fn(StreamId) -> Option<u64>) -> Vec<LiveBlock> {
+    /// Live blocks whose sequence number is above `after(arena's stream id)` (all for `None`).
+    pub(super) fn live_detailed(&self, after: impl Fn(u64) -> Option<u64>) -> Vec<LiveBlock> {
         let now = crate::provenance::now_ns();
         let mut out = Vec::new();
         for arena in self.all_arenas() {
-            let seq = after(arena.stream);
+            let seq = after(arena.sref.id);
             let a = arena.state.lock();
             for (&ptr, r) in &a.live {
                 let h = &a.kinds[r.kind].heap;

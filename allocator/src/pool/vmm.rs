@@ -32,7 +32,7 @@ use super::window::{choose_window, free_chunk_lens, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
 use crate::config::StreamSync;
-use crate::driver::Driver;
+use crate::driver::{Driver, DriverErrorKind};
 use crate::error::{Error, Result};
 
 /// Where a request goes in a VMM extent (the plan phase's answer).
@@ -198,7 +198,7 @@ impl<D: Driver> DevicePool<D> {
             ));
         }
         if a.kinds[kind].vmm_segs.is_empty() {
-            self.reserve_extent(arena, a, kind, extent)?;
+            self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
         }
         // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
         // window there tries to map over it; its handle is then reused like any lost one.
@@ -235,7 +235,7 @@ impl<D: Driver> DevicePool<D> {
         if let Some(w) = choice {
             return Ok(w);
         }
-        let seg = self.reserve_extent(arena, a, kind, extent)?;
+        let seg = self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
         match choose_window(a, kind, seg, rounded, g) {
             Some((lo, missing)) => Ok(Window {
                 seg,
@@ -521,7 +521,7 @@ impl<D: Driver> DevicePool<D> {
         if !place.full() {
             moved += self.steal_pages(
                 a,
-                arena.stream,
+                arena.handle_here(),
                 Some(w.exclude(kind)),
                 dev,
                 kind,
@@ -538,7 +538,7 @@ impl<D: Driver> DevicePool<D> {
                 let mut o = other.state.lock();
                 let got = self.steal_pages(
                     &mut o,
-                    other.stream,
+                    other.handle_here(),
                     None,
                     dev,
                     kind,
@@ -597,6 +597,53 @@ impl<D: Driver> DevicePool<D> {
                 w.lo
             ))),
         }
+    }
+
+    /// Reserves one more virtual extent for heap `kind` of `arena`, for a request of `rounded`
+    /// bytes: `extent` bytes when the address space has room, else the largest of halves of it
+    /// down to the request itself (the address space is one for all devices and the host, and
+    /// may be limited by `RLIMIT_AS`). When not even that fits, the request fails as an OOM
+    /// with its report, naming the address space: never as a bare driver error.
+    #[allow(clippy::too_many_arguments)]
+    fn reserve_for(
+        &self,
+        dev: &mut DeviceState,
+        arena: &Arc<Arena<D>>,
+        a: &mut ArenaState,
+        kind: HeapKind,
+        extent: u64,
+        rounded: u64,
+        size: u64,
+    ) -> Result<u32> {
+        let g = self.core.granularity;
+        let least = rounded.div_ceil(g) * g;
+        let mut want = extent.max(least);
+        // The driver says CUDA_ERROR_OUT_OF_MEMORY when no range of the size is left (some
+        // versions CUDA_ERROR_INVALID_VALUE for a size it cannot place); anything else is not
+        // about room and is passed on.
+        let last = loop {
+            match self.reserve_extent(arena, a, kind, want) {
+                Ok(seg) => return Ok(seg),
+                Err(Error::Driver(e))
+                    if matches!(
+                        e.kind,
+                        DriverErrorKind::OutOfMemory | DriverErrorKind::InvalidValue
+                    ) =>
+                {
+                    if want == least {
+                        break e;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+            want = ((want / 2).div_ceil(g) * g).max(least);
+        };
+        let why = format!(
+            "no virtual address space is left for a {least}-byte range (the address space is \
+             shared by every device and the host, and RLIMIT_AS may limit it; fewer streams or \
+             empty_cache() free some): {last}"
+        );
+        Err(self.oom_locked(dev, Some(a), arena.stream, size, rounded, false, &why))
     }
 
     /// Reserves one more virtual extent for heap `kind` of `arena`; returns its segment index.

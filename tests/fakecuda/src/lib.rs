@@ -1,11 +1,14 @@
-//! A fake `libcuda.so` for tests and CI: the CUDA driver API functions cistern calls, implemented
-//! over one process-wide [`SimDriver`] (one simulator, two faces).
+//! A fake `libcuda.so` for tests and CI: the CUDA driver API functions cistern and its tests'
+//! clients call, implemented over one process-wide [`SimDriver`] (one simulator, two faces), and
+//! following the real driver's rules strictly enough that a client breaking one is refused.
 //!
 //! With it, a machine without a GPU runs the *real* [`CudaDriver`](cistern::CudaDriver) (cudarc
 //! loads this library as the driver), the C ABI and the Python package end to end.
 //!
-//! It exports exactly the functions of [`CUDA_SYMBOLS`](cistern::driver::cuda::CUDA_SYMBOLS), no
-//! more: `tests/symbols.rs` compares the built library's dynamic symbol table with that list.
+//! It exports exactly [`CUDA_SYMBOLS`] (what cistern resolves) ∪ [`CLIENT_SYMBOLS`] (driver
+//! functions test clients call: streams, the context stack, stream capture, peers) ∪
+//! [`HOOK_SYMBOLS`] (the `cisternFake*` test hooks, see [`hooks`]); `tests/symbols.rs` compares
+//! the built library's dynamic symbol table with that union.
 //!
 //! # Only for tests
 //!
@@ -21,61 +24,136 @@
 //!
 //! # Knobs
 //!
-//! Environment variables, read once at the first successful `cuInit` (see [`knobs`]):
-//! `CISTERN_FAKECUDA_CAPACITY` (memory per device, e.g. `8GiB`; default 16 GiB),
-//! `CISTERN_FAKECUDA_DEVICES` (default 1), `CISTERN_FAKECUDA_VMM` (`0`: attribute 102 reads 0 and
-//! the VMM calls return `CUDA_ERROR_NOT_SUPPORTED`), `CISTERN_FAKECUDA_GRANULARITY` (default
-//! 2 MiB) and `CISTERN_FAKECUDA_FAIL` (`cuMemCreate:3,cuMemMap:5+`: the 3rd `cuMemCreate` fails,
-//! and the 5th `cuMemMap` and every later one; injected failures of `cuMemCreate` and
-//! `cuMemAlloc` are `CUDA_ERROR_OUT_OF_MEMORY`, others `CUDA_ERROR_UNKNOWN`). A value that cannot
-//! be used is reported on stderr and its default used instead.
+//! Environment variables, read once at the first successful `cuInit` (see [`knobs`] and the
+//! README's table): capacity, device count, VMM support, granularity (minimum and recommended),
+//! the driver's reserve, the address-space limit, peer access, fabric and RDMA support, and
+//! injected failures (`CISTERN_FAKECUDA_FAIL`: `cuMemCreate:3` fails the simulator's third
+//! `cuMemCreate`; `cuEventQuery:3=700` makes the third `cuEventQuery` return 700). A value that
+//! cannot be used is reported on stderr and its default used instead.
 //!
-//! # Semantics
+//! # Rules (the real driver's, each export's documentation says which)
 //!
-//! As the real driver's, for the calls exported here:
-//!
-//! * Every call but `cuInit` and `cuGetErrorString` returns `CUDA_ERROR_NOT_INITIALIZED` before a
-//!   successful `cuInit`. A null output pointer is `CUDA_ERROR_INVALID_VALUE`, never a crash. No
-//!   panic crosses the boundary (a caught one is `CUDA_ERROR_UNKNOWN`). Only codes of the real
-//!   `CUresult` enum are returned.
-//! * Devices are ordinals (`CUdevice` = ordinal). Each device has one primary context: a stable
-//!   non-null `CUcontext`, reference-counted by `cuDevicePrimaryCtxRetain` /
-//!   `cuDevicePrimaryCtxRelease_v2`. The current context is per thread (`cuCtxGetCurrent` /
-//!   `cuCtxSetCurrent`). `cuMemAlloc_v2`, `cuMemFree_v2`, `cuMemGetInfo_v2`, `cuEventCreate` and
-//!   `cuCtxSynchronize` need a current, retained context (`CUDA_ERROR_INVALID_CONTEXT` otherwise)
-//!   and act on its device; `cuCtxSynchronize` completes the simulator's work on it.
-//! * Memory, handles and events belong to the device they were created on; calls that name them
-//!   act on that device. `cuMemAddressReserve` reserves on the current context's device (device 0
-//!   without one). Limits of the simulation: a handle can only be mapped into a reservation of
-//!   its own device; `cuMemSetAccess` grants read-write access to the owning device only (other
-//!   devices or protections are `CUDA_ERROR_NOT_SUPPORTED`); `cuDeviceGetAttribute` knows a few
-//!   attributes (VMM support, compute capability 9.0, 132 multiprocessors, unified addressing)
-//!   and refuses the others with `CUDA_ERROR_INVALID_VALUE`.
-//! * Streams are opaque values passed to the simulator; events are the simulator's ids.
-//! * When a primary context's count drops to zero while memory or events of its device are
-//!   still live, one line on stderr says what leaked (the real driver would free it; the fake
-//!   keeps it).
+//! * **Results**: only codes of the real `CUresult` enum, each described by `cuGetErrorString`.
+//!   Every call but `cuInit` and `cuGetErrorString` is `CUDA_ERROR_NOT_INITIALIZED` before a
+//!   successful `cuInit`, and `CUDA_ERROR_DEINITIALIZED` once the process has begun exiting (an
+//!   `atexit` hook registered by `cuInit`). A null output pointer is `CUDA_ERROR_INVALID_VALUE`.
+//!   No panic crosses the boundary (a caught one is `CUDA_ERROR_UNKNOWN`).
+//! * **Contexts** ([`context`]): only primary contexts exist (`cuCtxCreate` is not exported),
+//!   reference-counted; each thread has a context *stack* (`cuCtxPushCurrent_v2`,
+//!   `cuCtxPopCurrent_v2`, `cuCtxSetCurrent` replacing the top, `cuCtxGetCurrent` reading it).
+//!   Calls the driver documents as acting on the current context need one
+//!   (`CUDA_ERROR_INVALID_CONTEXT`). A sticky error (700, 719) corrupts the context: every later
+//!   call on it returns the same code.
+//! * **Streams and events** ([`streams`]): real stream objects of the current context;
+//!   unknown or destroyed handles are `CUDA_ERROR_INVALID_HANDLE`; `0` and `CU_STREAM_LEGACY`
+//!   name the current context's legacy stream, `CU_STREAM_PER_THREAD` a stream of the calling
+//!   thread. Each resolved stream is a distinct simulator stream, never reused.
+//! * **Stream capture** ([`capture`]): capture modes, the "potentially unsafe" calls they
+//!   prohibit (900, invalidating the capture: `cuStreamEndCapture` then returns 901), captured
+//!   events (907), the legacy stream's implicit dependency on capturing blocking streams (906).
+//! * **Memory** ([`memory`]): one address space for all devices under a limit, the driver's
+//!   reserve, recommended granularity, peer access through `cuMemSetAccess`, deferred release of
+//!   mapped handles, `cuMemCreate`'s property validation.
+//! * **Hooks** ([`hooks`]): simulated work on streams, hazard and access checks.
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 // The exports keep the CUDA driver API's names.
 #![allow(non_snake_case)]
 
-use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard, Once, OnceLock};
+use std::thread::ThreadId;
 
-use cistern::driver::{DeviceCaps, Driver, DriverError, EventId, PhysHandle, StreamId};
+use cistern::driver::cuda::CUDA_SYMBOLS;
+use cistern::driver::{DeviceCaps, Driver, DriverError};
 use cistern::{SimConfig, SimDriver};
 
 pub use cudarc::driver::sys::CUresult;
 use CUresult::*;
 
+pub mod capture;
+pub mod context;
+pub mod hooks;
 pub mod knobs;
+pub mod memory;
+pub mod streams;
 
 use knobs::Knobs;
+
+/// CUDA driver functions the fake exports for its clients (tests, the CUDA runtime, PyTorch)
+/// beyond what cistern's backend resolves ([`CUDA_SYMBOLS`]). Overlaps with it are allowed.
+pub const CLIENT_SYMBOLS: [&str; 16] = [
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxGetDevice",
+    "cuDeviceCanAccessPeer",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamQuery",
+    "cuStreamGetId",
+    "cuStreamGetCtx",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v2",
+    "cuThreadExchangeStreamCaptureMode",
+    "cuGraphDestroy",
+];
+
+/// The fake's test hooks, not CUDA functions (see [`hooks`]).
+pub const HOOK_SYMBOLS: [&str; 4] = [
+    "cisternFakeLaunch",
+    "cisternFakeComplete",
+    "cisternFakeHazards",
+    "cisternFakePrintHazards",
+];
+
+/// Every function the library exports: [`CUDA_SYMBOLS`] ∪ [`CLIENT_SYMBOLS`] ∪
+/// [`HOOK_SYMBOLS`], each once, sorted.
+pub fn exported_symbols() -> Vec<&'static str> {
+    let mut all: Vec<&'static str> = CUDA_SYMBOLS
+        .iter()
+        .chain(CLIENT_SYMBOLS.iter())
+        .chain(HOOK_SYMBOLS.iter())
+        .copied()
+        .collect();
+    all.sort_unstable();
+    all.dedup();
+    all
+}
+
+/// The exported CUDA function `name` names, with or without its `_v2` suffix.
+pub fn exported_function(name: &str) -> Option<&'static str> {
+    CUDA_SYMBOLS
+        .iter()
+        .chain(CLIENT_SYMBOLS.iter())
+        .copied()
+        .find(|s| *s == name || s.strip_suffix("_v2") == Some(name))
+}
+
+/// Whether `code` is one the fake describes (and so may return).
+pub fn described(code: u32) -> bool {
+    ERROR_STRINGS.iter().any(|(r, _)| *r as u32 == code)
+}
+
+/// The `CUresult` with value `code`, when the fake describes it.
+fn result_of(code: u32) -> Option<CUresult> {
+    ERROR_STRINGS
+        .iter()
+        .map(|(r, _)| *r)
+        .find(|r| *r as u32 == code)
+}
+
+/// Whether `r` is a sticky error: the context is unusable afterwards ("the CUDA context ... is
+/// in an inconsistent state ... the process must be terminated and relaunched", the driver API's
+/// description of `CUDA_ERROR_ILLEGAL_ADDRESS` and `CUDA_ERROR_LAUNCH_FAILED`).
+pub fn is_sticky(r: CUresult) -> bool {
+    matches!(r, CUDA_ERROR_ILLEGAL_ADDRESS | CUDA_ERROR_LAUNCH_FAILED)
+}
 
 // ---------------------------------------------------------------------------------------------
 // C types, laid out exactly as cudarc 0.19 (CUDA 12.8 headers) passes them; enum-typed fields and
@@ -112,13 +190,14 @@ pub struct CUmemLocation {
 pub struct CUmemAllocationProp {
     /// `CUmemAllocationType`: 1 is `CU_MEM_ALLOCATION_TYPE_PINNED`.
     pub type_: c_uint,
-    /// `CUmemAllocationHandleType` (ignored).
+    /// `CUmemAllocationHandleType` bits: 0 (none) or 1 (POSIX fd), 8 (fabric) where supported.
     pub requestedHandleTypes: c_uint,
     /// Where the memory lives.
     pub location: CUmemLocation,
     /// Windows only (ignored).
     pub win32HandleMetaData: *mut c_void,
-    /// `compressionType`, `gpuDirectRDMACapable`, `usage` and reserved bytes (ignored).
+    /// `compressionType` (byte 0), `gpuDirectRDMACapable` (byte 1), `usage` (bytes 2-3) and
+    /// four reserved bytes, checked by `cuMemCreate`.
     pub allocFlags: [u8; 8],
 }
 
@@ -162,7 +241,7 @@ const ATTR_CC_MINOR: c_uint = 76;
 const ATTR_VMM: c_uint = 102;
 
 /// The description of each code the fake can return, as the real driver words it.
-const ERROR_STRINGS: [(CUresult, &CStr); 13] = [
+const ERROR_STRINGS: [(CUresult, &CStr); 24] = [
     (CUDA_SUCCESS, c"no error"),
     (CUDA_ERROR_INVALID_VALUE, c"invalid argument"),
     (CUDA_ERROR_OUT_OF_MEMORY, c"out of memory"),
@@ -176,6 +255,47 @@ const ERROR_STRINGS: [(CUresult, &CStr); 13] = [
     (CUDA_ERROR_NOT_READY, c"device not ready"),
     (CUDA_ERROR_NOT_SUPPORTED, c"operation not supported"),
     (CUDA_ERROR_UNKNOWN, c"unknown error"),
+    (
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+        c"an illegal memory access was encountered",
+    ),
+    (CUDA_ERROR_LAUNCH_FAILED, c"unspecified launch failure"),
+    (
+        CUDA_ERROR_ILLEGAL_STATE,
+        c"the operation cannot be performed in the present state",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        c"operation not permitted when stream is capturing",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        c"operation failed due to a previous error during capture",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_MERGE,
+        c"operation would result in a merge of separate capture sequences",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
+        c"capture was not ended in the same stream as it began",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+        c"capturing stream has unjoined work",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        CUDA_ERROR_CAPTURED_EVENT,
+        c"operation not permitted on an event last recorded in a capturing stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
+        c"attempt to terminate a thread-local capture sequence from another thread",
+    ),
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -184,37 +304,171 @@ const ERROR_STRINGS: [(CUresult, &CStr); 13] = [
 
 /// A device's primary context; its address is the `CUcontext`.
 #[derive(Debug)]
-struct PrimaryCtx {
-    dev: usize,
-    refs: AtomicU32,
+pub(crate) struct PrimaryCtx {
+    pub(crate) dev: usize,
+    pub(crate) refs: AtomicU32,
 }
 
-/// Which device owns each address range, handle and event handed out.
+/// A physical handle from `cuMemCreate`.
+#[derive(Debug)]
+pub(crate) struct Handle {
+    pub(crate) dev: usize,
+    /// Live mappings of it.
+    pub(crate) maps: u32,
+    /// `cuMemRelease` was called while it was mapped: freed at its last `cuMemUnmap`.
+    pub(crate) released: bool,
+}
+
+/// A mapping made by `cuMemMap`.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    pub(crate) size: u64,
+    pub(crate) handle: u64,
+    /// The device that owns the memory (the handle's).
+    pub(crate) dev: usize,
+    /// Bit `d`: device `d` was granted read-write access.
+    pub(crate) access: u32,
+}
+
+/// An event from `cuEventCreate`.
+#[derive(Debug)]
+pub(crate) struct Event {
+    pub(crate) dev: usize,
+    /// The simulator stream of its last record outside a capture.
+    pub(crate) recorded: Option<u64>,
+    /// Its last record was into a capture (the capture's id).
+    pub(crate) captured: Option<u64>,
+}
+
+/// What a resolved stream is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum StreamKind {
+    /// From `cuStreamCreate`.
+    Created,
+    /// A context's legacy default stream (`0`, `CU_STREAM_LEGACY`).
+    Legacy,
+    /// A thread's per-thread default stream (`CU_STREAM_PER_THREAD`).
+    PerThread,
+}
+
+/// A stream, keyed in [`State::streams`] by its simulator stream id (also its `cuStreamGetId`).
+#[derive(Debug)]
+pub(crate) struct Stream {
+    pub(crate) dev: usize,
+    pub(crate) kind: StreamKind,
+    /// Synchronises with the legacy stream (created with flags 0, or a per-thread stream).
+    pub(crate) blocking: bool,
+    /// The capture it takes part in.
+    pub(crate) capture: Option<u64>,
+    /// Bit `d`: simulated work of this stream was queued on device `d`'s memory.
+    pub(crate) work_devs: u32,
+}
+
+/// A stream capture sequence.
+#[derive(Debug)]
+pub(crate) struct Capture {
+    pub(crate) mode: c_uint,
+    pub(crate) thread: ThreadId,
+    /// The stream it began on.
+    pub(crate) origin: u64,
+    pub(crate) invalidated: bool,
+    /// The graph `cuStreamEndCapture` returns.
+    pub(crate) graph: u64,
+}
+
+/// Everything the CUDA face adds to the simulator, under one lock (held across the simulator
+/// calls each export makes, so that every export is atomic).
 #[derive(Debug, Default)]
-struct Owners {
-    /// Reservation start -> (size, device).
-    reservations: BTreeMap<u64, (u64, usize)>,
-    handles: HashMap<u64, usize>,
-    linear: HashMap<u64, usize>,
-    events: HashMap<u64, usize>,
+pub(crate) struct State {
+    /// Reservation start -> (size, device whose simulator holds it).
+    pub(crate) reservations: BTreeMap<u64, (u64, usize)>,
+    /// Bytes reserved, all devices together.
+    pub(crate) reserved: u64,
+    pub(crate) handles: HashMap<u64, Handle>,
+    /// Mapping start -> mapping.
+    pub(crate) mappings: BTreeMap<u64, Mapping>,
+    /// Linear allocation base -> (size, device).
+    pub(crate) linear: BTreeMap<u64, (u64, usize)>,
+    pub(crate) events: HashMap<u64, Event>,
+    /// Simulator stream id -> stream.
+    pub(crate) streams: HashMap<u64, Stream>,
+    /// `CUstream` of a created stream -> its simulator stream id.
+    pub(crate) created: HashMap<u64, u64>,
+    /// Per device: the simulator stream id of its legacy stream.
+    pub(crate) legacy: Vec<u64>,
+    /// (thread, device) -> the simulator stream id of that thread's per-thread stream.
+    pub(crate) per_thread: HashMap<(ThreadId, usize), u64>,
+    /// Capture id -> capture.
+    pub(crate) captures: HashMap<u64, Capture>,
+    /// Graphs from `cuStreamEndCapture`, not yet destroyed.
+    pub(crate) graphs: HashSet<u64>,
+    /// Per device: the sticky error that corrupted its primary context.
+    pub(crate) sticky: Vec<Option<CUresult>>,
+    /// Calls per export, for the coded faults.
+    pub(crate) calls: HashMap<&'static str, u64>,
+    /// Source of simulator stream ids, capture ids and graph handles (never 0, never reused).
+    pub(crate) next: u64,
+}
+
+impl State {
+    /// A fresh id (simulator stream ids start above the special handles 0, 1, 2).
+    pub(crate) fn new_id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    /// `Err(code)` when device `dev`'s context was corrupted by a sticky error.
+    pub(crate) fn alive(&self, dev: usize) -> Result<(), CUresult> {
+        match self.sticky.get(dev).copied().flatten() {
+            Some(r) => Err(r),
+            None => Ok(()),
+        }
+    }
+
+    /// Corrupts device `dev`'s context with the sticky error `r`, and returns `r`.
+    pub(crate) fn corrupt(&mut self, dev: usize, r: CUresult) -> CUresult {
+        if let Some(s) = self.sticky.get_mut(dev) {
+            s.get_or_insert(r);
+        }
+        r
+    }
 }
 
 /// The fake driver: the simulator and what the CUDA face adds to it.
-struct Fake {
-    sim: SimDriver,
-    knobs: Knobs,
+pub(crate) struct Fake {
+    pub(crate) sim: SimDriver,
+    pub(crate) knobs: Knobs,
     /// Read from the simulator at `cuInit`.
-    caps: Vec<DeviceCaps>,
+    pub(crate) caps: Vec<DeviceCaps>,
     /// One per device; boxed so that the addresses never move.
-    ctxs: Box<[PrimaryCtx]>,
-    owners: Mutex<Owners>,
+    pub(crate) ctxs: Box<[PrimaryCtx]>,
+    /// The address-space limit: the knob, lowered to `RLIMIT_AS` when that is set.
+    pub(crate) va_limit: u64,
+    /// Per device: a simulator event `cuStreamQuery` records to probe a stream.
+    pub(crate) probes: Vec<u64>,
+    state: Mutex<State>,
 }
 
 static FAKE: OnceLock<Fake> = OnceLock::new();
 
-thread_local! {
-    /// The thread's current context (a `PrimaryCtx` address), 0 for none.
-    static CURRENT: Cell<usize> = const { Cell::new(0) };
+/// Set by the `atexit` hook: the process is exiting and the driver is shutting down.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Runs at process exit, before the `atexit` handlers registered before `cuInit` and the static
+/// destructors of libraries loaded before this one.
+extern "C" fn at_exit() {
+    EXITING.store(true, Ordering::SeqCst);
+}
+
+/// The address-space limit `RLIMIT_AS` sets, when it is set.
+fn rlimit_as() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a live, writable rlimit; getrlimit only writes it.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
+    (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
 }
 
 impl Fake {
@@ -228,7 +482,9 @@ impl Fake {
                 .devices(knobs.devices)
                 .capacity(knobs.capacity)
                 .granularity(knobs.granularity)
-                .vmm(knobs.vmm),
+                .vmm(knobs.vmm)
+                // The driver's reserve: memory nothing can allocate, on every device.
+                .other_process_bytes(knobs.reserve),
         );
         let caps = (0..knobs.devices)
             .map(|d| {
@@ -240,6 +496,9 @@ impl Fake {
                     uuid: None,
                 })
             })
+            .collect();
+        let probes = (0..knobs.devices)
+            .map(|d| sim.event_create(d).map(|e| e.0).unwrap_or(0))
             .collect();
         // Count only the client's calls, and arm faults for them.
         sim.reset_counters();
@@ -256,49 +515,78 @@ impl Fake {
                 refs: AtomicU32::new(0),
             })
             .collect();
+        let mut state = State {
+            sticky: vec![None; knobs.devices],
+            ..State::default()
+        };
+        state.next = 2;
+        for dev in 0..knobs.devices {
+            let sid = state.new_id();
+            state.legacy.push(sid);
+            state.streams.insert(
+                sid,
+                Stream {
+                    dev,
+                    kind: StreamKind::Legacy,
+                    blocking: true,
+                    capture: None,
+                    work_devs: 0,
+                },
+            );
+        }
+        let va_limit = match rlimit_as() {
+            Some(r) => knobs.va_limit.min(r),
+            None => knobs.va_limit,
+        };
         Fake {
             sim,
             knobs,
             caps,
             ctxs,
-            owners: Mutex::new(Owners::default()),
+            va_limit,
+            probes,
+            state: Mutex::new(state),
         }
     }
 
-    fn owners(&self) -> MutexGuard<'_, Owners> {
-        // A panic while holding the lock cannot leave the maps half-updated (each update is a
-        // single insert or remove), so a poisoned lock is still consistent.
-        self.owners.lock().unwrap_or_else(|e| e.into_inner())
+    /// The CUDA face's state, locked.
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        // Every export checks before it changes anything, and a panic (caught at the boundary)
+        // can only come from a bug; the state of a poisoned lock is used as it is.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Device ordinal `d`, checked.
-    fn device(&self, d: CUdevice) -> Result<usize, CUresult> {
+    pub(crate) fn device(&self, d: CUdevice) -> Result<usize, CUresult> {
         usize::try_from(d)
             .ok()
             .filter(|&d| d < self.ctxs.len())
             .ok_or(CUDA_ERROR_INVALID_DEVICE)
     }
 
-    fn ctx_ptr(&self, dev: usize) -> CUcontext {
+    pub(crate) fn ctx_ptr(&self, dev: usize) -> CUcontext {
         &self.ctxs[dev] as *const PrimaryCtx as CUcontext
     }
 
-    fn ctx_at(&self, addr: usize) -> Option<&PrimaryCtx> {
+    pub(crate) fn ctx_at(&self, addr: usize) -> Option<&PrimaryCtx> {
         self.ctxs
             .iter()
             .find(|&c| std::ptr::eq(c, addr as *const PrimaryCtx))
     }
 
-    /// The device of the thread's current context, which must be retained.
-    fn current_device(&self) -> Result<usize, CUresult> {
-        let addr = CURRENT.with(Cell::get);
-        match self.ctx_at(addr) {
-            Some(c) if c.refs.load(Ordering::Acquire) > 0 => Ok(c.dev),
-            _ => Err(CUDA_ERROR_INVALID_CONTEXT),
-        }
+    /// The device of the calling thread's current context, which must be retained and not
+    /// corrupted by a sticky error.
+    pub(crate) fn current(&self, st: &State) -> Result<usize, CUresult> {
+        let addr = context::top();
+        let dev = match self.ctx_at(addr) {
+            Some(c) if c.refs.load(Ordering::Acquire) > 0 => c.dev,
+            _ => return Err(CUDA_ERROR_INVALID_CONTEXT),
+        };
+        st.alive(dev)?;
+        Ok(dev)
     }
 
-    fn vmm(&self) -> Result<(), CUresult> {
+    pub(crate) fn vmm(&self) -> Result<(), CUresult> {
         if self.knobs.vmm {
             Ok(())
         } else {
@@ -306,46 +594,47 @@ impl Fake {
         }
     }
 
-    /// The device of the reservation containing `addr`.
-    fn reservation_device(&self, addr: u64) -> Option<usize> {
-        let o = self.owners();
-        o.reservations
-            .range(..=addr)
-            .next_back()
-            .filter(|(&start, &(size, _))| addr - start < size)
-            .map(|(_, &(_, dev))| dev)
+    /// Whether device `peer` can access memory of device `dev` (`cuDeviceCanAccessPeer`).
+    pub(crate) fn can_access_peer(&self, dev: usize, peer: usize) -> bool {
+        dev != peer && self.knobs.peers
     }
 
-    fn event_device(&self, ev: CUevent) -> Result<usize, CUresult> {
-        if ev.is_null() {
-            return Err(CUDA_ERROR_INVALID_HANDLE);
+    /// Applies the coded faults (`cuName:N=CODE`) to a call of `name`.
+    fn coded_fault(&self, name: &'static str) -> Result<(), CUresult> {
+        if self.knobs.coded_faults.is_empty() {
+            return Ok(());
         }
-        self.owners()
-            .events
-            .get(&(ev as usize as u64))
-            .copied()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
-    }
-
-    /// Checks an allocation property and returns the device it names.
-    fn prop_device(&self, prop: &CUmemAllocationProp) -> Result<usize, CUresult> {
-        if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED
-            || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE
-        {
-            return Err(CUDA_ERROR_INVALID_VALUE);
+        let mut st = self.state();
+        let n = {
+            let c = st.calls.entry(name).or_insert(0);
+            *c += 1;
+            *c
+        };
+        let hit = self
+            .knobs
+            .coded_faults
+            .iter()
+            .find(|f| f.function == name && (n == f.nth || (f.and_after && n > f.nth)));
+        let Some(r) = hit.and_then(|f| result_of(f.code)) else {
+            return Ok(());
+        };
+        if is_sticky(r) {
+            let dev = self.ctx_at(context::top()).map_or(0, |c| c.dev);
+            st.corrupt(dev, r);
         }
-        self.device(prop.location.id)
+        Err(r)
     }
 
     /// Says on stderr what is still live on `dev` when its primary context is released.
-    fn report_leaks(&self, dev: usize) {
+    pub(crate) fn report_leaks(&self, dev: usize) {
         let s = &self.sim;
         let (handles, mapped, reserved, linear, events) = (
             s.live_handles(dev),
             s.mapped_bytes(dev),
             s.reserved_va_bytes(dev),
             s.live_linear_allocations(dev),
-            s.live_events(dev),
+            // Less the fake's own probe event.
+            s.live_events(dev).saturating_sub(1),
         );
         if handles + linear + events > 0 || mapped + reserved > 0 {
             eprintln!(
@@ -359,7 +648,7 @@ impl Fake {
 }
 
 /// The `CUresult` for a simulator error (the simulator uses the real driver's codes).
-fn code(e: &DriverError) -> CUresult {
+pub(crate) fn code(e: &DriverError) -> CUresult {
     match e.code {
         1 => CUDA_ERROR_INVALID_VALUE,
         2 => CUDA_ERROR_OUT_OF_MEMORY,
@@ -371,9 +660,19 @@ fn code(e: &DriverError) -> CUresult {
     }
 }
 
-/// Runs an export's body: a panic becomes `CUDA_ERROR_UNKNOWN`, never an unwind into C.
-fn entry(body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
-    match catch_unwind(AssertUnwindSafe(body)) {
+/// Runs the export `name`'s body: `CUDA_ERROR_DEINITIALIZED` once the process is exiting, the
+/// coded faults, and a panic becomes `CUDA_ERROR_UNKNOWN`, never an unwind into C.
+pub(crate) fn entry(name: &'static str, body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
+    if EXITING.load(Ordering::SeqCst) {
+        return CUDA_ERROR_DEINITIALIZED;
+    }
+    let run = || {
+        if let Some(f) = FAKE.get() {
+            f.coded_fault(name)?;
+        }
+        body()
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
         Ok(Ok(())) => CUDA_SUCCESS,
         Ok(Err(r)) => r,
         Err(_) => CUDA_ERROR_UNKNOWN,
@@ -381,7 +680,7 @@ fn entry(body: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
 }
 
 /// The fake, once `cuInit` succeeded.
-fn fake() -> Result<&'static Fake, CUresult> {
+pub(crate) fn fake() -> Result<&'static Fake, CUresult> {
     FAKE.get().ok_or(CUDA_ERROR_NOT_INITIALIZED)
 }
 
@@ -390,7 +689,7 @@ fn fake() -> Result<&'static Fake, CUresult> {
 /// # Safety
 ///
 /// `p` is null or valid for writing a `T` (the C API's contract for output arguments).
-unsafe fn put<T>(p: *mut T, v: T) -> Result<(), CUresult> {
+pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> Result<(), CUresult> {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -405,7 +704,7 @@ unsafe fn put<T>(p: *mut T, v: T) -> Result<(), CUresult> {
 /// # Safety
 ///
 /// `p` is null or points to a readable, initialised `T`.
-unsafe fn get<T: Copy>(p: *const T) -> Result<T, CUresult> {
+pub(crate) unsafe fn get<T: Copy>(p: *const T) -> Result<T, CUresult> {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -414,7 +713,7 @@ unsafe fn get<T: Copy>(p: *const T) -> Result<T, CUresult> {
     Ok(unsafe { p.read_unaligned() })
 }
 
-fn size(v: usize) -> u64 {
+pub(crate) fn size(v: usize) -> u64 {
     v as u64
 }
 
@@ -422,7 +721,9 @@ fn size(v: usize) -> u64 {
 // Initialisation and errors
 // ---------------------------------------------------------------------------------------------
 
-/// `cuInit`: starts the simulator with the knobs of the environment. Refuses with
+/// `cuInit`: starts the simulator with the knobs of the environment, and registers the `atexit`
+/// hook after which every call is `CUDA_ERROR_DEINITIALIZED` (the driver API: "This indicates
+/// that the CUDA driver is in the process of shutting down"). Refuses with
 /// `CUDA_ERROR_STUB_LIBRARY` (and one line on stderr) unless `CISTERN_FAKECUDA=1`.
 ///
 /// # Safety
@@ -430,7 +731,7 @@ fn size(v: usize) -> u64 {
 /// None beyond the C API's: the argument is a plain value.
 #[no_mangle]
 pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
-    entry(|| {
+    entry("cuInit", || {
         if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -450,19 +751,27 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
             return Err(CUDA_ERROR_STUB_LIBRARY);
         }
         FAKE.get_or_init(Fake::from_env);
+        static HOOK: Once = Once::new();
+        HOOK.call_once(|| {
+            // SAFETY: `at_exit` is an `extern "C" fn()` that never unwinds and lives as long as
+            // the library, which is never unloaded once initialised (cudarc keeps it loaded).
+            if unsafe { libc::atexit(at_exit) } != 0 {
+                eprintln!("cistern-fakecuda: atexit failed; no CUDA_ERROR_DEINITIALIZED at exit");
+            }
+        });
         Ok(())
     })
 }
 
 /// `cuGetErrorString`: a static description of `error`; an unknown code stores NULL and returns
-/// `CUDA_ERROR_INVALID_VALUE`. Works before `cuInit`.
+/// `CUDA_ERROR_INVALID_VALUE`. Works before `cuInit` and during exit.
 ///
 /// # Safety
 ///
 /// `pStr` is null or valid for writing a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_char) -> CUresult {
-    entry(|| {
+    let body = || {
         let text = ERROR_STRINGS
             .iter()
             .find(|(r, _)| *r as c_uint == error)
@@ -470,7 +779,12 @@ pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_cha
         // SAFETY: `pStr` is null or writable (this function's contract); `put` refuses null.
         unsafe { put(pStr, text.unwrap_or(std::ptr::null())) }?;
         text.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
-    })
+    };
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(r)) => r,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -484,7 +798,7 @@ pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_cha
 /// `count` is null or valid for writing a `c_int`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
-    entry(|| {
+    entry("cuDeviceGetCount", || {
         let f = fake()?;
         let n = f.sim.device_count().map_err(|e| code(&e))?;
         // SAFETY: `count` is null or writable (contract); `put` refuses null.
@@ -499,7 +813,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
 /// `device` is null or valid for writing a `CUdevice`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
-    entry(|| {
+    entry("cuDeviceGet", || {
         let f = fake()?;
         if device.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -518,7 +832,7 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> C
 /// `name` is null or valid for writing `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
-    entry(|| {
+    entry("cuDeviceGetName", || {
         let f = fake()?;
         let len = usize::try_from(len).unwrap_or(0);
         if name.is_null() || len == 0 {
@@ -544,7 +858,7 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
 /// `uuid` is null or valid for writing a `CUuuid`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    entry(|| {
+    entry("cuDeviceGetUuid_v2", || {
         let f = fake()?;
         if uuid.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -591,7 +905,7 @@ fn parse_uuid(s: &str) -> Option<[u8; 16]> {
 /// `bytes` is null or valid for writing a `usize`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    entry(|| {
+    entry("cuDeviceTotalMem_v2", || {
         let f = fake()?;
         if bytes.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -616,7 +930,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     attrib: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    entry(|| {
+    entry("cuDeviceGetAttribute", || {
         let f = fake()?;
         if pi.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -633,550 +947,6 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
         };
         // SAFETY: `pi` is non-null and writable (contract).
         unsafe { put(pi, v) }
-    })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Contexts
-// ---------------------------------------------------------------------------------------------
-
-/// `cuDevicePrimaryCtxRetain`: the device's primary context (stable, non-null), its count
-/// raised by one.
-///
-/// # Safety
-///
-/// `pctx` is null or valid for writing a `CUcontext`.
-#[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        if pctx.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.device(dev)?;
-        f.ctxs[d].refs.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: `pctx` is non-null and writable (contract).
-        unsafe { put(pctx, f.ctx_ptr(d)) }
-    })
-}
-
-/// `cuDevicePrimaryCtxRelease_v2`: lowers the primary context's count;
-/// `CUDA_ERROR_INVALID_CONTEXT` when it was not retained.
-///
-/// # Safety
-///
-/// None beyond the C API's: the argument is a plain value.
-#[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.device(dev)?;
-        let before = f.ctxs[d]
-            .refs
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| r.checked_sub(1))
-            .map_err(|_| CUDA_ERROR_INVALID_CONTEXT)?;
-        if before == 1 {
-            f.report_leaks(d);
-        }
-        Ok(())
-    })
-}
-
-/// `cuCtxGetCurrent`: the thread's current context, or NULL.
-///
-/// # Safety
-///
-/// `pctx` is null or valid for writing a `CUcontext`.
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
-    entry(|| {
-        fake()?;
-        let cur = CURRENT.with(Cell::get);
-        // SAFETY: `pctx` is null or writable (contract); `put` refuses null.
-        unsafe { put(pctx, cur as CUcontext) }
-    })
-}
-
-/// `cuCtxSetCurrent`: makes `ctx` (a primary context, or NULL for none) current on this thread.
-///
-/// # Safety
-///
-/// None: `ctx` is only compared with the fake's own contexts, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let addr = ctx as usize;
-        if addr != 0 && f.ctx_at(addr).is_none() {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
-        }
-        CURRENT.with(|c| c.set(addr));
-        Ok(())
-    })
-}
-
-/// `cuCtxSynchronize`: completes all simulated work on the current context's device.
-///
-/// # Safety
-///
-/// None beyond the C API's.
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.current_device()?;
-        f.sim.device_synchronize(d).map_err(|e| code(&e))
-    })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Memory
-// ---------------------------------------------------------------------------------------------
-
-/// `cuMemGetInfo_v2`: free and total memory of the current context's device.
-///
-/// # Safety
-///
-/// `free` and `total` are null or valid for writing a `usize`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        if free.is_null() || total.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.current_device()?;
-        let info = f.sim.mem_info(d).map_err(|e| code(&e))?;
-        // SAFETY: both pointers are non-null and writable (contract).
-        unsafe {
-            put(free, info.free as usize)?;
-            put(total, info.total as usize)
-        }
-    })
-}
-
-/// `cuMemGetAllocationGranularity`: the simulated granularity (minimum and recommended alike)
-/// for pinned device memory.
-///
-/// # Safety
-///
-/// `granularity` is null or valid for writing a `usize`; `prop` is null or points to a
-/// `CUmemAllocationProp`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetAllocationGranularity(
-    granularity: *mut usize,
-    prop: *const CUmemAllocationProp,
-    option: c_uint,
-) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        // SAFETY: `prop` is null or readable (contract); `get` refuses null.
-        let prop = unsafe { get(prop) }?;
-        if granularity.is_null() || option > 1 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.prop_device(&prop)?;
-        f.vmm()?;
-        // SAFETY: `granularity` is non-null and writable (contract).
-        unsafe { put(granularity, f.caps[d].granularity as usize) }
-    })
-}
-
-/// `cuMemAddressReserve`: reserves virtual address space on the current context's device
-/// (device 0 without one). `alignment` 0 means the granularity; the `addr` hint is ignored, as
-/// the real driver may.
-///
-/// # Safety
-///
-/// `ptr` is null or valid for writing a `CUdeviceptr`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAddressReserve(
-    ptr: *mut CUdeviceptr,
-    size: usize,
-    alignment: usize,
-    addr: CUdeviceptr,
-    flags: c_ulonglong,
-) -> CUresult {
-    let _ = addr;
-    entry(|| {
-        let f = fake()?;
-        if ptr.is_null() || flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        f.vmm()?;
-        let d = f.current_device().unwrap_or(0);
-        let align = if alignment == 0 {
-            f.knobs.granularity
-        } else {
-            self::size(alignment)
-        };
-        let va = f
-            .sim
-            .reserve_va(d, self::size(size), align)
-            .map_err(|e| code(&e))?;
-        f.owners().reservations.insert(va, (self::size(size), d));
-        // SAFETY: `ptr` is non-null and writable (contract).
-        unsafe { put(ptr, va) }
-    })
-}
-
-/// `cuMemAddressFree`: releases a whole reservation (nothing may be mapped in it).
-///
-/// # Safety
-///
-/// None beyond the C API's: the arguments are plain values.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.vmm()?;
-        // Held across the free, as in cuMemFree_v2: a freed range's address can be reserved
-        // again at once by another thread, whose entry this free must not remove.
-        let mut owners = f.owners();
-        let d = owners
-            .reservations
-            .get(&ptr)
-            .map(|&(_, d)| d)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        f.sim
-            .free_va(d, ptr, self::size(size))
-            .map_err(|e| code(&e))?;
-        owners.reservations.remove(&ptr);
-        Ok(())
-    })
-}
-
-/// `cuMemCreate`: commits physical memory on the device `prop` names.
-///
-/// # Safety
-///
-/// `handle` is null or valid for writing a handle; `prop` is null or points to a
-/// `CUmemAllocationProp`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemCreate(
-    handle: *mut CUmemGenericAllocationHandle,
-    size: usize,
-    prop: *const CUmemAllocationProp,
-    flags: c_ulonglong,
-) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        // SAFETY: `prop` is null or readable (contract); `get` refuses null.
-        let prop = unsafe { get(prop) }?;
-        if handle.is_null() || flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.prop_device(&prop)?;
-        f.vmm()?;
-        let h = f
-            .sim
-            .create_physical(d, self::size(size))
-            .map_err(|e| code(&e))?;
-        f.owners().handles.insert(h.0, d);
-        // SAFETY: `handle` is non-null and writable (contract).
-        unsafe { put(handle, h.0) }
-    })
-}
-
-/// `cuMemRelease`: frees a physical handle that is no longer mapped.
-///
-/// # Safety
-///
-/// None beyond the C API's: the argument is a plain value.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.vmm()?;
-        let d = f
-            .owners()
-            .handles
-            .get(&handle)
-            .copied()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        f.sim
-            .release_physical(d, PhysHandle(handle))
-            .map_err(|e| code(&e))?;
-        f.owners().handles.remove(&handle);
-        Ok(())
-    })
-}
-
-/// `cuMemMap`: maps a whole handle at `ptr` (offset and flags must be 0).
-///
-/// # Safety
-///
-/// None beyond the C API's: the arguments are plain values.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemMap(
-    ptr: CUdeviceptr,
-    size: usize,
-    offset: usize,
-    handle: CUmemGenericAllocationHandle,
-    flags: c_ulonglong,
-) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.vmm()?;
-        if offset != 0 || flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f
-            .owners()
-            .handles
-            .get(&handle)
-            .copied()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        f.sim
-            .map(d, ptr, self::size(size), PhysHandle(handle))
-            .map_err(|e| code(&e))
-    })
-}
-
-/// `cuMemUnmap`: undoes exactly one earlier mapping.
-///
-/// # Safety
-///
-/// None beyond the C API's: the arguments are plain values.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.vmm()?;
-        let d = f.reservation_device(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        f.sim.unmap(d, ptr, self::size(size)).map_err(|e| code(&e))
-    })
-}
-
-/// `cuMemSetAccess`: grants read-write access to mapped memory, to the device that owns it.
-///
-/// # Safety
-///
-/// `desc` is null or points to `count` access descriptors.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemSetAccess(
-    ptr: CUdeviceptr,
-    size: usize,
-    desc: *const CUmemAccessDesc,
-    count: usize,
-) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.vmm()?;
-        if desc.is_null() || count == 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let owner = f.reservation_device(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        for i in 0..count {
-            // SAFETY: `desc` points to `count` descriptors (contract) and `i < count`.
-            let d = unsafe { get(desc.add(i)) }?;
-            if d.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            let dev = f.device(d.location.id)?;
-            match d.flags {
-                CU_MEM_ACCESS_FLAGS_PROT_READWRITE if dev == owner => {}
-                CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                | CU_MEM_ACCESS_FLAGS_PROT_READ
-                | CU_MEM_ACCESS_FLAGS_PROT_NONE => return Err(CUDA_ERROR_NOT_SUPPORTED),
-                _ => return Err(CUDA_ERROR_INVALID_VALUE),
-            }
-        }
-        f.sim
-            .set_access(owner, ptr, self::size(size))
-            .map_err(|e| code(&e))
-    })
-}
-
-/// `cuMemAlloc_v2`: linear memory on the current context's device.
-///
-/// # Safety
-///
-/// `dptr` is null or valid for writing a `CUdeviceptr`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.current_device()?;
-        let p = f.sim.mem_alloc(d, size(bytesize)).map_err(|e| code(&e))?;
-        f.owners().linear.insert(p, d);
-        // SAFETY: `dptr` is non-null and writable (contract).
-        unsafe { put(dptr, p) }
-    })
-}
-
-/// `cuMemFree_v2`: frees memory from `cuMemAlloc_v2` (completing the device's work first, as
-/// the real call synchronises). Needs a current context.
-///
-/// # Safety
-///
-/// None beyond the C API's: the argument is a plain value.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        f.current_device()?;
-        // The owners lock is held across the free: once the simulator has freed the range,
-        // another thread's cuMemAlloc may get the same address, and its owner entry must not
-        // be removed by this free.
-        let mut owners = f.owners();
-        let d = owners
-            .linear
-            .get(&dptr)
-            .copied()
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        f.sim.mem_free(d, dptr).map_err(|e| code(&e))?;
-        owners.linear.remove(&dptr);
-        Ok(())
-    })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Events and streams
-// ---------------------------------------------------------------------------------------------
-
-/// `cuEventCreate`: an event on the current context's device.
-///
-/// # Safety
-///
-/// `phEvent` is null or valid for writing a `CUevent`.
-#[no_mangle]
-pub unsafe extern "C" fn cuEventCreate(phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let interprocess_needs = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
-        if phEvent.is_null()
-            || Flags & !CU_EVENT_FLAGS != 0
-            || (Flags & CU_EVENT_INTERPROCESS != 0
-                && Flags & interprocess_needs != interprocess_needs)
-        {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.current_device()?;
-        let ev = f.sim.event_create(d).map_err(|e| code(&e))?;
-        f.owners().events.insert(ev.0, d);
-        // SAFETY: `phEvent` is non-null and writable (contract).
-        unsafe { put(phEvent, ev.0 as usize as CUevent) }
-    })
-}
-
-/// `cuEventRecord`: records `hEvent` on `hStream`.
-///
-/// # Safety
-///
-/// None: both handles are only looked up, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.event_device(hEvent)?;
-        f.sim
-            .event_record(
-                d,
-                EventId(hEvent as usize as u64),
-                StreamId(hStream as usize as u64),
-            )
-            .map_err(|e| code(&e))
-    })
-}
-
-/// `cuEventQuery`: `CUDA_SUCCESS` when the recorded work has completed, else
-/// `CUDA_ERROR_NOT_READY`.
-///
-/// # Safety
-///
-/// None: the handle is only looked up, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.event_device(hEvent)?;
-        match f.sim.event_query(d, EventId(hEvent as usize as u64)) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(CUDA_ERROR_NOT_READY),
-            Err(e) => Err(code(&e)),
-        }
-    })
-}
-
-/// `cuEventSynchronize`: completes the work the event captured.
-///
-/// # Safety
-///
-/// None: the handle is only looked up, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuEventSynchronize(hEvent: CUevent) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.event_device(hEvent)?;
-        f.sim
-            .event_synchronize(d, EventId(hEvent as usize as u64))
-            .map_err(|e| code(&e))
-    })
-}
-
-/// `cuEventDestroy_v2`: destroys an event.
-///
-/// # Safety
-///
-/// None: the handle is only looked up, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuEventDestroy_v2(hEvent: CUevent) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.event_device(hEvent)?;
-        let id = hEvent as usize as u64;
-        f.sim.event_destroy(d, EventId(id)).map_err(|e| code(&e))?;
-        f.owners().events.remove(&id);
-        Ok(())
-    })
-}
-
-/// `cuStreamWaitEvent`: later work on `hStream` waits for the event's work (flags 0 or
-/// `CU_EVENT_WAIT_EXTERNAL`).
-///
-/// # Safety
-///
-/// None: both handles are only looked up, never dereferenced.
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamWaitEvent(
-    hStream: CUstream,
-    hEvent: CUevent,
-    Flags: c_uint,
-) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        if Flags > 1 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let d = f.event_device(hEvent)?;
-        f.sim
-            .stream_wait_event(
-                d,
-                StreamId(hStream as usize as u64),
-                EventId(hEvent as usize as u64),
-            )
-            .map_err(|e| code(&e))
-    })
-}
-
-/// `cuStreamSynchronize`: waits for the work queued on `hStream` of the current context's
-/// device (the simulator completes it). Needs a current context.
-///
-/// # Safety
-///
-/// None: the stream handle is only passed on as a value.
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
-    entry(|| {
-        let f = fake()?;
-        let d = f.current_device()?;
-        f.sim
-            .stream_synchronize(d, StreamId(hStream as usize as u64))
-            .map_err(|e| code(&e))
     })
 }
 
@@ -1305,6 +1075,61 @@ mod tests {
         // An unexpected code is never passed through as a value outside the enum.
         let e = DriverError::new(DriverCall::Map, DriverErrorKind::Other, 12345, "x");
         assert_eq!(code(&e), CUDA_ERROR_UNKNOWN);
+    }
+
+    #[test]
+    fn every_code_the_sources_name_is_described() {
+        // Every `CUDA_ERROR_*` the fake's sources return (or mention) is one it describes, so
+        // it never returns a code `cuGetErrorString` does not know.
+        let sources = [
+            include_str!("lib.rs"),
+            include_str!("context.rs"),
+            include_str!("streams.rs"),
+            include_str!("capture.rs"),
+            include_str!("memory.rs"),
+            include_str!("hooks.rs"),
+        ];
+        let described: Vec<String> = ERROR_STRINGS
+            .iter()
+            .map(|(r, _)| format!("{r:?}"))
+            .collect();
+        let mut seen = 0;
+        for src in sources {
+            for word in src.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("CUDA_ERROR_") && word != "CUDA_ERROR_" {
+                    seen += 1;
+                    assert!(
+                        described.iter().any(|d| d == word),
+                        "{word} is not described"
+                    );
+                }
+            }
+        }
+        assert!(seen > 50, "{seen}");
+    }
+
+    #[test]
+    fn symbol_lists_and_names() {
+        let all = exported_symbols();
+        assert_eq!(
+            all.len(),
+            CUDA_SYMBOLS.len() + CLIENT_SYMBOLS.len() + HOOK_SYMBOLS.len()
+                - CLIENT_SYMBOLS
+                    .iter()
+                    .filter(|s| CUDA_SYMBOLS.contains(s))
+                    .count()
+        );
+        assert_eq!(exported_function("cuMemAlloc"), Some("cuMemAlloc_v2"));
+        assert_eq!(exported_function("cuStreamCreate"), Some("cuStreamCreate"));
+        assert_eq!(
+            exported_function("cisternFakeLaunch"),
+            None,
+            "hooks take no faults"
+        );
+        assert_eq!(exported_function("cuLaunchKernel"), None);
+        assert!(described(700) && described(907) && !described(12345));
+        assert!(is_sticky(CUDA_ERROR_ILLEGAL_ADDRESS) && is_sticky(CUDA_ERROR_LAUNCH_FAILED));
+        assert!(!is_sticky(CUDA_ERROR_OUT_OF_MEMORY));
     }
 
     #[test]

@@ -18,8 +18,9 @@ use cistern::{Config, Error, Pool, StreamId};
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const CHILD: &str = "FAKECUDA_CHILD";
-const A: StreamId = StreamId(0x1000);
-const B: StreamId = StreamId(0x2000);
+/// The driver's reserve the children run with (`CISTERN_FAKECUDA_RESERVE`): what
+/// `cuMemGetInfo` shows as used with nothing allocated.
+const RESERVE: u64 = 64 * MIB;
 
 /// Runs the child test `name` on the fake with `knobs`; returns its stderr.
 fn run_child(name: &str, knobs: &[(&str, &str)]) -> String {
@@ -32,7 +33,10 @@ fn run_child(name: &str, knobs: &[(&str, &str)]) -> String {
         "--nocapture",
         "--test-threads=1",
     ]);
-    common::child_env(&mut cmd, knobs);
+    let reserve = format!("{RESERVE}");
+    let mut all = vec![("CISTERN_FAKECUDA_RESERVE", reserve.as_str())];
+    all.extend_from_slice(knobs);
+    common::child_env(&mut cmd, &all);
     cmd.env(CHILD, name);
     let out = cmd.output().expect("run the child test");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -62,6 +66,29 @@ fn is_child(name: &str) -> bool {
     yes
 }
 
+/// A new stream of device `dev`'s primary context (the strict fake refuses made-up stream
+/// values), made with the context pushed and popped so the caller's current context is kept.
+fn new_stream(d: &CudaDriver, dev: usize) -> StreamId {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    // Retains the primary context inside CudaDriver, so the fake has one to push.
+    d.mem_info(dev).unwrap();
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: every pointer is a live local of the right type; `ctx` is a primary context the
+    // fake returned, pushed and popped again before the function returns.
+    unsafe {
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev as i32),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev as i32), CUDA_SUCCESS);
+    }
+    StreamId(s as usize as u64)
+}
+
 fn driver() -> CudaDriver {
     CudaDriver::new().unwrap_or_else(|e| panic!("CudaDriver::new on the fake: {e}"))
 }
@@ -88,8 +115,9 @@ fn drain(pool: &Pool<CudaDriver>, live: Vec<(u64, StreamId)>) {
     assert_eq!(stat(pool, "reserved_bytes.all.current"), 0);
     let info = pool.driver().mem_info(0).unwrap();
     assert_eq!(
-        info.free, info.total,
-        "driver memory left after empty_cache"
+        info.total - info.free,
+        RESERVE,
+        "driver memory beyond the driver's reserve left after empty_cache"
     );
 }
 
@@ -119,8 +147,10 @@ fn child_vmm_pool() {
         Some("GPU-5157a1d0-0000-4000-8000-000000000000")
     );
     let info = d.mem_info(0).unwrap();
-    assert_eq!((info.free, info.total), (GIB, GIB));
+    // The driver's reserve is in use before anything is allocated.
+    assert_eq!((info.free, info.total), (GIB - RESERVE, GIB));
 
+    let (sa, sb) = (new_stream(&d, 0), new_stream(&d, 0));
     let pool = Pool::new(d, Config::default()).unwrap();
     assert!(pool.device(0).unwrap().uses_vmm());
 
@@ -128,37 +158,37 @@ fn child_vmm_pool() {
     let mut live = Vec::new();
     let mut big = Vec::new();
     for _ in 0..40 {
-        big.push(pool.alloc_raw(0, 20 * MIB, A).unwrap());
-        live.push((pool.alloc_raw(0, 2 * MIB, A).unwrap(), A));
+        big.push(pool.alloc_raw(0, 20 * MIB, sa).unwrap());
+        live.push((pool.alloc_raw(0, 2 * MIB, sa).unwrap(), sa));
     }
     for (i, p) in big.into_iter().enumerate() {
         if i % 2 == 0 {
-            pool.free_raw(p, A).unwrap();
+            pool.free_raw(p, sa).unwrap();
         } else {
-            live.push((p, A));
+            live.push((p, sa));
         }
     }
     check(&pool);
     assert_eq!(stat(&pool, "allocated_bytes.all.current"), 480 * MIB as i64);
     // 300 MiB from the holes, stitched: no new physical memory.
     let device_allocs = stat(&pool, "num_device_alloc");
-    let p = pool.alloc_raw(0, 300 * MIB, A).unwrap();
+    let p = pool.alloc_raw(0, 300 * MIB, sa).unwrap();
     assert_eq!(stat(&pool, "num_device_alloc"), device_allocs);
     assert!(stat(&pool, "num_stitches") >= 1);
-    live.push((p, A));
+    live.push((p, sa));
     check(&pool);
 
     // record_stream: the block is reused only after B's work (none here) completes.
-    let q = pool.alloc_raw(0, 4 * MIB, A).unwrap();
-    pool.record_stream(q, B).unwrap();
-    pool.free_raw(q, A).unwrap();
+    let q = pool.alloc_raw(0, 4 * MIB, sa).unwrap();
+    pool.record_stream(q, sb).unwrap();
+    pool.free_raw(q, sa).unwrap();
     assert_eq!(stat(&pool, "num_record_streams"), 1);
-    let r = pool.alloc_raw(0, 4 * MIB, A).unwrap();
-    live.push((r, A));
+    let r = pool.alloc_raw(0, 4 * MIB, sa).unwrap();
+    live.push((r, sa));
     check(&pool);
 
     // OOM is a typed error with a report, and the pool stays consistent.
-    let e = pool.alloc_raw(0, 2 * GIB, A).unwrap_err();
+    let e = pool.alloc_raw(0, 2 * GIB, sa).unwrap_err();
     assert!(e.is_oom(), "{e}");
     assert!(e.oom_report().is_some());
     assert_eq!(stat(&pool, "num_ooms"), 1);
@@ -202,6 +232,7 @@ fn child_linear_pool() {
     assert_eq!(e.kind, DriverErrorKind::NotSupported, "{e}");
     assert_eq!(e.code, 801);
 
+    let (sa, sb) = (new_stream(&d, 0), new_stream(&d, 0));
     let pool = Pool::new(d, Config::default()).unwrap();
     assert!(!pool.device(0).unwrap().uses_vmm());
     let mut live = Vec::new();
@@ -209,16 +240,16 @@ fn child_linear_pool() {
         .into_iter()
         .enumerate()
     {
-        let s = if i % 2 == 0 { A } else { B };
+        let s = if i % 2 == 0 { sa } else { sb };
         live.push((pool.alloc_raw(0, size, s).unwrap(), s));
     }
     check(&pool);
     let (p, s) = live.pop().unwrap();
-    pool.record_stream(p, A).unwrap();
+    pool.record_stream(p, sa).unwrap();
     pool.free_raw(p, s).unwrap();
-    live.push((pool.alloc_raw(0, 100 * MIB, B).unwrap(), B));
+    live.push((pool.alloc_raw(0, 100 * MIB, sb).unwrap(), sb));
     check(&pool);
-    let e = pool.alloc_raw(0, GIB, A).unwrap_err();
+    let e = pool.alloc_raw(0, GIB, sa).unwrap_err();
     assert!(e.is_oom(), "{e}");
     assert!(stat(&pool, "num_ooms") >= 1);
     assert!(stat(&pool, "num_device_alloc") >= 1);
@@ -244,18 +275,20 @@ fn child_injected_oom() {
     if !is_child("child_injected_oom") {
         return;
     }
-    let pool = Pool::new(driver(), Config::default()).unwrap();
+    let d = driver();
+    let sa = new_stream(&d, 0);
+    let pool = Pool::new(d, Config::default()).unwrap();
     // The first cuMemCreate (one 2 MiB page) succeeds; every later one fails with
     // CUDA_ERROR_OUT_OF_MEMORY.
-    let p = pool.alloc_raw(0, 2 * MIB, A).unwrap();
-    let e = pool.alloc_raw(0, 500 * MIB, A).unwrap_err();
+    let p = pool.alloc_raw(0, 2 * MIB, sa).unwrap();
+    let e = pool.alloc_raw(0, 500 * MIB, sa).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
     check(&pool);
     assert!(stat(&pool, "num_ooms") >= 1);
     // What was allocated still works, and its memory can be reused.
-    pool.free_raw(p, A).unwrap();
-    let q = pool.alloc_raw(0, 2 * MIB, A).unwrap();
-    drain(&pool, vec![(q, A)]);
+    pool.free_raw(p, sa).unwrap();
+    let q = pool.alloc_raw(0, 2 * MIB, sa).unwrap();
+    drain(&pool, vec![(q, sa)]);
 }
 
 #[test]
@@ -272,9 +305,11 @@ fn child_injected_failures() {
     if !is_child("child_injected_failures") {
         return;
     }
-    let pool = Pool::new(driver(), Config::default()).unwrap();
+    let d = driver();
+    let sa = new_stream(&d, 0);
+    let pool = Pool::new(d, Config::default()).unwrap();
     // The first capability query (cuDeviceGetAttribute) fails: no device pool, a typed error.
-    match pool.alloc_raw(0, MIB, A) {
+    match pool.alloc_raw(0, MIB, sa) {
         Err(Error::Driver(e)) => {
             assert_eq!(e.call, DriverCall::Capabilities, "{e}");
             assert_eq!(e.code, 999, "{e}");
@@ -284,8 +319,8 @@ fn child_injected_failures() {
     // The first cuMemMap fails with CUDA_ERROR_UNKNOWN: an error or a recovered allocation,
     // never a crash, and the pool stays consistent.
     let mut live = Vec::new();
-    match pool.alloc_raw(0, 8 * MIB, A) {
-        Ok(p) => live.push((p, A)),
+    match pool.alloc_raw(0, 8 * MIB, sa) {
+        Ok(p) => live.push((p, sa)),
         Err(Error::Driver(e)) => {
             assert_eq!(e.call, DriverCall::Map, "{e}");
             assert_eq!(e.code, 999, "{e}");
@@ -294,7 +329,7 @@ fn child_injected_failures() {
     }
     check(&pool);
     assert!(stat(&pool, "num_driver_errors") >= 1);
-    live.push((pool.alloc_raw(0, 8 * MIB, A).unwrap(), A));
+    live.push((pool.alloc_raw(0, 8 * MIB, sa).unwrap(), sa));
     drain(&pool, live);
 }
 
@@ -318,7 +353,9 @@ fn child_two_devices() {
     if !is_child("child_two_devices") {
         return;
     }
-    let pool = Pool::new(driver(), Config::default()).unwrap();
+    let d = driver();
+    let (sa, sa1) = (new_stream(&d, 0), new_stream(&d, 1));
+    let pool = Pool::new(d, Config::default()).unwrap();
     assert_eq!(pool.device_count(), 2);
     // The caller's current context is device 1's; a call on device 0 must leave it current.
     let mut ctx1: sys::CUcontext = std::ptr::null_mut();
@@ -330,8 +367,8 @@ fn child_two_devices() {
         unsafe { sys::cuCtxSetCurrent(ctx1) },
         sys::CUresult::CUDA_SUCCESS
     );
-    let a = pool.alloc_raw(0, 10 * MIB, A).unwrap();
-    let b = pool.alloc_raw(1, 10 * MIB, A).unwrap();
+    let a = pool.alloc_raw(0, 10 * MIB, sa).unwrap();
+    let b = pool.alloc_raw(1, 10 * MIB, sa1).unwrap();
     assert!(pool.device(0).unwrap().owns(a) && !pool.device(0).unwrap().owns(b));
     assert!(pool.device(1).unwrap().owns(b));
     let mut cur: sys::CUcontext = std::ptr::null_mut();
@@ -347,10 +384,10 @@ fn child_two_devices() {
     let info1 = pool.driver().mem_info(1).unwrap();
     assert_eq!(info1.total, 512 * MIB);
     assert!(info1.free < info1.total);
-    pool.free_raw(b, A).unwrap();
+    pool.free_raw(b, sa1).unwrap();
     pool.empty_cache();
-    assert_eq!(pool.driver().mem_info(1).unwrap().free, 512 * MIB);
-    drain(&pool, vec![(a, A)]);
+    assert_eq!(pool.driver().mem_info(1).unwrap().free, 512 * MIB - RESERVE);
+    drain(&pool, vec![(a, sa)]);
     // SAFETY: releases the retain above.
     assert_eq!(
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(1) },
@@ -369,15 +406,16 @@ fn child_threads() {
     if !is_child("child_threads") {
         return;
     }
-    let pool = Arc::new(Pool::new(driver(), Config::default()).unwrap());
-    let threads: Vec<_> = (0..4u64)
+    let d = driver();
+    let streams: Vec<StreamId> = (0..4).map(|_| new_stream(&d, 0)).collect();
+    let pool = Arc::new(Pool::new(d, Config::default()).unwrap());
+    let threads: Vec<_> = (0..4usize)
         .map(|t| {
             let pool = Arc::clone(&pool);
+            let (s, other) = (streams[t], streams[(t + 1) % 4]);
             std::thread::spawn(move || {
-                let s = StreamId(0x100 * (t + 1));
-                let other = StreamId(0x100 * (((t + 1) % 4) + 1));
+                let mut x = t as u64 + 1;
                 let mut live = Vec::new();
-                let mut x = t + 1;
                 for i in 0..300u64 {
                     x = x
                         .wrapping_mul(6364136223846793005)
@@ -584,7 +622,7 @@ fn child_raw_calls() {
         assert_eq!(sys::cuMemAlloc_v2(&mut p, 3 * MIB as usize), CUDA_SUCCESS);
         let (mut free, mut tot) = (0usize, 0usize);
         assert_eq!(sys::cuMemGetInfo_v2(&mut free, &mut tot), CUDA_SUCCESS);
-        assert_eq!((tot as u64 - free as u64), 3 * MIB);
+        assert_eq!((tot as u64 - free as u64), 3 * MIB + RESERVE);
         assert_eq!(
             sys::cuMemGetInfo_v2(null_mut(), &mut tot),
             CUDA_ERROR_INVALID_VALUE
@@ -667,15 +705,13 @@ fn child_raw_calls() {
             CUDA_ERROR_INVALID_VALUE
         );
         assert_eq!(sys::cuMemSetAccess(va, 2 * g, &desc, 1), CUDA_SUCCESS);
+        // Device 1 can access device 0's memory (two devices are peers by default).
         desc.location.id = 1;
+        assert_eq!(sys::cuMemSetAccess(va, 2 * g, &desc, 1), CUDA_SUCCESS);
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
         assert_eq!(
             sys::cuMemSetAccess(va, 2 * g, &desc, 1),
             CUDA_ERROR_NOT_SUPPORTED
-        );
-        assert_eq!(
-            sys::cuMemRelease(h),
-            CUDA_ERROR_INVALID_VALUE,
-            "still mapped"
         );
         assert_eq!(
             sys::cuMemAddressFree(va, 8 * g),
@@ -687,9 +723,10 @@ fn child_raw_calls() {
             CUDA_ERROR_INVALID_VALUE,
             "part of a mapping"
         );
-        assert_eq!(sys::cuMemUnmap(va, 2 * g), CUDA_SUCCESS);
+        // Released while mapped: the handle is gone, its memory stays until the unmap.
         assert_eq!(sys::cuMemRelease(h), CUDA_SUCCESS);
         assert_eq!(sys::cuMemRelease(h), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(sys::cuMemUnmap(va, 2 * g), CUDA_SUCCESS);
         assert_eq!(sys::cuMemAddressFree(va, 8 * g), CUDA_SUCCESS);
         assert_eq!(sys::cuMemAddressFree(va, 8 * g), CUDA_ERROR_INVALID_VALUE);
 
@@ -701,7 +738,13 @@ fn child_raw_calls() {
         assert_eq!(sys::cuEventCreate(&mut ev, 2), CUDA_SUCCESS);
         assert!(!ev.is_null());
         assert_eq!(sys::cuEventQuery(ev), CUDA_SUCCESS);
-        let stream = 0x5000 as sys::CUstream;
+        assert_eq!(
+            sys::cuEventRecord(ev, 0x5000 as sys::CUstream),
+            CUDA_ERROR_INVALID_HANDLE,
+            "a made-up stream"
+        );
+        let mut stream: sys::CUstream = null_mut();
+        assert_eq!(sys::cuStreamCreate(&mut stream, 0), CUDA_SUCCESS);
         assert_eq!(sys::cuEventRecord(ev, stream), CUDA_SUCCESS);
         assert_eq!(sys::cuStreamWaitEvent(null_mut(), ev, 0), CUDA_SUCCESS);
         assert_eq!(
@@ -713,6 +756,7 @@ fn child_raw_calls() {
         assert_eq!(sys::cuCtxSynchronize(), CUDA_SUCCESS);
         assert_eq!(sys::cuEventDestroy_v2(ev), CUDA_SUCCESS);
         assert_eq!(sys::cuEventDestroy_v2(ev), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(sys::cuStreamDestroy_v2(stream), CUDA_SUCCESS);
         assert_eq!(
             sys::cuEventRecord(null_mut(), stream),
             CUDA_ERROR_INVALID_HANDLE
@@ -773,4 +817,51 @@ fn child_leak() {
     let d = driver();
     d.mem_alloc(0, MIB).unwrap();
     drop(d);
+}
+
+// ---- stream capture ---------------------------------------------------------------------------
+
+/// Before the fix, an allocation during a user's global-mode capture (PyTorch's
+/// `torch.cuda.graph` default) polled pending frees with `cuEventQuery`, a potentially unsafe
+/// call that invalidated the capture; the backend now relaxes the thread's mode for its calls.
+#[test]
+fn an_allocation_during_stream_capture_keeps_the_capture_valid() {
+    run_child(
+        "child_capture_pool",
+        &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of an_allocation_during_stream_capture_keeps_the_capture_valid"]
+fn child_capture_pool() {
+    use cudarc::driver::sys::{self, CUresult::*};
+    if !is_child("child_capture_pool") {
+        return;
+    }
+    let d = driver();
+    let (sa, sb) = (new_stream(&d, 0), new_stream(&d, 0));
+    let pool = Pool::new(d, Config::default()).unwrap();
+    // A free with a pending event: used on sb too, so its reuse waits for sb's event.
+    let p = pool.alloc_raw(0, MIB, sa).unwrap();
+    pool.record_stream(p, sb).unwrap();
+    pool.free_raw(p, sa).unwrap();
+    let s = sa.0 as usize as sys::CUstream;
+    // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
+    let r = unsafe {
+        sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+    };
+    assert_eq!(r, CUDA_SUCCESS);
+    // PyTorch allocates during capture, on the capturing stream.
+    let q = pool.alloc_raw(0, MIB, sa);
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `graph` is a live, writable CUgraph.
+    let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+    assert_eq!(
+        r, CUDA_SUCCESS,
+        "the pool's calls during the capture invalidated it"
+    );
+    // SAFETY: the graph the capture returned.
+    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    drain(&pool, vec![(q.unwrap(), sa)]);
 }

@@ -1,5 +1,6 @@
-//! The fake exports exactly the driver functions `CudaDriver` resolves, so a new driver call in
-//! cistern fails here, at build time of the tests, rather than aborting CI at run time.
+//! The fake exports exactly the driver functions `CudaDriver` resolves (`CUDA_SYMBOLS`), those
+//! its test clients call (`CLIENT_SYMBOLS`) and its test hooks (`HOOK_SYMBOLS`), so a new driver
+//! call in cistern fails here, at build time of the tests, rather than aborting CI at run time.
 
 mod common;
 
@@ -8,6 +9,7 @@ use std::ffi::{c_char, c_int, c_uint};
 use std::process::Command;
 
 use cistern::driver::cuda::CUDA_SYMBOLS;
+use cistern_fakecuda::{exported_symbols, CLIENT_SYMBOLS, HOOK_SYMBOLS};
 
 /// The fake, loaded into this process (it is never initialised here: `CISTERN_FAKECUDA` is not
 /// set for the test process, and nothing calls `cuInit` with it set).
@@ -24,6 +26,8 @@ fn every_symbol_cuda_driver_resolves_is_exported() {
     let lib = load();
     let missing: Vec<&str> = CUDA_SYMBOLS
         .iter()
+        .chain(CLIENT_SYMBOLS.iter())
+        .chain(HOOK_SYMBOLS.iter())
         .copied()
         // SAFETY: a lookup only; the symbol is dropped unused.
         .filter(|s| unsafe { lib.get::<unsafe extern "C" fn()>(s.as_bytes()) }.is_err())
@@ -61,10 +65,10 @@ fn the_dynamic_symbol_table_is_exactly_the_driver_calls() {
             (kind == "T").then_some(name)
         })
         .collect();
-    let wanted: BTreeSet<&str> = CUDA_SYMBOLS.iter().copied().collect();
+    let wanted: BTreeSet<&str> = exported_symbols().into_iter().collect();
     assert_eq!(
         exported, wanted,
-        "the fake's exported functions differ from CudaDriver's CUDA_SYMBOLS"
+        "the fake's exported functions differ from CUDA_SYMBOLS ∪ CLIENT_SYMBOLS ∪ HOOK_SYMBOLS"
     );
 }
 
@@ -103,4 +107,27 @@ fn it_refuses_to_start_without_the_guard_variable() {
     // SAFETY: as above.
     let text = unsafe { std::ffi::CStr::from_ptr(text) };
     assert_eq!(text.to_str().unwrap(), "CUDA driver is a stub library");
+}
+
+#[test]
+fn the_exported_list_is_the_union_and_hooks_are_not_cuda_names() {
+    let all = exported_symbols();
+    for s in CUDA_SYMBOLS
+        .iter()
+        .chain(&CLIENT_SYMBOLS)
+        .chain(&HOOK_SYMBOLS)
+    {
+        assert!(all.contains(s), "{s}");
+    }
+    assert!(HOOK_SYMBOLS.iter().all(|s| s.starts_with("cisternFake")));
+    assert!(CLIENT_SYMBOLS.iter().all(|s| s.starts_with("cu")));
+    // The helper that children inherit clears every knob.
+    let mut knobs: Vec<&str> = common::KNOBS.to_vec();
+    let mut all_knobs: Vec<&str> = cistern_fakecuda::knobs::ALL.to_vec();
+    knobs.sort_unstable();
+    all_knobs.sort_unstable();
+    assert_eq!(
+        knobs, all_knobs,
+        "tests/common/mod.rs KNOBS is not knobs::ALL"
+    );
 }

@@ -12,6 +12,7 @@ use super::work::{merge_pos, Pos};
 use super::{invalid, invalid_handle, oom, DevState, Hazard, HazardKind, SimDriver, WorkId};
 use crate::driver::{
     DeviceCaps, DeviceId, Driver, DriverCall, DriverResult, EventId, MemInfo, PhysHandle, StreamId,
+    StreamInfo,
 };
 
 impl Driver for SimDriver {
@@ -465,6 +466,26 @@ impl Driver for SimDriver {
     }
 
     #[inline]
+    fn stream_info(&self, dev: DeviceId, stream: StreamId) -> DriverResult<StreamInfo> {
+        // A recreated handle's n-th stream gets an id from the top of the id space. (Asked on
+        // a thread's first use of a handle and on growth, never on the hot path.)
+        let generation = self
+            .stream_generations
+            .lock()
+            .get(&stream.0)
+            .copied()
+            .unwrap_or(0);
+        let id = match generation {
+            0 => stream.0,
+            n => u64::MAX - (stream.0 << 16 | n),
+        };
+        Ok(StreamInfo {
+            device: dev,
+            id,
+            per_thread: false,
+        })
+    }
+
     fn note_handout(&self, dev: DeviceId, ptr: u64, size: u64, stream: StreamId) {
         let Some(d) = self.devices.get(dev) else {
             return;

@@ -62,7 +62,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use super::{DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult};
+use super::{DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId};
 
 mod config;
 pub mod cost;
@@ -189,6 +189,9 @@ pub struct SimDriver {
     hazards: Mutex<Vec<Hazard>>,
     /// Source of handle, event and linear allocation ids (never 0).
     next_id: AtomicU64,
+    /// Handles whose stream was destroyed and given to a new stream ([`SimDriver::recreate_stream`]):
+    /// how many times.
+    stream_generations: Mutex<FxHashMap<u64, u64>>,
 }
 
 impl fmt::Debug for SimDriver {
@@ -261,7 +264,16 @@ impl SimDriver {
             faults: Mutex::new(Faults::default()),
             hazards: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
+            stream_generations: Mutex::new(FxHashMap::default()),
         }
+    }
+
+    /// Says that `stream`'s stream was destroyed and its handle now names a new stream, as the
+    /// real driver may hand a freed `CUstream` to the next `cuStreamCreate`: from now on
+    /// [`Driver::stream_info`] gives the handle another id. (Work already queued on the handle
+    /// stays on it: the simulator's streams are its handles.)
+    pub fn recreate_stream(&self, stream: StreamId) {
+        *self.stream_generations.lock().entry(stream.0).or_default() += 1;
     }
 
     /// The configuration in effect (granularity normalised).

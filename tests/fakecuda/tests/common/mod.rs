@@ -11,13 +11,19 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// The fake's knobs, cleared from a child's environment unless a test sets them.
-pub const KNOBS: [&str; 6] = [
+pub const KNOBS: [&str; 12] = [
     "CISTERN_FAKECUDA",
     "CISTERN_FAKECUDA_CAPACITY",
     "CISTERN_FAKECUDA_DEVICES",
     "CISTERN_FAKECUDA_VMM",
     "CISTERN_FAKECUDA_FAIL",
     "CISTERN_FAKECUDA_GRANULARITY",
+    "CISTERN_FAKECUDA_RECOMMENDED_GRANULARITY",
+    "CISTERN_FAKECUDA_RESERVE",
+    "CISTERN_FAKECUDA_VA_LIMIT",
+    "CISTERN_FAKECUDA_PEERS",
+    "CISTERN_FAKECUDA_FABRIC",
+    "CISTERN_FAKECUDA_RDMA",
 ];
 
 /// The file cargo builds (`cdylib` of `cistern-fakecuda`).
@@ -39,10 +45,14 @@ fn profile_dir() -> PathBuf {
 /// directory: the running `cargo test` holds the lock of the main one).
 fn built_library() -> PathBuf {
     let profile = profile_dir();
-    for candidate in [profile.join(BUILT), profile.join("deps").join(BUILT)] {
-        if candidate.is_file() {
-            return candidate;
-        }
+    // `cargo test` builds the library into deps/ and does not always copy it up to
+    // target/<profile>, where an older `cargo build` may have left a stale one: the newest wins.
+    let newest = [profile.join(BUILT), profile.join("deps").join(BUILT)]
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(t, _)| *t);
+    if let Some((_, p)) = newest {
+        return p;
     }
     let target = profile.parent().expect("target/<profile> has a parent");
     let own = target.join("fakecuda").join("build");
@@ -66,8 +76,8 @@ fn built_library() -> PathBuf {
     built
 }
 
-/// A directory holding the fake driver as `libcuda.so` and `libcuda.so.1` (the names cudarc
-/// and the CUDA runtime load): `target/fakecuda/<profile>/`. Made once per process; the copies
+/// A directory holding the fake driver as `libcuda.so.1` and `libcuda.so` (the names cistern,
+/// the CUDA runtime and cudarc load): `target/fakecuda/<profile>/`. Made once per process; the copies
 /// are written under temporary names and renamed, so concurrent test processes never see a
 /// partial file.
 pub fn fake_dir() -> &'static Path {
@@ -82,11 +92,17 @@ pub fn fake_dir() -> &'static Path {
             .join("fakecuda")
             .join(name);
         std::fs::create_dir_all(&dir).expect("create the fake driver's directory");
-        for file in ["libcuda.so", "libcuda.so.1"] {
-            let tmp = dir.join(format!(".{file}.{}", std::process::id()));
-            std::fs::copy(&built, &tmp).expect("copy the fake driver");
-            std::fs::rename(&tmp, dir.join(file)).expect("rename the fake driver into place");
-        }
+        // One file under both names (libcuda.so a link to libcuda.so.1, as the driver installs
+        // it): code that opens either name (cudarc opens libcuda.so, cistern libcuda.so.1) gets
+        // the same library, hence the same fake, as with the real driver.
+        let file = "libcuda.so.1";
+        let tmp = dir.join(format!(".{file}.{}", std::process::id()));
+        std::fs::copy(&built, &tmp).expect("copy the fake driver");
+        std::fs::rename(&tmp, dir.join(file)).expect("rename the fake driver into place");
+        let link = dir.join(format!(".libcuda.so.{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(file, &link).expect("link libcuda.so to libcuda.so.1");
+        std::fs::rename(&link, dir.join("libcuda.so")).expect("rename the link into place");
         dir
     })
 }

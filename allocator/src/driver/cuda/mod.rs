@@ -1,40 +1,64 @@
 //! The CUDA driver backend: the only place cistern calls CUDA.
 //!
-//! [`CudaDriver`] implements [`Driver`] over the raw CUDA driver API bindings of
-//! `cudarc::driver::sys`, loaded at run time from `libcuda.so`. It must never panic (every failure
-//! is a [`DriverError`]), never create a context (it uses each device's *primary* context, the one
+//! [`CudaDriver`] implements [`Driver`] over the CUDA driver API, opened at run time from
+//! `libcuda.so.1` by [`api`] (cudarc provides the types). It must never panic (every failure is a
+//! [`DriverError`]), never create a context (it uses each device's *primary* context, the one
 //! the CUDA runtime and PyTorch use, so its pointers are valid in their code), and never
-//! synchronise on a hot path (only `event_synchronize`, `device_synchronize` and `mem_free` may
-//! block the host, as the [contract](super) allows).
+//! synchronise on a hot path (only `event_synchronize`, `stream_synchronize`,
+//! `device_synchronize` and `mem_free` may block the host, as the [contract](super) allows).
 //!
 //! # Loading without panics
 //!
-//! cudarc resolves each driver function lazily and panics when the library or a symbol is
-//! missing. [`CudaDriver::new`] therefore checks that a driver library is present
-//! (`is_culib_present`) and that it exports every symbol in [`CUDA_SYMBOLS`] before it makes a
-//! single call; a missing library or symbol is a [`DriverErrorKind::NoDriver`] error. Every call
-//! into cudarc also runs under `catch_unwind`, as a second line of defence.
+//! [`api`] resolves every function in [`CUDA_SYMBOLS`] when the library is opened, before a
+//! single call; a missing library or symbol is a [`DriverErrorKind::NoDriver`] error naming the
+//! fix. Which file is opened (`libcuda.so.1`, the one already in the process first) is explained
+//! there. Every call also runs under `catch_unwind`, as a second line of defence.
 //!
 //! # Contexts
 //!
 //! A device's primary context is retained the first time a call needs it (so a process that uses
 //! one GPU does not pay for a context on every visible GPU) and released when the driver is
 //! dropped. Before each call on device `dev`, the driver compares the thread's current context
-//! (`cuCtxGetCurrent`, a thread-local read inside libcuda) with `dev`'s primary context and calls
-//! `cuCtxSetCurrent` only when they differ. If it had to replace another context, it puts that
-//! context back after the call, so the caller's notion of the current device (`cudaGetDevice`,
-//! `torch.cuda.current_device()`) is left as it was. A cache of our own in a thread-local would
-//! be stale as soon as other code on the thread switches devices, so the driver does not keep one.
+//! (`cuCtxGetCurrent`, a thread-local read inside libcuda) with `dev`'s primary context. When
+//! they differ it pushes `dev`'s context for the call and pops it after (`cuCtxPushCurrent` /
+//! `cuCtxPopCurrent`), so the caller's current context, or its lack of one, is exactly as it was:
+//! a thread that had none is not left with cistern's (which would change the CUDA runtime's
+//! notion of the current device behind the caller's back). A cache of our own in a thread-local
+//! would be stale as soon as other code on the thread switches devices, so the driver keeps none.
+//!
+//! # Streams
+//!
+//! [`Driver::stream_info`] says what a handle names: `cuStreamGetCtx` and `cuCtxGetDevice` give
+//! its device, `cuStreamGetId` an id that no other live stream of the process has. The special
+//! handles `0` (the legacy default stream), `CU_STREAM_LEGACY` (`0x1`, the same stream) and
+//! `CU_STREAM_PER_THREAD` (`0x2`, a different stream on every thread) are resolved through the
+//! device's context on the calling thread, as the driver resolves them.
+//!
+//! # Stream capture
+//!
+//! Another thread (or this one) may be capturing a CUDA graph while cistern runs: PyTorch
+//! allocates during `torch.cuda.graph`, whose default mode is global. In that mode the
+//! calls the driver calls "potentially unsafe" (`cuMemAlloc`, `cuMemFree`, and the event, stream
+//! and context queries and synchronisations) are refused and *invalidate the capture*. None of
+//! cistern's such calls is part of the user's graph, so each runs with the calling thread's
+//! capture mode exchanged to relaxed for the call and put back after
+//! (`cuThreadExchangeStreamCaptureMode`, as PyTorch's `CUDAStreamCaptureModeGuard` does around
+//! `cudaMalloc`): a capture elsewhere is left valid. Calls that conflict with a capture
+//! whatever the mode (a query of an event recorded inside one) still fail, and the pool treats
+//! them as "not yet".
 //!
 //! # Handles
 //!
 //! [`StreamId`], [`EventId`] and [`PhysHandle`] carry the raw `CUstream`, `CUevent` and
 //! `CUmemGenericAllocationHandle` values. The driver validates most handles it is given, but
-//! passing an event that was never created (or already destroyed) is outside the contract and the
-//! CUDA driver does not promise to detect it; the pool only passes handles it got from here.
+//! passing an event or stream that was never created (or already destroyed) is outside the
+//! contract and the CUDA driver does not promise to detect it; the pool only passes handles it
+//! got from here or from its caller, and never a stream it knows to be gone.
 #![deny(clippy::undocumented_unsafe_blocks)]
 // The driver API is FFI: this module and `crate::sys` are the only ones allowed `unsafe`.
 #![allow(unsafe_code)]
+
+pub mod api;
 
 use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -46,46 +70,11 @@ use parking_lot::Mutex;
 
 use super::{
     DeviceCaps, DeviceId, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
-    MemInfo, PhysHandle, StreamId,
+    MemInfo, PhysHandle, StreamId, StreamInfo,
 };
 
-/// Every CUDA driver symbol this backend resolves, as exported by `libcuda.so`.
-///
-/// [`CudaDriver::new`] refuses to start (with [`DriverErrorKind::NoDriver`]) unless the library
-/// exports all of them; a fake `libcuda.so` must export at least these.
-pub const CUDA_SYMBOLS: [&str; 31] = [
-    "cuInit",
-    "cuGetErrorString",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetName",
-    "cuDeviceGetUuid_v2",
-    "cuDeviceTotalMem_v2",
-    "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxGetCurrent",
-    "cuCtxSetCurrent",
-    "cuCtxSynchronize",
-    "cuMemGetInfo_v2",
-    "cuMemGetAllocationGranularity",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemMap",
-    "cuMemUnmap",
-    "cuMemSetAccess",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuEventCreate",
-    "cuEventRecord",
-    "cuEventQuery",
-    "cuEventSynchronize",
-    "cuEventDestroy_v2",
-    "cuStreamWaitEvent",
-    "cuStreamSynchronize",
-];
+use api::Api;
+pub use api::CUDA_SYMBOLS;
 
 /// How to get going when no usable driver is found; every [`CudaDriver::new`] error ends with it.
 const FIX: &str =
@@ -93,6 +82,9 @@ const FIX: &str =
 
 /// The granularity reported for devices without VMM: the size of the pool's linear segments.
 const LINEAR_GRANULARITY: u64 = 2 << 20;
+
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_uint = 2;
 
 /// The code reported when the driver library cannot be loaded at all (`CUDA_ERROR_NOT_INITIALIZED`).
 const CODE_NOT_LOADED: i32 = CUresult::CUDA_ERROR_NOT_INITIALIZED as i32;
@@ -113,7 +105,14 @@ struct Device {
 /// The CUDA driver API on each device's primary context. See the [module documentation](self).
 #[derive(Debug)]
 pub struct CudaDriver {
+    api: &'static Api,
     devices: Vec<Device>,
+}
+
+impl std::fmt::Debug for Api {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("libcuda")
+    }
 }
 
 impl CudaDriver {
@@ -131,14 +130,24 @@ impl CudaDriver {
 
     fn open() -> DriverResult<CudaDriver> {
         let call = DriverCall::DeviceCount;
-        load_library()?;
+        let api = load_library()?;
         // SAFETY: cuInit takes a plain flags word (which must be 0) and may be called any number
-        // of times; every symbol was found by `load_library`.
-        cu(call, "cuInit", || unsafe { sys::cuInit(0) })?;
+        // of times; every symbol was resolved by `load_library`.
+        cu(call, "cuInit", || unsafe { (api.cuInit)(0) }).map_err(|mut e| {
+            if e.code == CUresult::CUDA_ERROR_STUB_LIBRARY as i32 {
+                e.message = format!(
+                    "{}: the libcuda.so.1 on the loader's path is the CUDA toolkit's stub, not \
+                     the NVIDIA driver (remove the toolkit's stubs directory from \
+                     LD_LIBRARY_PATH)",
+                    e.message
+                );
+            }
+            e
+        })?;
         let mut count: c_int = 0;
         // SAFETY: `count` is a live, writable c_int for the whole call.
         cu(call, "cuDeviceGetCount", || unsafe {
-            sys::cuDeviceGetCount(&mut count)
+            (api.cuDeviceGetCount)(&mut count)
         })?;
         if count <= 0 {
             return Err(DriverError::new(
@@ -154,7 +163,7 @@ impl CudaDriver {
             // SAFETY: `handle` is a live, writable CUdevice; `ordinal` is in
             // `0..cuDeviceGetCount()`, and the driver checks it anyway.
             cu(call, "cuDeviceGet", || unsafe {
-                sys::cuDeviceGet(&mut handle, ordinal)
+                (api.cuDeviceGet)(&mut handle, ordinal)
             })?;
             devices.push(Device {
                 cu: handle,
@@ -163,7 +172,7 @@ impl CudaDriver {
                 caps: OnceLock::new(),
             });
         }
-        Ok(CudaDriver { devices })
+        Ok(CudaDriver { api, devices })
     }
 
     /// Device `dev`, or an [`DriverErrorKind::InvalidDevice`] error without asking the driver.
@@ -194,7 +203,7 @@ impl CudaDriver {
         // SAFETY: `ctx` is a live, writable CUcontext; `d.cu` came from cuDeviceGet. Retaining
         // the primary context never creates a new context of ours: it activates the shared one.
         cu(call, "cuDevicePrimaryCtxRetain", || unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, d.cu)
+            (self.api.cuDevicePrimaryCtxRetain)(&mut ctx, d.cu)
         })?;
         if ctx.is_null() {
             return Err(DriverError::new(
@@ -214,39 +223,99 @@ impl CudaDriver {
     fn bind(&self, call: DriverCall, dev: DeviceId) -> DriverResult<Bound> {
         let d = self.device(call, dev)?;
         let ctx = self.primary(call, d)?;
+        self.bind_ctx(call, ctx)
+    }
+
+    /// Makes `ctx` current on this thread until the guard drops: pushed on the thread's context
+    /// stack when another context (or none) is current, and popped again by the guard.
+    fn bind_ctx(&self, call: DriverCall, ctx: sys::CUcontext) -> DriverResult<Bound> {
+        let api = self.api;
         let mut current: sys::CUcontext = ptr::null_mut();
         // SAFETY: `current` is a live, writable CUcontext; the call only reads the thread's
         // context stack.
         cu(call, "cuCtxGetCurrent", || unsafe {
-            sys::cuCtxGetCurrent(&mut current)
+            (api.cuCtxGetCurrent)(&mut current)
         })?;
         if current == ctx {
-            return Ok(Bound { restore: None });
+            return Ok(Bound { api, pushed: false });
         }
         // SAFETY: `ctx` is a primary context we retained (see `primary`) and do not release
-        // before `self` drops, so it is valid to make current.
-        cu(call, "cuCtxSetCurrent", || unsafe {
-            sys::cuCtxSetCurrent(ctx)
+        // before `self` drops, or the context of a live stream the caller gave us; either is
+        // valid to make current.
+        cu(call, "cuCtxPushCurrent_v2", || unsafe {
+            (api.cuCtxPushCurrent_v2)(ctx)
         })?;
-        // A thread without a context keeps ours: nothing of the caller's is displaced, and the
-        // next call on this device costs no switch.
-        Ok(Bound {
-            restore: (!current.is_null()).then_some(current as usize),
-        })
+        Ok(Bound { api, pushed: true })
+    }
+
+    /// The ordinal of the device `ctx` belongs to: a retained primary context is recognised
+    /// without a driver call; any other context is asked (`cuCtxGetDevice` with it pushed).
+    fn device_of_ctx(&self, call: DriverCall, ctx: sys::CUcontext) -> DriverResult<DeviceId> {
+        if let Some(i) = self
+            .devices
+            .iter()
+            .position(|d| d.ctx.get() == Some(&(ctx as usize)))
+        {
+            return Ok(i);
+        }
+        let api = self.api;
+        let mut cu_dev: sys::CUdevice = 0;
+        {
+            let _bound = self.bind_ctx(call, ctx)?;
+            // SAFETY: `cu_dev` is a live, writable CUdevice; `ctx` is current (bound above).
+            cu(call, "cuCtxGetDevice", || unsafe {
+                (api.cuCtxGetDevice)(&mut cu_dev)
+            })?;
+        }
+        self.devices
+            .iter()
+            .position(|d| d.cu == cu_dev)
+            .ok_or_else(|| {
+                DriverError::new(
+                    call,
+                    DriverErrorKind::InvalidDevice,
+                    CUresult::CUDA_ERROR_INVALID_DEVICE as i32,
+                    format!(
+                        "the stream's context is on CUdevice {cu_dev}, which cistern does not see"
+                    ),
+                )
+            })
+    }
+
+    /// Runs `f` with this thread's stream-capture mode relaxed (see the module documentation).
+    fn relaxed<R>(&self, f: impl FnOnce() -> R) -> R {
+        let api = self.api;
+        let mut mode: c_uint = CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a live, writable integer holding a valid mode; the driver stores
+        // the thread's previous mode in it.
+        let swapped = matches!(
+            catch_unwind(AssertUnwindSafe(|| unsafe {
+                (api.cuThreadExchangeStreamCaptureMode)(&mut mode)
+            })),
+            Ok(CUresult::CUDA_SUCCESS)
+        );
+        let r = f();
+        if swapped {
+            // SAFETY: as above; `mode` now holds the mode to put back.
+            let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
+                (api.cuThreadExchangeStreamCaptureMode)(&mut mode)
+            }));
+        }
+        r
     }
 
     /// Reads what device `d` can do (no context needed).
-    fn query_caps(d: &Device) -> DriverResult<DeviceCaps> {
+    fn query_caps(&self, d: &Device) -> DriverResult<DeviceCaps> {
         let call = DriverCall::Capabilities;
         let mut total: usize = 0;
         // SAFETY: `total` is a live, writable usize; `d.cu` came from cuDeviceGet.
         cu(call, "cuDeviceTotalMem_v2", || unsafe {
-            sys::cuDeviceTotalMem_v2(&mut total, d.cu)
+            (self.api.cuDeviceTotalMem_v2)(&mut total, d.cu)
         })?;
         let mut vmm: c_int = 0;
         // SAFETY: `vmm` is a live, writable c_int; the attribute is a valid enum value.
         cu(call, "cuDeviceGetAttribute", || unsafe {
-            sys::cuDeviceGetAttribute(
+            (self.api.cuDeviceGetAttribute)(
                 &mut vmm,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
                 d.cu,
@@ -259,7 +328,7 @@ impl CudaDriver {
             // SAFETY: `g` is a live, writable usize and `prop` a fully initialised allocation
             // property that outlives the call.
             cu(call, "cuMemGetAllocationGranularity", || unsafe {
-                sys::cuMemGetAllocationGranularity(
+                (self.api.cuMemGetAllocationGranularity)(
                     &mut g,
                     &prop,
                     sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
@@ -281,7 +350,7 @@ impl CudaDriver {
         let mut name: [c_char; 256] = [0; 256];
         // SAFETY: `name` is a live, writable buffer of exactly the length passed.
         cu(call, "cuDeviceGetName", || unsafe {
-            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, d.cu)
+            (self.api.cuDeviceGetName)(name.as_mut_ptr(), name.len() as c_int, d.cu)
         })?;
         let name: Vec<u8> = name.iter().map(|&c| c as u8).collect();
         let name = match CStr::from_bytes_until_nul(&name) {
@@ -291,7 +360,7 @@ impl CudaDriver {
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: `uuid` is a live, writable CUuuid.
         let uuid = cu(call, "cuDeviceGetUuid_v2", || unsafe {
-            sys::cuDeviceGetUuid_v2(&mut uuid, d.cu)
+            (self.api.cuDeviceGetUuid_v2)(&mut uuid, d.cu)
         })
         .ok()
         .map(|()| format_uuid(uuid.bytes.map(|c| c as u8)));
@@ -309,33 +378,38 @@ impl Drop for CudaDriver {
     fn drop(&mut self) {
         for d in &self.devices {
             if d.ctx.get().is_some() {
-                let handle = d.cu;
+                let (handle, api) = (d.cu, self.api);
                 // SAFETY: this device's primary context was retained exactly once (`primary`)
                 // and is released exactly once, here; nothing of ours uses it afterwards.
-                let _ = catch_unwind(|| unsafe { sys::cuDevicePrimaryCtxRelease_v2(handle) });
+                let _ = catch_unwind(|| unsafe { (api.cuDevicePrimaryCtxRelease_v2)(handle) });
             }
         }
     }
 }
 
-/// Puts back the context a call displaced (see [`CudaDriver::bind`]).
+/// Pops the context [`CudaDriver::bind_ctx`] pushed.
 struct Bound {
-    restore: Option<usize>,
+    api: &'static Api,
+    pushed: bool,
 }
 
 impl Drop for Bound {
     fn drop(&mut self) {
-        if let Some(previous) = self.restore {
-            // SAFETY: `previous` was current on this thread a moment ago, set by its owner, who
-            // is blocked in a call to us and cannot have destroyed it. A failure leaves our
-            // primary context current, which is still a valid state.
-            let _ = catch_unwind(|| unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) });
+        if self.pushed {
+            let api = self.api;
+            let mut popped: sys::CUcontext = ptr::null_mut();
+            // SAFETY: `popped` is a live, writable CUcontext; the context pushed by `bind_ctx`
+            // is on top of this thread's stack (the call in between does not push or pop), so
+            // the pop restores exactly what the caller had current.
+            let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
+                (api.cuCtxPopCurrent_v2)(&mut popped)
+            }));
         }
     }
 }
 
-/// Checks that a driver library is present and exports [`CUDA_SYMBOLS`], without panicking.
-fn load_library() -> DriverResult<()> {
+/// Opens the driver library and resolves [`CUDA_SYMBOLS`], without panicking.
+fn load_library() -> DriverResult<&'static Api> {
     let not_loaded = |message: String| {
         DriverError::new(
             DriverCall::DeviceCount,
@@ -344,33 +418,18 @@ fn load_library() -> DriverResult<()> {
             message,
         )
     };
-    // SAFETY: `is_culib_present` dlopens the candidate names of libcuda and closes them again.
-    // Loading runs the library's initialisers, as every CUDA program does; that is sound for the
-    // NVIDIA driver (or a faithful fake of it).
-    let present = catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
-    if !present {
-        return Err(not_loaded("no CUDA driver (libcuda.so) found".into()));
-    }
-    let missing = catch_unwind(|| {
-        // SAFETY: `culib` loads the library found above once for the process (it panics only if
-        // none loads, caught here). `get` only looks each name up; nothing is called or read.
-        let lib = unsafe { sys::culib() };
-        CUDA_SYMBOLS
-            .iter()
-            .copied()
-            // SAFETY: as above: a lookup only, the symbol is dropped unused.
-            .filter(|s| unsafe { lib.get::<unsafe extern "C" fn()>(s.as_bytes()) }.is_err())
-            .collect::<Vec<_>>()
-    });
-    match missing {
-        Err(_) => Err(not_loaded(
-            "a CUDA driver library (libcuda.so) was found but could not be loaded".into(),
-        )),
-        Ok(missing) if !missing.is_empty() => Err(not_loaded(format!(
-            "the CUDA driver library (libcuda.so) lacks {missing:?}: it is older than CUDA 12 \
-             or not the NVIDIA driver"
+    match catch_unwind(api::api) {
+        Ok(Ok(api)) => Ok(api),
+        Ok(Err(api::OpenError::NotFound(why))) => Err(not_loaded(format!(
+            "no CUDA driver (libcuda.so.1) found ({why})"
         ))),
-        Ok(_) => Ok(()),
+        Ok(Err(api::OpenError::Missing(name, missing))) => Err(not_loaded(format!(
+            "the CUDA driver library ({name}) lacks {missing:?}: it is older than CUDA 12 or \
+             not the NVIDIA driver"
+        ))),
+        Err(_) => Err(not_loaded(
+            "a CUDA driver library (libcuda.so.1) was found but could not be loaded".into(),
+        )),
     }
 }
 
@@ -399,11 +458,14 @@ fn unavailable(call: DriverCall, func: &'static str) -> DriverError {
 #[cold]
 fn cuda_error(call: DriverCall, func: &'static str, r: CUresult) -> DriverError {
     let mut text: *const c_char = ptr::null();
-    // SAFETY: `text` is a live, writable pointer; on success the driver stores a pointer to a
-    // static NUL-terminated string in it.
-    let described = catch_unwind(AssertUnwindSafe(|| unsafe {
-        sys::cuGetErrorString(r, &mut text)
-    }));
+    let described = match api::api() {
+        // SAFETY: `text` is a live, writable pointer; on success the driver stores a pointer to
+        // a static NUL-terminated string in it.
+        Ok(api) => catch_unwind(AssertUnwindSafe(|| unsafe {
+            (api.cuGetErrorString)(r, &mut text)
+        })),
+        Err(_) => Ok(CUresult::CUDA_ERROR_NOT_INITIALIZED),
+    };
     let text = match described {
         Ok(CUresult::CUDA_SUCCESS) if !text.is_null() => {
             // SAFETY: the driver returned success and a non-null pointer to a static C string.
@@ -522,7 +584,7 @@ impl Driver for CudaDriver {
         if let Some(caps) = d.caps.get() {
             return Ok(caps.clone());
         }
-        let caps = Self::query_caps(d)?;
+        let caps = self.query_caps(d)?;
         Ok(d.caps.get_or_init(|| caps).clone())
     }
 
@@ -532,7 +594,7 @@ impl Driver for CudaDriver {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both out-pointers are live, writable usizes; dev's context is current.
         cu(call, "cuMemGetInfo_v2", || unsafe {
-            sys::cuMemGetInfo_v2(&mut free, &mut total)
+            (self.api.cuMemGetInfo_v2)(&mut free, &mut total)
         })?;
         Ok(MemInfo {
             free: free as u64,
@@ -548,7 +610,7 @@ impl Driver for CudaDriver {
         // SAFETY: `addr` is a live, writable CUdeviceptr; no fixed address (0) and no flags are
         // requested, and the driver validates size and alignment.
         cu(call, "cuMemAddressReserve", || unsafe {
-            sys::cuMemAddressReserve(&mut addr, size, align, 0, 0)
+            (self.api.cuMemAddressReserve)(&mut addr, size, align, 0, 0)
         })?;
         Ok(addr)
     }
@@ -559,7 +621,7 @@ impl Driver for CudaDriver {
         let _bound = self.bind(call, dev)?;
         // SAFETY: plain values; the driver checks that `[addr, addr + size)` is a reservation.
         cu(call, "cuMemAddressFree", || unsafe {
-            sys::cuMemAddressFree(addr, size)
+            (self.api.cuMemAddressFree)(addr, size)
         })
     }
 
@@ -572,7 +634,7 @@ impl Driver for CudaDriver {
         // SAFETY: `handle` is a live, writable handle and `prop` a fully initialised property
         // that outlives the call; flags must be 0.
         cu(call, "cuMemCreate", || unsafe {
-            sys::cuMemCreate(&mut handle, size, &prop, 0)
+            (self.api.cuMemCreate)(&mut handle, size, &prop, 0)
         })?;
         Ok(PhysHandle(handle))
     }
@@ -582,7 +644,7 @@ impl Driver for CudaDriver {
         let _bound = self.bind(call, dev)?;
         // SAFETY: a plain handle value, which the driver validates.
         cu(call, "cuMemRelease", || unsafe {
-            sys::cuMemRelease(handle.0)
+            (self.api.cuMemRelease)(handle.0)
         })
     }
 
@@ -593,7 +655,7 @@ impl Driver for CudaDriver {
         // SAFETY: plain values; the driver checks that the range lies in a reservation, is free,
         // and that `size` covers the handle (offset 0 and flags 0 are the only legal values).
         cu(call, "cuMemMap", || unsafe {
-            sys::cuMemMap(addr, size, 0, handle.0, 0)
+            (self.api.cuMemMap)(addr, size, 0, handle.0, 0)
         })
     }
 
@@ -604,7 +666,7 @@ impl Driver for CudaDriver {
         // SAFETY: plain values the driver validates. That no queued work still touches the
         // range is the caller's duty, stated in the contract.
         cu(call, "cuMemUnmap", || unsafe {
-            sys::cuMemUnmap(addr, size)
+            (self.api.cuMemUnmap)(addr, size)
         })
     }
 
@@ -619,7 +681,7 @@ impl Driver for CudaDriver {
         // SAFETY: `desc` is one fully initialised descriptor that outlives the call, matching
         // the count of 1; the driver validates the range.
         cu(call, "cuMemSetAccess", || unsafe {
-            sys::cuMemSetAccess(addr, size, &desc, 1)
+            (self.api.cuMemSetAccess)(addr, size, &desc, 1)
         })
     }
 
@@ -628,9 +690,11 @@ impl Driver for CudaDriver {
         let size = to_usize(call, size)?;
         let _bound = self.bind(call, dev)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is a live, writable CUdeviceptr; dev's context is current.
-        cu(call, "cuMemAlloc_v2", || unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, size)
+        self.relaxed(|| {
+            // SAFETY: `ptr` is a live, writable CUdeviceptr; dev's context is current.
+            cu(call, "cuMemAlloc_v2", || unsafe {
+                (self.api.cuMemAlloc_v2)(&mut ptr, size)
+            })
         })?;
         Ok(ptr)
     }
@@ -638,8 +702,12 @@ impl Driver for CudaDriver {
     fn mem_free(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
         let call = DriverCall::MemFree;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: a plain address; the driver refuses one that cuMemAlloc did not return.
-        cu(call, "cuMemFree_v2", || unsafe { sys::cuMemFree_v2(ptr) })
+        self.relaxed(|| {
+            // SAFETY: a plain address; the driver refuses one that cuMemAlloc did not return.
+            cu(call, "cuMemFree_v2", || unsafe {
+                (self.api.cuMemFree_v2)(ptr)
+            })
+        })
     }
 
     fn event_create(&self, dev: DeviceId) -> DriverResult<EventId> {
@@ -650,7 +718,7 @@ impl Driver for CudaDriver {
         // SAFETY: `event` is a live, writable CUevent; dev's context is current, so the event
         // belongs to it.
         cu(call, "cuEventCreate", || unsafe {
-            sys::cuEventCreate(&mut event, flags)
+            (self.api.cuEventCreate)(&mut event, flags)
         })?;
         Ok(EventId(event as usize as u64))
     }
@@ -662,7 +730,7 @@ impl Driver for CudaDriver {
         // SAFETY: `ev` came from event_create (contract) and `st` is a stream of dev's primary
         // context or a special stream handle; the driver checks they share a context.
         cu(call, "cuEventRecord", || unsafe {
-            sys::cuEventRecord(ev, st)
+            (self.api.cuEventRecord)(ev, st)
         })
     }
 
@@ -670,8 +738,10 @@ impl Driver for CudaDriver {
         let call = DriverCall::EventQuery;
         let ev = event_ptr(call, event)?;
         let _bound = self.bind(call, dev)?;
+        let api = self.api;
         // SAFETY: `ev` came from event_create (contract); the query never blocks.
-        match catch_unwind(|| unsafe { sys::cuEventQuery(ev) }) {
+        let query = || catch_unwind(|| unsafe { (api.cuEventQuery)(ev) });
+        match self.relaxed(query) {
             Ok(CUresult::CUDA_SUCCESS) => Ok(true),
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
             Ok(r) => Err(cuda_error(call, "cuEventQuery", r)),
@@ -683,9 +753,11 @@ impl Driver for CudaDriver {
         let call = DriverCall::EventSynchronize;
         let ev = event_ptr(call, event)?;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: `ev` came from event_create (contract).
-        cu(call, "cuEventSynchronize", || unsafe {
-            sys::cuEventSynchronize(ev)
+        self.relaxed(|| {
+            // SAFETY: `ev` came from event_create (contract).
+            cu(call, "cuEventSynchronize", || unsafe {
+                (self.api.cuEventSynchronize)(ev)
+            })
         })
     }
 
@@ -695,7 +767,7 @@ impl Driver for CudaDriver {
         let _bound = self.bind(call, dev)?;
         // SAFETY: `ev` came from event_create and is destroyed once (contract).
         cu(call, "cuEventDestroy_v2", || unsafe {
-            sys::cuEventDestroy_v2(ev)
+            (self.api.cuEventDestroy_v2)(ev)
         })
     }
 
@@ -711,27 +783,81 @@ impl Driver for CudaDriver {
         // SAFETY: `ev` came from event_create (contract), `st` is a stream handle, flags are 0;
         // the wait is queued on the device and never blocks the host.
         cu(call, "cuStreamWaitEvent", || unsafe {
-            sys::cuStreamWaitEvent(st, ev, 0)
+            (self.api.cuStreamWaitEvent)(st, ev, 0)
         })
     }
 
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         let call = DriverCall::DeviceSynchronize;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
-        cu(call, "cuCtxSynchronize", || unsafe {
-            sys::cuCtxSynchronize()
+        self.relaxed(|| {
+            // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
+            cu(call, "cuCtxSynchronize", || unsafe {
+                (self.api.cuCtxSynchronize)()
+            })
         })
+    }
+
+    fn stream_info(&self, dev: DeviceId, stream: StreamId) -> DriverResult<StreamInfo> {
+        // Errors name cuEventRecord: the pool resolves a stream to record events on it.
+        let call = DriverCall::EventRecord;
+        let api = self.api;
+        let st = stream_ptr(call, stream)?;
+        let device = if stream.is_special() {
+            dev
+        } else {
+            let mut ctx: sys::CUcontext = ptr::null_mut();
+            // SAFETY: `ctx` is a live, writable CUcontext; `st` is a stream handle of the
+            // caller's (the driver refuses one it does not know).
+            cu(call, "cuStreamGetCtx", || unsafe {
+                (api.cuStreamGetCtx)(st, &mut ctx)
+            })?;
+            self.device_of_ctx(call, ctx)?
+        };
+        // A special handle means the stream of `device`'s context on this thread.
+        let _bound = if stream.is_special() {
+            Some(self.bind(call, device)?)
+        } else {
+            None
+        };
+        let mut id: std::ffi::c_ulonglong = 0;
+        // SAFETY: `id` is a live, writable integer; `st` is a live stream handle or a special
+        // handle resolved through the context bound above.
+        cu(call, "cuStreamGetId", || unsafe {
+            (api.cuStreamGetId)(st, &mut id)
+        })?;
+        Ok(StreamInfo {
+            device,
+            id,
+            per_thread: stream == StreamId::PER_THREAD,
+        })
+    }
+
+    fn current_device(&self) -> Option<DeviceId> {
+        let api = self.api;
+        let mut current: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `current` is a live, writable CUcontext; the call only reads the thread's
+        // context stack.
+        cu(DriverCall::EventRecord, "cuCtxGetCurrent", || unsafe {
+            (api.cuCtxGetCurrent)(&mut current)
+        })
+        .ok()?;
+        if current.is_null() {
+            return None;
+        }
+        self.device_of_ctx(DriverCall::EventRecord, current).ok()
     }
 
     fn stream_synchronize(&self, dev: DeviceId, stream: StreamId) -> DriverResult<()> {
         let call = DriverCall::StreamSynchronize;
         let st = stream_ptr(call, stream)?;
         let _bound = self.bind(call, dev)?;
-        // SAFETY: `st` is a stream handle of dev's context (or the legacy default stream, 0);
-        // the call blocks until the stream's queued work has finished.
-        cu(call, "cuStreamSynchronize", || unsafe {
-            sys::cuStreamSynchronize(st)
+        self.relaxed(|| {
+            // SAFETY: `st` is a stream handle of dev's context (or the legacy default stream, 0);
+            // the call blocks until the stream's queued work has finished.
+            cu(call, "cuStreamSynchronize", || unsafe {
+                (self.api.cuStreamSynchronize)(st)
+            })
         })
     }
 }
