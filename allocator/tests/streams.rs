@@ -93,15 +93,20 @@ fn the_retired_arenas_pages_go_to_other_streams_only_after_a_device_sync() {
 
 #[test]
 fn running_out_of_address_space_is_an_oom_with_a_report() {
-    // A 1.5 TiB device: each stream's large heap reserves 3 TiB of the simulator's 16 TiB
-    // address range, so five streams leave 1 TiB. Later streams get smaller reservations; when
-    // not even the request fits, the allocation is an OOM that says why.
+    // A 1.5 TiB device: a stream that asks for 1 TiB reserves a 3 TiB extent (four times the
+    // request, capped at twice the device) of the simulator's 16 TiB address range, so five
+    // streams leave 1 TiB, a sixth gets a smaller reservation, and then not even the request
+    // fits: the allocation is an OOM that says why. Each stream frees its block before the
+    // next allocates, so physical memory never runs short.
     let (_sim, pool) = pool_with(SimConfig::default().capacity(3 << 39), true, "");
-    let mut live = Vec::new();
+    let mut served = 0;
     let mut failure = None;
     for s in 0..64u64 {
-        match pool.alloc_raw(0, 64 * MIB, StreamId(0x100 + s)) {
-            Ok(p) => live.push((p, 0x100 + s)),
+        match pool.alloc_raw(0, 1 << 40, StreamId(0x100 + s)) {
+            Ok(p) => {
+                served += 1;
+                free(&pool, p, 0x100 + s);
+            }
             Err(e) => {
                 failure = Some(e);
                 break;
@@ -109,7 +114,7 @@ fn running_out_of_address_space_is_an_oom_with_a_report() {
         }
         check(&pool);
     }
-    let e = failure.expect("64 streams of 2 TiB reservations fit in 16 TiB");
+    let e = failure.expect("64 streams of 3 TiB reservations fit in 16 TiB");
     match &e {
         Error::OutOfMemory(r) => {
             let text = e.to_string();
@@ -119,13 +124,9 @@ fn running_out_of_address_space_is_an_oom_with_a_report() {
         other => panic!("expected an OOM with a report, got {other:?}"),
     }
     assert!(
-        live.len() > 5,
-        "smaller reservations should let more than 5 streams in: {}",
-        live.len()
+        served > 5,
+        "a smaller reservation should let a sixth stream in: {served}"
     );
-    for (p, s) in live {
-        free(&pool, p, s);
-    }
     check(&pool);
 }
 
@@ -232,4 +233,44 @@ fn a_forgotten_stream_is_never_named_again_and_its_handle_starts_afresh() {
         }
         assert_no_leak(&sim, pool);
     });
+}
+
+#[test]
+fn many_short_lived_streams_keep_address_space_and_arenas_bounded() {
+    // A server that runs each request on a stream of its own, with a little memory each:
+    // 4,000 streams that never come back, on a device of 128 pages. Each reserves only what it
+    // uses, and once another stream has taken its pages its arena is swept, so the arenas
+    // (host memory) and the reservations follow the streams holding memory, not every stream
+    // ever seen.
+    let (sim, pool) = pool(256 * MIB, true);
+    let pages = 256 * MIB / PAGE;
+    let mut most_arenas = 0;
+    let mut most_va = 0;
+    for s in 0..4_000u64 {
+        let stream = 0x10_0000 + s;
+        let p = pool
+            .alloc_raw(0, 4 * KIB, StreamId(stream))
+            .unwrap_or_else(|e| panic!("stream {s}: {e}"));
+        pool.free_raw(p, StreamId(stream)).unwrap();
+        if s % 250 == 249 {
+            check(&pool);
+            most_arenas = most_arenas.max(pool.report().devices[0].streams);
+            most_va = most_va.max(sim.reserved_va_bytes(0));
+        }
+    }
+    // At most one arena per page of the device holds memory; the sweep runs when the count
+    // doubles, so it never passes four times that.
+    assert!(
+        most_arenas <= 4 * pages,
+        "{most_arenas} arenas for a device of {pages} pages"
+    );
+    // A small heap's first extent is 64 MiB.
+    assert!(
+        most_va <= 4 * pages * 64 * MIB,
+        "{} GiB of address space reserved",
+        most_va / GIB
+    );
+    pool.empty_cache();
+    check(&pool);
+    assert_no_leak(&sim, pool);
 }

@@ -5,7 +5,7 @@
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, RwLock};
@@ -92,6 +92,9 @@ struct CacheEntry {
 
 const TLS_ENTRIES: usize = 4;
 
+/// The fewest arenas at which dormant ones are swept (see `DevicePool::sweep_dormant`).
+pub(super) const SWEEP_MIN_ARENAS: usize = 256;
+
 thread_local! {
     /// The arenas this thread used last: (pool uid, stream) -> arena. Saves a shared lock on
     /// every allocation.
@@ -113,6 +116,10 @@ pub struct DevicePool<D: Driver> {
     pub(super) retired: Mutex<Vec<Arc<Arena<D>>>>,
     /// Bumped when an arena retires, so that threads drop their cached handle -> arena entries.
     pub(super) generation: AtomicU64,
+    /// The number of arenas at which the next growth sweeps dormant ones (see
+    /// `DevicePool::sweep_dormant`), and whether it should.
+    pub(super) sweep_at: AtomicUsize,
+    pub(super) sweep_wanted: AtomicBool,
     /// Segment base -> (end, owning arena), to find a pointer's arena without its stream.
     pub(super) ranges: RwLock<RangeIndex<D>>,
     pub(super) state: Mutex<DeviceState>,
@@ -163,6 +170,8 @@ impl<D: Driver> DevicePool<D> {
             arenas: RwLock::new(FxHashMap::default()),
             retired: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
+            sweep_at: AtomicUsize::new(SWEEP_MIN_ARENAS),
+            sweep_wanted: AtomicBool::new(false),
             ranges: RwLock::new(BTreeMap::new()),
             state: Mutex::new(DeviceState {
                 reserved: Default::default(),
@@ -245,6 +254,9 @@ impl<D: Driver> DevicePool<D> {
         }
         let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
         map.insert(info.id, arena.clone());
+        if map.len() >= self.sweep_at.load(Relaxed) {
+            self.sweep_wanted.store(true, Relaxed);
+        }
         Ok(arena)
     }
 
@@ -393,15 +405,29 @@ impl<D: Driver> DevicePool<D> {
             self.handed_out(hit.0, rounded, size, stream);
             return Ok(hit);
         }
-        let arena = self.arena_cached(stream)?;
-        let ptr = match self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
-            Some(p) => p,
-            None => {
-                let p = self.alloc_slow(&arena, kind, rounded, size)?;
-                if let Some(o) = &o {
-                    arena.state.lock().record_ptr(p, o);
+        let mut arena = self.arena_cached(stream)?;
+        let mut stale = 0;
+        let ptr = loop {
+            if let Some(p) = self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
+                break p;
+            }
+            match self.alloc_slow(&arena, kind, rounded, size)? {
+                Some(p) => {
+                    if let Some(o) = &o {
+                        arena.state.lock().record_ptr(p, o);
+                    }
+                    break p;
                 }
-                p
+                // Retired or swept since it was looked up: the stream's arena now is another.
+                None if stale < 8 => {
+                    stale += 1;
+                    arena = self.arena_cached(stream)?;
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "internal error: the arena of stream {stream} kept being retired"
+                    )))
+                }
             }
         };
         self.handed_out(ptr, rounded, size, stream);
@@ -438,7 +464,7 @@ impl<D: Driver> DevicePool<D> {
         kind: HeapKind,
         rounded: u64,
         size: u64,
-    ) -> Result<u64> {
+    ) -> Result<Option<u64>> {
         let r = self.grow_with_retry(arena, kind, rounded, size);
         if let Some(rec) = &self.core.recorder {
             rec.reserved(self.state.lock().reserved[0].current.max(0) as u64);

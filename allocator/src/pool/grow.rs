@@ -18,6 +18,8 @@ use crate::error::{Error, OomReport, Result};
 pub(super) enum Grow {
     Done(u64),
     Retry,
+    /// The arena was retired or swept after the caller looked it up: look it up again.
+    Stale,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -27,11 +29,12 @@ impl<D: Driver> DevicePool<D> {
         kind: HeapKind,
         rounded: u64,
         size: u64,
-    ) -> Result<u64> {
+    ) -> Result<Option<u64>> {
         let mut retried = false;
         loop {
             match self.grow(arena, kind, rounded, size, retried)? {
-                Grow::Done(p) => return Ok(p),
+                Grow::Done(p) => return Ok(Some(p)),
+                Grow::Stale => return Ok(None),
                 Grow::Retry => {
                     if retried {
                         // grow() only asks for one retry; a second request means a bug. Fail
@@ -56,8 +59,16 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Grow> {
         let c = &*self.core;
         let mut dev = self.state.lock();
+        if arena.retired.load(Relaxed) {
+            // Its stream is gone, or it was swept as dormant: never grow it (memory added here
+            // would belong to an arena that nothing looks up any more).
+            return Ok(Grow::Stale);
+        }
         if !self.retired.lock().is_empty() {
             self.reap_retired(&mut dev, Some(arena));
+        }
+        if self.sweep_wanted.swap(false, Relaxed) {
+            self.sweep_dormant(&mut dev, arena);
         }
         if retried {
             // OOM protocol: wait for every pending free's events, then look again.

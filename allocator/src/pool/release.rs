@@ -52,6 +52,51 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
+    /// Drops the dormant arenas: those with no live, pending or used block and no memory (every
+    /// page taken by other streams or released, no `cuMemAlloc` segment), whose stream may well
+    /// be gone (a server's short-lived streams). Their address ranges go back and the arena
+    /// objects leave the pool, so that host memory and address space follow the streams that
+    /// hold memory, not every stream ever seen; a stream that allocates again gets a new arena.
+    /// Run at a growth once the number of arenas has doubled since the last sweep (at least
+    /// [`SWEEP_MIN_ARENAS`](super::device::SWEEP_MIN_ARENAS)): amortised O(1) per new arena.
+    /// Arenas whose lock is busy, and `except` (the one growing), are left for the next sweep.
+    pub(super) fn sweep_dormant(&self, _dev: &mut DeviceState, except: &Arc<Arena<D>>) {
+        let mut map = self.arenas.write();
+        let mut gone = Vec::new();
+        for (&id, arena) in map.iter() {
+            if Arc::ptr_eq(arena, except) {
+                continue;
+            }
+            let Some(mut a) = arena.state.try_lock() else {
+                continue;
+            };
+            if !a.live.is_empty() || !a.pending.is_empty() || !a.uses.is_empty() {
+                continue;
+            }
+            let holds_memory = a.kinds.iter().any(|(_, kh)| {
+                kh.segments.iter().flatten().any(|seg| match &seg.backing {
+                    Backing::Vmm { pages } => pages.iter().any(Option::is_some),
+                    Backing::Linear => true,
+                })
+            });
+            if holds_memory || !self.free_extents(&mut a) {
+                continue;
+            }
+            arena.retired.store(true, Relaxed);
+            gone.push(id);
+        }
+        for id in &gone {
+            map.remove(id);
+        }
+        if !gone.is_empty() {
+            self.generation.fetch_add(1, Relaxed);
+        }
+        self.sweep_at.store(
+            (map.len() * 2).max(super::device::SWEEP_MIN_ARENAS),
+            Relaxed,
+        );
+    }
+
     /// Frees every address range of an arena none of whose pages is mapped any more; returns
     /// whether the arena holds no segment now.
     fn free_extents(&self, a: &mut ArenaState) -> bool {

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::device::{DeviceState, Lost};
 use super::grow::Grow;
 use super::pages::Taker;
-use super::window::{choose_window, free_chunk_lens, vmm_extent, Exclude};
+use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
 use crate::config::StreamSync;
@@ -185,7 +185,7 @@ impl<D: Driver> DevicePool<D> {
     ) -> Result<Window> {
         let c = &*self.core;
         let g = c.granularity;
-        let extent = vmm_extent(c.caps.total_memory, g, kind);
+        let cap = vmm_extent(c.caps.total_memory, g, kind);
         if rounded > c.caps.total_memory {
             return Err(self.oom_locked(
                 dev,
@@ -198,6 +198,7 @@ impl<D: Driver> DevicePool<D> {
             ));
         }
         if a.kinds[kind].vmm_segs.is_empty() {
+            let extent = next_extent(cap, g, 0, rounded);
             self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
         }
         // A page left mapped by a failed unmap sits in some arena's hole: unmap it before a
@@ -235,6 +236,13 @@ impl<D: Driver> DevicePool<D> {
         if let Some(w) = choice {
             return Ok(w);
         }
+        let largest = a.kinds[kind]
+            .vmm_segs
+            .iter()
+            .map(|&s| a.kinds[kind].segment(s).len)
+            .max()
+            .unwrap_or(0);
+        let extent = next_extent(cap, g, largest, rounded);
         let seg = self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
         match choose_window(a, kind, seg, rounded, g) {
             Some((lo, missing)) => Ok(Window {

@@ -218,15 +218,22 @@ pub(super) fn count_free_pages(
         .sum()
 }
 
-/// The virtual extent reserved for one heap of one stream.
+/// The largest virtual extent reserved for one heap of one stream.
 ///
 /// # Note [Virtual extents]
 ///
-/// Address space is cheap but not free (a reservation costs page-table setup, and 47 bits go
-/// only so far when many streams allocate), so each stream's large heap reserves twice the
-/// device's memory, which leaves room to place any request that fits in physical memory next to
-/// live blocks scattered through the range; the small heap (blocks of at most 64 MiB) reserves
-/// the device's memory.
+/// Address space is cheap but not free: a reservation costs page-table setup in the driver and
+/// a page table here (one entry per granule), 47 bits go only so far when many streams
+/// allocate, and the space is one for all devices and the host. So a heap's first extent is
+/// sized to what it is asked for ([`FIRST_EXTENT`], or a few times the request), and each later
+/// one (made when no extent has a free virtual range for a request) doubles the heap's largest,
+/// up to this cap: twice the device's memory for the large heap, which leaves room to place any
+/// request that fits in physical memory next to live blocks scattered through the range, and
+/// the device's memory for the small heap (blocks of at most 64 MiB). A stream that allocates a
+/// little reserves a little (a server's thousands of short-lived streams fit), and one that
+/// uses the whole device ends with about twice the cap in a handful of extents. Physical pages
+/// move between extents as whole chunks, so the size of an extent limits where a block can be
+/// placed, not how much memory can back it.
 pub(super) fn vmm_extent(total: u64, g: u64, kind: HeapKind) -> u64 {
     let t = total.div_ceil(g) * g;
     if kind == HeapKind::Large {
@@ -234,6 +241,22 @@ pub(super) fn vmm_extent(total: u64, g: u64, kind: HeapKind) -> u64 {
     } else {
         t
     }
+}
+
+/// A heap's first extent, at least (64 MiB: 32 pages of 2 MiB).
+pub(super) const FIRST_EXTENT: u64 = 64 << 20;
+
+/// The size of the next extent of a heap whose largest extent so far is `largest` (0 for
+/// none), for a request of `rounded` bytes, capped at `cap` ([`vmm_extent`]); see Note
+/// [Virtual extents]. Granularity-aligned, and never smaller than the request.
+pub(super) fn next_extent(cap: u64, g: u64, largest: u64, rounded: u64) -> u64 {
+    let need = rounded.div_ceil(g).saturating_mul(g);
+    let grown = if largest == 0 {
+        FIRST_EXTENT.max(need.saturating_mul(4))
+    } else {
+        largest.saturating_mul(2).max(need.saturating_mul(2))
+    };
+    (grown.min(cap) / g * g).max(need)
 }
 
 #[cfg(test)]
@@ -509,5 +532,24 @@ mod tests {
         assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Large), 22 * G);
         assert_eq!(vmm_extent(10 * G + 1, G, HeapKind::Small), 11 * G);
         assert_eq!(vmm_extent(u64::MAX / 2 + G, G, HeapKind::Large), u64::MAX);
+    }
+
+    #[test]
+    fn extents_start_small_and_double_up_to_the_cap() {
+        const MIB: u64 = 1 << 20;
+        let cap = 4096 * MIB;
+        // The first: 64 MiB, or four times a larger request.
+        assert_eq!(next_extent(cap, G, 0, MIB), FIRST_EXTENT);
+        assert_eq!(next_extent(cap, G, 0, 100 * MIB), 400 * MIB);
+        // Later ones double the largest (or twice the request), up to the cap.
+        assert_eq!(next_extent(cap, G, 64 * MIB, MIB), 128 * MIB);
+        assert_eq!(next_extent(cap, G, 64 * MIB, 100 * MIB), 200 * MIB);
+        assert_eq!(next_extent(cap, G, 3000 * MIB, MIB), cap);
+        assert_eq!(next_extent(cap, G, cap, MIB), cap);
+        // Never smaller than the request, even above the cap.
+        assert_eq!(next_extent(cap, G, cap, 5000 * MIB), 5000 * MIB);
+        // Aligned to the granularity, without overflow.
+        assert_eq!(next_extent(cap, G, 0, 100 * MIB + 1) % G, 0);
+        assert_eq!(next_extent(u64::MAX, G, u64::MAX / 2, G), u64::MAX / G * G);
     }
 }
