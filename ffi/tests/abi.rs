@@ -635,3 +635,48 @@ fn child_bad_sim() {
     assert!(malloc(abi, 4096, 0, stream(0)).is_null());
     assert!(abi.last_error().contains(&says));
 }
+
+/// `record:PATH` in a directory that does not exist used to let `cistern_init` succeed and
+/// every allocation fail as an "invalid argument"; `cistern_init` now fails, naming the path,
+/// what is wrong with it and the fix.
+#[test]
+fn an_unwritable_record_path_fails_init() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_bad_record",
+        &[
+            ("CISTERN_DRIVER", "sim"),
+            (
+                "CISTERN_CONF",
+                "registry:off,record:/nonexistent-cistern-dir/run.trace",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn child_bad_record() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.init)(1) };
+    let e = abi.last_error();
+    for says in [
+        "cistern_init",
+        "CISTERN_CONF",
+        "record",
+        "/nonexistent-cistern-dir/run.trace",
+        "No such file",
+        "record:none",
+    ] {
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    assert!(malloc(abi, 4096, 0, stream(0)).is_null());
+    assert!(abi
+        .last_error()
+        .contains("/nonexistent-cistern-dir/run.trace"));
+}
