@@ -381,10 +381,18 @@ impl Config {
                 };
             }
             "stack_sample_rate" => {
-                self.stack_sample_rate = value.trim().parse().map_err(|_| {
+                let v = value.trim();
+                self.stack_sample_rate = v.parse().map_err(|_| {
+                    let what = if v.starts_with('-') {
+                        "is negative".to_string()
+                    } else if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+                        format!("is too large (at most {})", u32::MAX)
+                    } else {
+                        "is not a count".to_string()
+                    };
                     err(
                         key,
-                        format!("`{value}` is not a count: use a whole number (0: never)"),
+                        format!("`{value}` {what}: use a whole number (0: never)"),
                     )
                 })?;
             }
@@ -532,6 +540,13 @@ mod tests {
         assert!(e.message.contains("negative"), "{e}");
         let e = Config::parse("memory_fraction:NaN").unwrap_err();
         assert!(e.message.contains("not a number"), "{e}");
+        // A count too large for its type used to be "not a count", as if it were not a number.
+        let e = Config::parse("stack_sample_rate:4294967296").unwrap_err();
+        assert!(e.message.contains("too large (at most 4294967295)"), "{e}");
+        let e = Config::parse("stack_sample_rate:-1").unwrap_err();
+        assert!(e.message.contains("negative"), "{e}");
+        let e = Config::parse("stack_sample_rate:1e3").unwrap_err();
+        assert!(e.message.contains("not a count"), "{e}");
     }
 
     /// A key given twice used to be accepted, the last value winning; it is refused, naming it.
