@@ -116,6 +116,21 @@ fn max_split_size_mb_out_of_range_is_refused() {
             let e = make(&spec, 1 << 30).err().unwrap();
             assert!(e.contains("N > 20"), "{spec}: {e}");
         }
+        let e = make(
+            &format!("{base}:max_split_size_mb:99999999999999999999"),
+            1 << 30,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("too large"), "{e}");
+        // PyTorch's other settings are not simulated: refused, naming the setting.
+        for key in [
+            "roundup_power2_divisions:4",
+            "garbage_collection_threshold:0.8",
+        ] {
+            let e = make(&format!("{base}:{key}"), 1 << 30).err().unwrap();
+            assert!(e.contains("does not simulate"), "{e}");
+        }
         assert!(make(&format!("{base}:max_split_size_mb:{max}"), 1 << 30).is_ok());
         assert!(make(&format!("{base}:max_split_size_mb:21"), 1 << 30).is_ok());
     }
