@@ -2,8 +2,9 @@
 //!
 //! `CISTERN_CONF` uses PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax: `key:value` pairs separated by
 //! commas, e.g. `CISTERN_CONF="memory_fraction:0.5,release_threshold:8GiB"`. It is read once,
-//! when a pool is created from the environment. Unknown keys and bad values are errors that name
-//! the key and say what would be accepted: a typo must never be silently ignored.
+//! when a pool is created from the environment. Unknown keys, keys given twice and bad values are
+//! errors that name the key and say what would be accepted: a typo must never be silently
+//! ignored.
 //!
 //! Sizes accept a plain byte count or a unit: `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024) or
 //! `KB`, `MB`, `GB`, `TB` (powers of 1000), case-insensitive, e.g. `512MiB`, `1.5GiB`.
@@ -197,13 +198,44 @@ fn err(key: &str, message: impl Into<String>) -> ConfigError {
 }
 
 /// Parses a size such as `4096`, `512MiB`, `1.5GiB` or `2GB` into bytes.
+///
+/// A plain byte count is read exactly (all 64 bits); a value with a unit or a fraction is
+/// rounded to the nearest byte. The error says what is wrong: a negative value, one that is not
+/// a number (`nan`, `inf`, `MiB` alone), scientific notation, an unknown unit, or a size above
+/// 2^64 - 1 bytes.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
+    let example = "expected a number of bytes with an optional unit, e.g. 4096 or 512MiB";
+    if t.starts_with('-') {
+        return Err(format!("`{text}` is negative: {example}"));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim().to_ascii_lowercase();
+    if num.is_empty() {
+        let what = match unit.trim_start_matches('+') {
+            "nan" | "inf" | "infinity" => "is not a number",
+            _ => "is not a size",
+        };
+        return Err(format!("`{text}` {what}: {example}"));
+    }
+    if let Some(exp) = unit.strip_prefix('e') {
+        if exp
+            .trim_start_matches(['+', '-'])
+            .starts_with(|c: char| c.is_ascii_digit())
+        {
+            return Err(format!(
+                "`{text}` is in scientific notation, which sizes do not take: write the number \
+                 out or use a unit, e.g. 1000000 or 1MB"
+            ));
+        }
+    }
+    let too_large = || format!("`{text}` is too large: a size is at most 2^64 - 1 bytes (16 EiB)");
+    if (unit.is_empty() || unit == "b") && !num.contains('.') {
+        return num.parse::<u64>().map_err(|_| too_large());
+    }
     let mult: f64 = match unit.as_str() {
         "" | "b" => 1.0,
         "kib" | "k" => 1024.0,
@@ -225,8 +257,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         format!("`{text}` is not a size: expected a number with an optional unit, e.g. 512MiB")
     })?;
     let bytes = value * mult;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(format!("`{text}` is out of range"));
+    // 2^64 itself rounds to u64::MAX as f64 would accept it: refuse at 2^64 and above.
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(too_large());
     }
     Ok(bytes.round() as u64)
 }
@@ -253,6 +286,7 @@ impl Config {
     /// Parses `key:value,key:value` text. Empty text gives the defaults.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let mut c = Config::default();
+        let mut seen: Vec<&str> = Vec::new();
         for entry in text.split(',') {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -262,6 +296,13 @@ impl Config {
                 return Err(err(entry, "expected `key:value`"));
             };
             let key = key.trim();
+            if seen.contains(&key) {
+                return Err(err(
+                    key,
+                    "is given more than once: give each key once (which one was meant?)",
+                ));
+            }
+            seen.push(key);
             c.set(key, value.trim())?;
         }
         c.validate()?;
@@ -294,6 +335,12 @@ impl Config {
                         format!("`{value}` is not a number: use a fraction in [0, 1]"),
                     )
                 })?;
+                if f.is_nan() {
+                    return Err(err(
+                        key,
+                        format!("`{value}` is not a number: use a fraction in [0, 1]"),
+                    ));
+                }
                 self.memory_fraction = f;
             }
             "release_threshold" => self.release_threshold = parse_opt_size(key, value)?,
@@ -334,10 +381,18 @@ impl Config {
                 };
             }
             "stack_sample_rate" => {
-                self.stack_sample_rate = value.trim().parse().map_err(|_| {
+                let v = value.trim();
+                self.stack_sample_rate = v.parse().map_err(|_| {
+                    let what = if v.starts_with('-') {
+                        "is negative".to_string()
+                    } else if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+                        format!("is too large (at most {})", u32::MAX)
+                    } else {
+                        "is not a count".to_string()
+                    };
                     err(
                         key,
-                        format!("`{value}` is not a count: use a whole number (0: never)"),
+                        format!("`{value}` {what}: use a whole number (0: never)"),
                     )
                 })?;
             }
@@ -447,6 +502,62 @@ mod tests {
         assert!(parse_size("12XB").unwrap_err().contains("unknown unit"));
         assert!(parse_size("MiB").is_err());
         assert!(parse_size("-5").is_err());
+        // A plain byte count is exact, all 64 bits of it.
+        assert_eq!(parse_size("18446744073709551615").unwrap(), u64::MAX);
+        assert_eq!(parse_size("9007199254740993").unwrap(), (1 << 53) + 1);
+    }
+
+    /// Negative, scientific, NaN and infinite sizes used to be blamed on an "unknown unit"
+    /// (`-5MiB`: unit `-5mib`); each error now says what is wrong.
+    #[test]
+    fn bad_sizes_say_what_is_wrong() {
+        for (text, says) in [
+            ("-5", "is negative"),
+            ("-1GiB", "is negative"),
+            ("-0.5MiB", "is negative"),
+            ("1e9", "scientific notation"),
+            ("1.5E+3MiB", "scientific notation"),
+            ("2e-3GiB", "scientific notation"),
+            ("nan", "is not a number"),
+            ("NaN", "is not a number"),
+            ("inf", "is not a number"),
+            ("+inf", "is not a number"),
+            ("MiB", "is not a size"),
+            ("", "is not a size"),
+            ("18446744073709551616", "too large"),
+            ("16777216TiB", "too large"),
+            ("12XB", "unknown unit"),
+        ] {
+            let e = parse_size(text).unwrap_err();
+            assert!(e.contains(says), "{text:?}: {e}");
+            assert!(
+                !e.contains("unknown unit") || says == "unknown unit",
+                "{text:?}: {e}"
+            );
+        }
+        let e = Config::parse("release_threshold:-1GiB").unwrap_err();
+        assert_eq!(e.key, "release_threshold");
+        assert!(e.message.contains("negative"), "{e}");
+        let e = Config::parse("memory_fraction:NaN").unwrap_err();
+        assert!(e.message.contains("not a number"), "{e}");
+        // A count too large for its type used to be "not a count", as if it were not a number.
+        let e = Config::parse("stack_sample_rate:4294967296").unwrap_err();
+        assert!(e.message.contains("too large (at most 4294967295)"), "{e}");
+        let e = Config::parse("stack_sample_rate:-1").unwrap_err();
+        assert!(e.message.contains("negative"), "{e}");
+        let e = Config::parse("stack_sample_rate:1e3").unwrap_err();
+        assert!(e.message.contains("not a count"), "{e}");
+    }
+
+    /// A key given twice used to be accepted, the last value winning; it is refused, naming it.
+    #[test]
+    fn duplicated_keys_are_refused() {
+        let e = Config::parse("memory_limit:8GiB,vmm:false,memory_limit:4GiB").unwrap_err();
+        assert_eq!(e.key, "memory_limit");
+        assert!(e.message.contains("more than once"), "{e}");
+        let e = Config::parse("vmm:true, vmm :true").unwrap_err();
+        assert_eq!(e.key, "vmm");
+        assert!(Config::parse("vmm:false,memory_limit:8GiB").is_ok());
     }
 
     #[test]

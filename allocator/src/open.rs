@@ -43,7 +43,9 @@ pub fn sim_config_from_env() -> Result<SimConfig> {
     sim_config_from_str(&text)
 }
 
-/// Parses the simulator's settings (`capacity`, `devices`, `granularity`, `vmm`).
+/// Parses the simulator's settings (`capacity`, `devices`, `granularity`, `vmm`) and checks
+/// their bounds ([`SimConfig::check`]: 1 to 64 devices, a power-of-two granularity of at least
+/// 64 KiB, a capacity of one granule to 16 TiB in at most 2^23 granules).
 pub fn sim_config_from_str(text: &str) -> Result<SimConfig> {
     let mut c = SimConfig::default();
     for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
@@ -74,6 +76,8 @@ pub fn sim_config_from_str(text: &str) -> Result<SimConfig> {
             }
         }
     }
+    c.check()
+        .map_err(|m| Error::InvalidArgument(format!("CISTERN_SIM=`{text}`: {m}")))?;
     Ok(c)
 }
 
@@ -107,6 +111,39 @@ mod tests {
         let e = sim_config_from_str("capacty:1GiB").unwrap_err().to_string();
         assert!(e.contains("valid keys"), "{e}");
         assert!(sim_config_from_str("devices:two").is_err());
+    }
+
+    /// Values that made `SimDriver::new` allocate without bound (4 billion devices aborted the
+    /// process; a 512 B granularity took gigabytes of page tables) are refused, naming the range.
+    #[test]
+    fn sim_settings_out_of_bounds_are_refused() {
+        for (text, says) in [
+            ("devices:4294967295", "use 1 to 64"),
+            ("devices:65", "use 1 to 64"),
+            ("devices:0", "use 1 to 64"),
+            ("granularity:512", "power of two of at least 65536"),
+            ("granularity:3MiB", "power of two"),
+            ("granularity:0", "power of two"),
+            ("capacity:0", "out of range"),
+            ("capacity:1MiB", "at least the granularity"),
+            ("capacity:17TiB", "at most 17592186044416"),
+            (
+                "capacity:16TiB,granularity:64KiB",
+                "use a larger granularity",
+            ),
+        ] {
+            let e = sim_config_from_str(text).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains("CISTERN_SIM"), "{text}: {e}");
+        }
+        for ok in [
+            "devices:64",
+            "granularity:64KiB",
+            "capacity:16TiB",
+            "capacity:512GiB,granularity:64KiB",
+            "capacity:2MiB",
+        ] {
+            sim_config_from_str(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
     }
 
     #[test]

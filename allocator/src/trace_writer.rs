@@ -53,6 +53,56 @@ impl Recorder {
         }
     }
 
+    /// Checks that a recording to `path` can start: `path` is a regular file that opens for
+    /// writing (left as it is), or a file that can be created there (created and removed
+    /// again). For a pool to refuse a bad `record:PATH` when it starts, before any device pool
+    /// is created (each creates its file then, and fails on the first allocation). The error
+    /// says what is wrong with which path, and the fix.
+    pub fn check_path(path: &Path) -> Result<(), String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let fix = "use a writable path, or record:none";
+        let shown = path.display();
+        let open = |new: bool| {
+            let mut o = std::fs::OpenOptions::new();
+            o.write(true).mode(0o600).custom_flags(libc::O_NOFOLLOW);
+            if new {
+                o.create_new(true);
+            }
+            o.open(path)
+        };
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => Err(format!(
+                "cannot record to {shown}: it is a symbolic link, which recording never follows; \
+                 {fix}"
+            )),
+            Ok(m) if !m.is_file() => Err(format!(
+                "cannot record to {shown}: it is not a regular file; {fix}"
+            )),
+            Ok(_) => open(false)
+                .map(drop)
+                .map_err(|e| format!("cannot record to {shown}: {e}; {fix}")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match open(true) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(path);
+                    Ok(())
+                }
+                Err(e) => {
+                    let dir = match path.parent() {
+                        Some(d) if !d.as_os_str().is_empty() => d,
+                        _ => Path::new("."),
+                    };
+                    let why = match std::fs::metadata(dir) {
+                        Ok(m) if !m.is_dir() => format!("{} is not a directory", dir.display()),
+                        Ok(_) => format!("cannot create files in {}: {e}", dir.display()),
+                        Err(d) => format!("its directory {}: {d}", dir.display()),
+                    };
+                    Err(format!("cannot record to {shown}: {why}; {fix}"))
+                }
+            },
+            Err(e) => Err(format!("cannot record to {shown}: {e}; {fix}")),
+        }
+    }
+
     /// Creates (truncates) the file for device `dev` and writes the header.
     pub fn create(path: &Path, dev: DeviceId) -> std::io::Result<Recorder> {
         let path = Self::path_for(path, dev);
@@ -176,6 +226,37 @@ impl Drop for Recorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn check_path_names_what_is_wrong() {
+        let dir = std::env::temp_dir().join(format!("cistern-rec-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A new file in a writable directory, and an existing regular file, are fine; the
+        // check leaves nothing behind.
+        let new = dir.join("new.trace");
+        Recorder::check_path(&new).unwrap();
+        assert!(!new.exists());
+        std::fs::write(&new, "").unwrap();
+        Recorder::check_path(&new).unwrap();
+        for (path, says) in [
+            (dir.join("no-such-dir/t.trace"), "No such file"),
+            (new.join("t.trace"), "ot a directory"),
+            (dir.clone(), "not a regular file"),
+        ] {
+            let e = Recorder::check_path(&path).unwrap_err();
+            assert!(
+                e.contains(says) && e.contains(&path.display().to_string()),
+                "{e}"
+            );
+            assert!(e.contains("record:none"), "{e}");
+        }
+        let link = dir.join("link.trace");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&new, &link).unwrap();
+        let e = Recorder::check_path(&link).unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn writes_the_own_format() {

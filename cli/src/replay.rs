@@ -79,7 +79,11 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     let mut reports = Vec::new();
     for input in &inputs {
         let seq = &input.trace.sequence;
-        let cap = capacity.unwrap_or_else(|| auto_capacity(seq.peak_live_requested));
+        let cap = match capacity {
+            Some(c) => c,
+            None => auto_capacity(seq.peak_live_requested)
+                .map_err(|e| format!("{}: {e}", input.trace.name))?,
+        };
         let mut results = Vec::new();
         if let Some(label) = input.recorded_label {
             if let Some(r) = recorded_row(&input.trace, label) {
@@ -167,10 +171,21 @@ fn sniff(path: &Path) -> Option<Format> {
 }
 
 /// A simulated device comfortably larger than the trace: four times its peak live bytes, at
-/// least 8 GiB, rounded up to a GiB. Capacity costs the simulator nothing.
-fn auto_capacity(peak_live: u64) -> u64 {
+/// least 8 GiB, rounded up to a GiB; capped at the largest whole GiB a `u64` holds (it used to
+/// wrap to 0 above a 2^62-byte peak). Capacity costs the simulator nothing. A peak above that
+/// cap is an error: no device this replay can simulate holds it.
+fn auto_capacity(peak_live: u64) -> Result<u64, String> {
     const GIB: u64 = 1 << 30;
-    (peak_live.saturating_mul(4)).max(8 * GIB).div_ceil(GIB) * GIB
+    const LARGEST: u64 = u64::MAX / GIB * GIB;
+    let want = peak_live.saturating_mul(4).max(8 * GIB).div_ceil(GIB);
+    let cap = want.checked_mul(GIB).unwrap_or(LARGEST);
+    if peak_live > cap {
+        return Err(format!(
+            "its peak of {peak_live} live bytes is above the largest device a replay can \
+             simulate ({LARGEST} bytes); the trace's sizes are likely corrupt"
+        ));
+    }
+    Ok(cap)
 }
 
 /// The row of a trace's recorded reserved curve.
@@ -366,8 +381,33 @@ mod tests {
 
     #[test]
     fn auto_capacity_is_generous_and_rounded() {
-        assert_eq!(auto_capacity(0), 8 << 30);
-        assert_eq!(auto_capacity(3 << 30), 12 << 30);
-        assert_eq!(auto_capacity((3 << 30) + 1), 13 << 30);
+        assert_eq!(auto_capacity(0), Ok(8 << 30));
+        assert_eq!(auto_capacity(3 << 30), Ok(12 << 30));
+        assert_eq!(auto_capacity((3 << 30) + 1), Ok(13 << 30));
+    }
+
+    /// A peak above 2^62 used to wrap the capacity to 0 (four times the peak saturated, then
+    /// rounding up to a GiB overflowed), so even `ideal` ran out; the capacity now saturates
+    /// at the largest whole GiB and always holds the peak, or the trace gets an error.
+    #[test]
+    fn auto_capacity_of_a_huge_peak_never_wraps() {
+        const GIB: u64 = 1 << 30;
+        let largest = u64::MAX / GIB * GIB;
+        for peak in [(1 << 62) + 1, 1 << 63, largest - 1, largest] {
+            let cap = auto_capacity(peak).unwrap();
+            assert!(cap >= peak && cap.is_multiple_of(GIB), "{peak}: {cap}");
+            let mut m = cistern_replay::make("ideal", cap).unwrap();
+            let op = cistern_trace::Op::Alloc {
+                id: 1,
+                size: peak,
+                stream: 0,
+            };
+            let seq = cistern_trace::AllocSequence::new(vec![op], 0).unwrap();
+            let r = cistern_replay::replay(&seq, m.as_mut());
+            assert!(r.oom.is_none(), "{peak}: {:?}", r.oom);
+        }
+        let e = auto_capacity(largest + 1).unwrap_err();
+        assert!(e.contains("largest device"), "{e}");
+        assert!(auto_capacity(u64::MAX).is_err());
     }
 }

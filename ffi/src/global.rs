@@ -18,7 +18,8 @@
 //!   (`capacity:80GiB,devices:1,granularity:2MiB,vmm:true`). Its addresses are not backed by
 //!   memory: for tests and dry runs of the bookkeeping only.
 //!
-//! The pool's settings come from `CISTERN_CONF` ([`Config::from_env`]). A failure (no driver, a
+//! The pool's settings come from `CISTERN_CONF` ([`Config::from_env`]); a `record:PATH` that
+//! cannot be written is refused then, not on the first allocation. A failure (no driver, a
 //! bad setting) is remembered: every later call fails fast with the same message, so a process
 //! that started without a driver keeps saying why.
 //!
@@ -39,8 +40,10 @@
 
 use std::sync::{Arc, OnceLock};
 
+use cistern_alloc::config::ConfigError;
 use cistern_alloc::open::{choice_from_env, sim_config_from_env, DriverChoice};
 use cistern_alloc::registry::{self, LeakEntry, ProcessSnapshot, RecordSource, Registry};
+use cistern_alloc::trace_writer::Recorder;
 use cistern_alloc::{Config, CudaDriver, DevicePool, Driver, Error, Pool, SimDriver};
 
 /// The global pool, on whichever driver `CISTERN_DRIVER` chose.
@@ -128,6 +131,16 @@ fn publish(pool: &'static AnyPool) {
 fn open() -> Result<AnyPool, String> {
     let inner = || -> cistern_alloc::Result<AnyPool> {
         let config = Config::from_env()?;
+        // Each device pool creates its `record:PATH` file when it is created, on the first
+        // allocation: a bad path is refused here, so `cistern_init` says so up front.
+        if let Some(path) = &config.record {
+            Recorder::check_path(path).map_err(|message| {
+                Error::Config(ConfigError {
+                    key: "record".into(),
+                    message,
+                })
+            })?;
+        }
         Ok(match choice_from_env()? {
             DriverChoice::Sim => {
                 AnyPool::Sim(Pool::new(SimDriver::new(sim_config_from_env()?), config)?)

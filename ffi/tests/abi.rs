@@ -593,3 +593,90 @@ fn child_bad_driver() {
     let e = abi.last_error();
     assert!(e.contains("opencl") && e.contains("sim"), "{e}");
 }
+
+/// `CISTERN_SIM=devices:4294967295` used to abort the process inside `cistern_init` (a vector
+/// of 4 billion devices), and `granularity:512` to take gigabytes of page tables on the first
+/// allocation; both are refused with an error that names the range, and nothing aborts.
+#[test]
+fn out_of_range_sim_settings_fail_init_instead_of_aborting() {
+    if is_child() {
+        return;
+    }
+    for (sim, says) in [
+        ("devices:4294967295", "use 1 to 64"),
+        ("granularity:512", "power of two of at least 65536"),
+        ("capacity:16TiB,granularity:64KiB", "larger granularity"),
+    ] {
+        run_child(
+            "child_bad_sim",
+            &[
+                ("CISTERN_DRIVER", "sim"),
+                ("CISTERN_SIM", sim),
+                ("CISTERN_TEST_SAYS", says),
+            ],
+        );
+    }
+}
+
+#[test]
+fn child_bad_sim() {
+    if !is_child() {
+        return;
+    }
+    let says = std::env::var("CISTERN_TEST_SAYS").unwrap();
+    let abi = common::load_with_env(&[]);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.init)(1) };
+    let e = abi.last_error();
+    assert!(
+        e.contains("cistern_init") && e.contains("CISTERN_SIM") && e.contains(&says),
+        "{e}"
+    );
+    assert!(malloc(abi, 4096, 0, stream(0)).is_null());
+    assert!(abi.last_error().contains(&says));
+}
+
+/// `record:PATH` in a directory that does not exist used to let `cistern_init` succeed and
+/// every allocation fail as an "invalid argument"; `cistern_init` now fails, naming the path,
+/// what is wrong with it and the fix.
+#[test]
+fn an_unwritable_record_path_fails_init() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_bad_record",
+        &[
+            ("CISTERN_DRIVER", "sim"),
+            (
+                "CISTERN_CONF",
+                "registry:off,record:/nonexistent-cistern-dir/run.trace",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn child_bad_record() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    // SAFETY: the export's documented types.
+    unsafe { (abi.init)(1) };
+    let e = abi.last_error();
+    for says in [
+        "cistern_init",
+        "CISTERN_CONF",
+        "record",
+        "/nonexistent-cistern-dir/run.trace",
+        "No such file",
+        "record:none",
+    ] {
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    assert!(malloc(abi, 4096, 0, stream(0)).is_null());
+    assert!(abi
+        .last_error()
+        .contains("/nonexistent-cistern-dir/run.trace"));
+}

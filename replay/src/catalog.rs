@@ -23,6 +23,59 @@ pub const ALLOCATORS: &[&str] = &[
 /// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";
 
+/// The largest `max_split_size_mb` whose size in bytes a `u64` holds (PyTorch clamps larger
+/// values to `SIZE_MAX / 1 MiB`; a spec here refuses them rather than run another setting).
+pub const MAX_SPLIT_SIZE_MB_MAX: u64 = u64::MAX >> 20;
+
+/// `PYTORCH_CUDA_ALLOC_CONF` settings the PyTorch model does not simulate: a spec naming one is
+/// refused (rather than replayed as if it were set).
+const NOT_SIMULATED: &[&str] = &[
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "backend",
+];
+
+/// `max_split_size_mb:N` of the spec `name` (`base:conf`) in bytes: N must be above 20
+/// (PyTorch's own bound: `max_split_size_mb too small, must be > 20`) and at most
+/// [`MAX_SPLIT_SIZE_MB_MAX`], so that N MiB is a number of bytes.
+fn max_split_size(name: &str, base: &str, conf: &str) -> Result<u64, String> {
+    let expected = || {
+        format!(
+            "`{name}`: expected `{base}:max_split_size_mb:N` with N > 20 (PyTorch's own lower \
+             bound) and N <= {MAX_SPLIT_SIZE_MB_MAX} (N MiB in bytes fits in 64 bits)"
+        )
+    };
+    let Some(v) = conf.strip_prefix("max_split_size_mb:") else {
+        let key = conf.split(':').next().unwrap_or(conf).trim();
+        if NOT_SIMULATED.contains(&key) {
+            return Err(format!(
+                "`{name}`: `{key}` is a PyTorch setting the model does not simulate; the one \
+                 it takes is max_split_size_mb (and expandable_segments is \
+                 `pytorch-expandable`)"
+            ));
+        }
+        return Err(expected());
+    };
+    let v = v.trim();
+    let mb: u64 = v.parse().map_err(|_| {
+        if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+            format!("{}; {v} is too large", expected())
+        } else {
+            format!("{}; `{v}` is not a whole number", expected())
+        }
+    })?;
+    if mb <= 20 {
+        return Err(format!("{}; {mb} is too small", expected()));
+    }
+    mb.checked_mul(1 << 20)
+        .ok_or_else(|| format!("{}; {mb} is too large", expected()))
+}
+
 /// Builds the model `name` on a simulated device of `capacity` bytes, pricing driver calls with
 /// the default [`CostTable`] (the published figures).
 pub fn make(name: &str, capacity: u64) -> Result<Box<dyn AllocatorModel>, String> {
@@ -49,20 +102,11 @@ pub fn make_with(
             return Ok(Box::new(CisternModel::new(name, config, capacity, costs)?));
         }
         if base == "pytorch" || base == "pytorch-expandable" {
-            let mb = conf
-                .strip_prefix("max_split_size_mb:")
-                .and_then(|v| v.parse::<u64>().ok())
-                .filter(|&mb| mb > 20)
-                .ok_or_else(|| {
-                    format!(
-                        "`{name}`: expected `{base}:max_split_size_mb:N` with N > 20 \
-                         (PyTorch's own lower bound)"
-                    )
-                })?;
+            let max_split_size = max_split_size(name, base, conf)?;
             return Ok(Box::new(PytorchModel::with_costs(
                 name,
                 PytorchConfig {
-                    max_split_size: mb << 20,
+                    max_split_size,
                     expandable_segments: base == "pytorch-expandable",
                 },
                 capacity,

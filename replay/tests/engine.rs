@@ -97,6 +97,45 @@ fn unknown_names_list_the_valid_ones() {
     assert!(e.contains("not a model"), "{e}");
 }
 
+/// `max_split_size_mb:N` with N MiB past 64 bits used to wrap (`N << 20`: 2^44 MiB gave a
+/// max_split_size of 0) and silently replay another setting; it is refused, naming the range.
+#[test]
+fn max_split_size_mb_out_of_range_is_refused() {
+    let max = u64::MAX >> 20;
+    for base in ["pytorch", "pytorch-expandable"] {
+        for n in [1u64 << 44, max + 1, u64::MAX] {
+            let spec = format!("{base}:max_split_size_mb:{n}");
+            let e = make(&spec, 1 << 30).err().unwrap();
+            assert!(
+                e.contains("too large") && e.contains(&max.to_string()),
+                "{e}"
+            );
+        }
+        for bad in ["20", "0", "-5", "1e3", "nan", "99999999999999999999999"] {
+            let spec = format!("{base}:max_split_size_mb:{bad}");
+            let e = make(&spec, 1 << 30).err().unwrap();
+            assert!(e.contains("N > 20"), "{spec}: {e}");
+        }
+        let e = make(
+            &format!("{base}:max_split_size_mb:99999999999999999999"),
+            1 << 30,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("too large"), "{e}");
+        // PyTorch's other settings are not simulated: refused, naming the setting.
+        for key in [
+            "roundup_power2_divisions:4",
+            "garbage_collection_threshold:0.8",
+        ] {
+            let e = make(&format!("{base}:{key}"), 1 << 30).err().unwrap();
+            assert!(e.contains("does not simulate"), "{e}");
+        }
+        assert!(make(&format!("{base}:max_split_size_mb:{max}"), 1 << 30).is_ok());
+        assert!(make(&format!("{base}:max_split_size_mb:21"), 1 << 30).is_ok());
+    }
+}
+
 #[test]
 fn json_has_the_documented_keys() {
     let r = run(&sample(), "pytorch", 1 << 30).unwrap();

@@ -1,6 +1,7 @@
 //! How a simulator is set up: [`SimConfig`] (devices, capacity, granularity, VMM, host backing,
-//! memory of simulated other processes, the [`CostTable`] of modelled host time) and
-//! [`SimLatencies`] (a busy-wait per driver call kind).
+//! memory of simulated other processes, the [`CostTable`] of modelled host time), the bounds a
+//! configuration from text must keep ([`SimConfig::check`]) and [`SimLatencies`] (a busy-wait
+//! per driver call kind).
 
 use std::time::Duration;
 
@@ -52,6 +53,17 @@ impl SimLatencies {
     }
 }
 
+/// The most devices a checked configuration may have ([`SimConfig::check`]).
+pub const MAX_DEVICES: usize = 64;
+/// The smallest granularity a checked configuration may have: 64 KiB.
+pub const MIN_GRANULARITY: u64 = 64 * 1024;
+/// The largest capacity per device a checked configuration may have: 16 TiB, the span of a
+/// device's VMM address region.
+pub const MAX_CAPACITY: u64 = super::memory::REGION_SPAN;
+/// The most granules (capacity / granularity) per device a checked configuration may have:
+/// 2^23, e.g. 16 TiB of 2 MiB pages. A pool keeps a page table entry per granule it reserves.
+pub const MAX_PAGES: u64 = 1 << 23;
+
 /// How a [`SimDriver`](super::SimDriver) is set up. Build it with `SimConfig::default()` and
 /// the setters.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,6 +108,44 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
+    /// Checks the bounds a configuration from text (`CISTERN_SIM`) must keep, so that a typo
+    /// cannot make [`SimDriver::new`](super::SimDriver::new) allocate without bound (a vector of
+    /// 4 billion devices aborts the process; a 512 B granularity makes a pool's page tables
+    /// gigabytes): 1 to [`MAX_DEVICES`] devices; a granularity that is a power of two of at
+    /// least [`MIN_GRANULARITY`]; a capacity of at least one granule and at most
+    /// [`MAX_CAPACITY`], of at most [`MAX_PAGES`] granules. The error says which and how to fix it.
+    pub fn check(&self) -> Result<(), String> {
+        if self.devices == 0 || self.devices > MAX_DEVICES {
+            return Err(format!(
+                "devices:{} is out of range: use 1 to {MAX_DEVICES}",
+                self.devices
+            ));
+        }
+        let g = self.granularity;
+        if !g.is_power_of_two() || g < MIN_GRANULARITY {
+            return Err(format!(
+                "granularity:{g} must be a power of two of at least {MIN_GRANULARITY} bytes \
+                 (64KiB), e.g. 2MiB"
+            ));
+        }
+        let c = self.capacity;
+        if c < g || c > MAX_CAPACITY {
+            return Err(format!(
+                "capacity:{c} is out of range: use at least the granularity ({g} bytes) and at \
+                 most {MAX_CAPACITY} bytes (16TiB)"
+            ));
+        }
+        if c / g > MAX_PAGES {
+            return Err(format!(
+                "capacity:{c} is {} pages of granularity:{g}, more than {MAX_PAGES}: use a \
+                 larger granularity (at least {} bytes) or a smaller capacity",
+                c / g,
+                c.div_ceil(MAX_PAGES).next_power_of_two()
+            ));
+        }
+        Ok(())
+    }
+
     /// Sets the number of devices.
     pub fn devices(mut self, devices: usize) -> Self {
         self.devices = devices;

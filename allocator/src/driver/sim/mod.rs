@@ -71,7 +71,7 @@ mod faults;
 mod memory;
 mod work;
 
-pub use config::{SimConfig, SimLatencies};
+pub use config::{SimConfig, SimLatencies, MAX_CAPACITY, MAX_DEVICES, MAX_PAGES, MIN_GRANULARITY};
 pub use cost::{CallCost, CostTable};
 pub use work::{Hazard, HazardKind, WorkId};
 
