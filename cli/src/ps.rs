@@ -15,7 +15,7 @@ use cistern::registry::{self, AttributionRecord, Liveness, Record, State};
 use serde::Serialize;
 
 use crate::gpu::{self, GpuInfo, GpuProcess, GpuView, ProcKind};
-use crate::table::{self, Align, Table};
+use crate::table::{self, printable, Align, Table};
 use crate::PsArgs;
 
 /// How many tags a process row names.
@@ -483,8 +483,9 @@ pub fn render(r: &PsReport, colour: bool) -> String {
     let mut out = String::new();
     if let Some(e) = &r.nvml.error {
         out.push_str(&format!(
-            "{e}\nshowing cistern's registry alone ({})\n\n",
-            r.registry_dir.display()
+            "{}\nshowing cistern's registry alone ({})\n\n",
+            printable(e),
+            printable(&r.registry_dir.display().to_string())
         ));
     }
     if !r.gpus.is_empty() {
@@ -612,8 +613,8 @@ pub fn render(r: &PsReport, colour: bool) -> String {
     for f in &r.refused_records {
         out.push_str(&format!(
             "record {} refused: {}\n",
-            f.path.display(),
-            f.error
+            printable(&f.path.display().to_string()),
+            printable(&f.error)
         ));
     }
     out

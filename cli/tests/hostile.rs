@@ -6,7 +6,7 @@ mod common;
 
 use std::os::unix::fs::{symlink, PermissionsExt};
 
-use cistern::registry::State;
+use cistern::registry::{LeakEntry, MarkRecord, State};
 use common::*;
 
 #[test]
@@ -57,4 +57,74 @@ fn a_symlinked_registry_is_refused_in_every_spelling() {
             .unwrap();
         assert!(out.status.success(), "{spelling}: {out:?}");
     }
+}
+
+/// Terminal control: a title change, BEL, clear screen, CR over the line, a fake next line, a
+/// C1 CSI, a bidi override.
+const EVIL: &str = "evil\x1b]0;pwned\x07\x1b[2J\rfake\nline\u{9b}31m\u{202e}txt";
+
+/// No control character but the line ends, and no invisible override.
+fn assert_printable(what: &str, text: &str) {
+    let bad: Vec<char> = text
+        .chars()
+        .filter(|&c| (c.is_control() && c != '\n') || c == '\u{202e}')
+        .collect();
+    assert!(bad.is_empty(), "{what} printed raw {bad:?}: {text}");
+    assert!(
+        text.contains("evil\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\rfake\\nline\\u{9b}31m\\u{202e}txt"),
+        "{what} lacks the escaped string: {text}"
+    );
+}
+
+#[test]
+fn control_characters_from_records_are_escaped_in_tables_not_in_json() {
+    let tmp = TempDir::new("hostile-escape");
+    let dir = tmp.path().join("registry");
+    let dead = dead_pid(0);
+    publish(
+        &dir,
+        identity(dead, 4242, &format!("python {EVIL}")),
+        vec![device(0, EVIL, GIB, 600 * MIB, &[(EVIL, 600 * MIB, 3)])],
+        State::Exited,
+        vec![LeakEntry {
+            tag: EVIL.into(),
+            site: Some(EVIL.into()),
+            device: 0,
+            bytes: 600 * MIB,
+            blocks: 3,
+            oldest_age_ms: None,
+        }],
+        vec![MarkRecord {
+            id: 1,
+            label: Some(EVIL.into()),
+            unix_ms: 1,
+            live_bytes_since: MIB,
+            live_blocks_since: 1,
+        }],
+    );
+    let pid = dead.to_string();
+    for args in [
+        vec!["ps"],
+        vec!["leaks", &pid],
+        vec!["doctor", "--grace", "0"],
+    ] {
+        let out = cistern(None)
+            .args(&args)
+            .arg("--registry-dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.code().is_some_and(|c| c < 2), "{args:?}: {text}");
+        assert_printable(&format!("{args:?}"), &text);
+    }
+    // JSON keeps the strings as they are (JSON escapes them itself).
+    let out = cistern(None)
+        .args(["leaks", &pid, "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert!(doc.to_string().contains("\\u001b]0;pwned"), "{doc}");
+    assert_eq!(doc["command"], format!("python {EVIL}"));
 }
