@@ -1,8 +1,6 @@
 //! `cistern replay`: load traces (or generate workloads), replay them against allocator models,
 //! and present the comparison as tables, JSON and an SVG plot.
 
-use std::path::Path;
-
 use cistern::{format_bytes, CostTable};
 use cistern_replay::catalog::{self, ALLOCATORS};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
@@ -127,13 +125,13 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     let mut inputs = Vec::new();
     let opts = LoadOptions::default();
     for path in &args.files {
-        let format = sniff(path);
-        let traces = load::load_with(path, &opts).map_err(|e| e.to_string())?;
+        // Read once: a pipe gives its bytes only once.
+        let (format, traces) = load::load_file(path, &opts).map_err(|e| e.to_string())?;
         for trace in traces {
             // Snapshots and profiler traces (gzipped or not) record PyTorch's reserved bytes;
             // cistern's own traces record the recording allocator's.
             let recorded_label = trace.recorded_reserved.as_ref().map(|_| match format {
-                Some(Format::Own) => "recorded",
+                Format::Own => "recorded",
                 _ => "pytorch-recorded",
             });
             inputs.push(Input {
@@ -158,12 +156,6 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
         });
     }
     Ok(inputs)
-}
-
-/// The format of a file, from its first bytes (gzip is looked through).
-fn sniff(path: &Path) -> Option<Format> {
-    let bytes = std::fs::read(path).ok()?;
-    load::detect(&bytes)
 }
 
 /// A simulated device comfortably larger than the trace: four times its peak live bytes, at

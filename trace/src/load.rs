@@ -94,6 +94,12 @@ pub fn load(path: &Path) -> Result<Vec<Trace>, LoadError> {
 
 /// Read `path`, detect its format and return one [`Trace`] per device that has operations.
 pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Vec<Trace>, LoadError> {
+    load_file(path, opts).map(|(_, traces)| traces)
+}
+
+/// [`load_with`], also returning the detected format. The file is read once, from start to
+/// end, so a pipe or a process substitution (`/dev/stdin`, `<(zcat t.gz)`) works.
+pub fn load_file(path: &Path, opts: &LoadOptions) -> Result<(Format, Vec<Trace>), LoadError> {
     let bytes = std::fs::read(path).map_err(|e| LoadError {
         path: path.to_path_buf(),
         format: None,
@@ -103,7 +109,7 @@ pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Vec<Trace>, LoadErro
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string());
-    load_bytes(&name, &bytes, opts).map_err(|(format, message)| LoadError {
+    load_bytes_detected(&name, &bytes, opts).map_err(|(format, message)| LoadError {
         path: path.to_path_buf(),
         format,
         message,
@@ -160,6 +166,15 @@ pub fn load_bytes(
     bytes: &[u8],
     opts: &LoadOptions,
 ) -> Result<Vec<Trace>, (Option<Format>, String)> {
+    load_bytes_detected(name, bytes, opts).map(|(_, traces)| traces)
+}
+
+/// [`load_bytes`], also returning the detected format.
+pub fn load_bytes_detected(
+    name: &str,
+    bytes: &[u8],
+    opts: &LoadOptions,
+) -> Result<(Format, Vec<Trace>), (Option<Format>, String)> {
     let plain = kineto::decompress(bytes).map_err(|e| (None, e.to_string()))?;
     let bytes: &[u8] = &plain;
     let format = detect(bytes).ok_or_else(|| {
@@ -224,10 +239,13 @@ pub fn load_bytes(
             vec![single(seq, 0, Vec::new())]
         }
     };
-    Ok(traces
-        .into_iter()
-        .filter(|t| !t.sequence.ops.is_empty())
-        .collect())
+    Ok((
+        format,
+        traces
+            .into_iter()
+            .filter(|t| !t.sequence.ops.is_empty())
+            .collect(),
+    ))
 }
 
 /// One trace per device of a snapshot, with PyTorch's reserved curve mapped onto the ops.
