@@ -54,7 +54,7 @@ pub struct PsArgs {
     /// Print JSON instead of tables (one document per line in watch mode).
     #[arg(long)]
     pub json: bool,
-    /// Watch mode: redraw every SECONDS.
+    /// Watch mode: redraw every SECONDS (0.01 to 86400).
     #[arg(long = "interval", short = 'i', value_name = "SECONDS")]
     pub interval: Option<f64>,
     /// Stop watch mode after N redraws (for tests).

@@ -620,11 +620,30 @@ pub fn render(r: &PsReport, colour: bool) -> String {
     out
 }
 
+/// The shortest and longest watch-mode interval `-i` takes, in seconds.
+const INTERVAL_RANGE: (f64, f64) = (0.01, 86_400.0);
+
+/// The watch-mode interval: `-i SECONDS` must be a finite number of seconds from 0.01 to 86400
+/// (one day), so that it converts to a [`Duration`].
+fn watch_interval(secs: Option<f64>) -> Result<Option<Duration>, String> {
+    let Some(secs) = secs else {
+        return Ok(None);
+    };
+    let (lo, hi) = INTERVAL_RANGE;
+    if !(lo..=hi).contains(&secs) {
+        return Err(format!(
+            "-i/--interval {secs}: expected a number of seconds from {lo} to {hi} (one day), \
+             e.g. `-i 2`; leave it out to print once"
+        ));
+    }
+    Ok(Some(Duration::from_secs_f64(secs)))
+}
+
 pub fn run(args: &PsArgs) -> Result<(), String> {
+    let watch = watch_interval(args.interval)?;
     let view = gpu::from_env()?;
     let dir = registry_dir(args.registry_dir.as_deref());
     let colour = table::use_colour();
-    let watch = args.interval.filter(|s| *s > 0.0);
     let mut n = 0u64;
     loop {
         let snap = Snapshot::take(view.as_ref(), &dir)?;
@@ -649,12 +668,12 @@ pub fn run(args: &PsArgs) -> Result<(), String> {
             print!("{}", render(&report, colour));
         }
         n += 1;
-        let Some(secs) = watch else {
+        let Some(interval) = watch else {
             return Ok(());
         };
         if args.iterations.is_some_and(|max| n >= max) {
             return Ok(());
         }
-        std::thread::sleep(Duration::from_secs_f64(secs));
+        std::thread::sleep(interval);
     }
 }
