@@ -140,7 +140,20 @@ pub struct ReplayArgs {
     pub costs: Option<PathBuf>,
 }
 
+/// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": a command
+/// whose reader has gone (`cistern replay ... | head -1`) then ends quietly, killed by SIGPIPE
+/// as other Unix tools are (the shell reports status 141), instead of panicking on the failed
+/// write to stdout.
+fn restore_sigpipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` with
+    // `SIG_DFL` installs no handler (no code of ours runs in signal context).
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(&args).map(|()| ExitCode::SUCCESS),

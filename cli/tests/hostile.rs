@@ -1,6 +1,6 @@
-//! `ps`, `leaks` and `doctor` facing what they must not trust or assume: a registry directory
-//! that is a symlink (in every spelling), records holding terminal control characters, and a
-//! reader that goes away mid-output.
+//! The commands facing what they must not trust or assume: a registry directory that is a
+//! symlink (in every spelling) and records holding terminal control characters (`ps`, `leaks`,
+//! `doctor`), and a reader that has gone before the output (every command).
 
 mod common;
 
@@ -127,4 +127,66 @@ fn control_characters_from_records_are_escaped_in_tables_not_in_json() {
     let doc = json(&out);
     assert!(doc.to_string().contains("\\u001b]0;pwned"), "{doc}");
     assert_eq!(doc["command"], format!("python {EVIL}"));
+}
+
+/// The write end of a pipe whose read end is already closed: a reader that has gone.
+fn reader_gone() -> std::process::Stdio {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: `pipe` writes two new descriptors into `fds`.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors are new and owned here alone; the read end is closed at once.
+    unsafe {
+        libc::close(fds[0]);
+        OwnedFd::from_raw_fd(fds[1]).into()
+    }
+}
+
+#[test]
+fn a_reader_that_has_gone_ends_every_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = TempDir::new("hostile-pipe");
+    let dir = tmp.path().join("registry");
+    let (me, start) = me();
+    publish(
+        &dir,
+        identity(me, start, "python train.py"),
+        vec![device(0, "GPU-aaaa", GIB, MIB, &[("model", MIB, 1)])],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    let trace = tmp.path().join("t.trace");
+    std::fs::write(&trace, "# cistern-trace v1\na 1 3000000 0\nf 1\n").unwrap();
+    let trace = trace.display().to_string();
+    let dir = dir.display().to_string();
+    let pid = me.to_string();
+    for args in [
+        vec![
+            "replay",
+            "-w",
+            "rmm-random",
+            "-a",
+            "cistern",
+            "--no-min-capacity",
+        ],
+        vec!["replay", "--json", &trace, "-a", "cistern"],
+        vec!["convert", &trace],
+        vec!["ps", "--registry-dir", &dir],
+        vec!["ps", "--json", "--registry-dir", &dir],
+        vec!["leaks", &pid, "--registry-dir", &dir],
+        vec!["doctor", "--registry-dir", &dir],
+    ] {
+        let out = cistern(None)
+            .args(&args)
+            .stdout(reader_gone())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.signal() == Some(libc::SIGPIPE) && err.is_empty(),
+            "{args:?}: {:?}: {err}",
+            out.status
+        );
+    }
 }
