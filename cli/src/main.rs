@@ -122,7 +122,8 @@ pub struct ReplayArgs {
     /// Allocators to compare, comma-separated; `--allocators list` lists them.
     #[arg(long, short = 'a', value_delimiter = ',')]
     pub allocators: Vec<String>,
-    /// Capacity of the simulated device (e.g. 80GiB); by default large enough for each trace.
+    /// Capacity of the simulated device, with its unit (e.g. 80GiB, 512MB, 4096B); by default
+    /// large enough for each trace.
     #[arg(long, short = 'c')]
     pub capacity: Option<String>,
     /// Skip the search for the smallest device that runs each trace (faster).

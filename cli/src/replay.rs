@@ -5,6 +5,7 @@ use cistern::{format_bytes, CostTable};
 use cistern_replay::catalog::{self, ALLOCATORS};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
+use cistern_trace::sequence::Op;
 use cistern_trace::workloads;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -63,7 +64,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         None => CostTable::default(),
     };
     let capacity = match &args.capacity {
-        Some(c) => Some(cistern::config::parse_size(c).map_err(|e| format!("--capacity: {e}"))?),
+        Some(c) => Some(parse_capacity(c)?),
         None => None,
     };
 
@@ -75,6 +76,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     let total = (inputs.len() * allocators.len()) as u64;
     let bar = progress(total, args.json);
     let mut reports = Vec::new();
+    let mut warnings = Vec::new();
     for input in &inputs {
         let seq = &input.trace.sequence;
         let cap = capacity.unwrap_or_else(|| auto_capacity(seq.peak_live_requested));
@@ -93,12 +95,16 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             results.push(r);
             bar.inc(1);
         }
+        warnings.extend(capacity_warning(&input.trace, &results, cap));
         reports.push(TraceReport {
             trace: input.trace.name.clone(),
             results,
         });
     }
     bar.finish_and_clear();
+    for w in &warnings {
+        eprintln!("cistern: warning: {w}");
+    }
 
     if let Some(path) = &args.plot {
         let svg = plot::render(&charts(&reports));
@@ -156,6 +162,47 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
         });
     }
     Ok(inputs)
+}
+
+/// `--capacity SIZE`: a size with its unit. A bare number is refused: `-c 80` would be 80
+/// bytes, on which every allocator fails (`80B` asks for bytes).
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(format!(
+            "--capacity {t}: a capacity needs a unit, e.g. {t}GiB, {t}GB or {t}MiB \
+             ({t}B for bytes)"
+        ));
+    }
+    cistern::config::parse_size(t).map_err(|e| format!("--capacity: {e}"))
+}
+
+/// When every modelled allocator failed the trace's very first allocation on a device of
+/// `capacity` bytes, the capacity, not the allocators, is likely what is wrong: says so.
+fn capacity_warning(trace: &Trace, results: &[ReplayResult], capacity: u64) -> Option<String> {
+    let first = trace
+        .sequence
+        .ops
+        .iter()
+        .position(|op| matches!(op, Op::Alloc { .. }))?;
+    let mut models = results
+        .iter()
+        .filter(|r| r.ops_per_sec.is_some())
+        .peekable();
+    models.peek()?;
+    if !models.all(|r| r.oom.as_ref().is_some_and(|o| o.op_index == first)) {
+        return None;
+    }
+    let Op::Alloc { size, .. } = trace.sequence.ops[first] else {
+        return None;
+    };
+    Some(format!(
+        "{}: every allocator failed the first allocation ({}) on the {} device: the capacity \
+         is likely wrong (--capacity takes a unit, e.g. 80GiB)",
+        trace.name,
+        format_bytes(size),
+        format_bytes(capacity)
+    ))
 }
 
 /// A simulated device comfortably larger than the trace: four times its peak live bytes, at

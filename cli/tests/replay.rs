@@ -412,3 +412,45 @@ fn a_trace_on_a_pipe_is_read_once() {
     assert_eq!(results[0]["allocator"], "recorded");
     assert_eq!(results[1]["peak_live"], 3001000);
 }
+
+#[test]
+fn a_capacity_needs_a_unit_and_a_hopeless_one_is_named() {
+    for bare in ["80", "80.5", " 1024 "] {
+        let out = cistern()
+            .args(["replay", "-w", "rmm-random", "-c", bare])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "-c {bare}: {err}");
+        assert!(
+            err.contains("--capacity") && err.contains("needs a unit") && err.contains("GiB"),
+            "-c {bare}: {err}"
+        );
+    }
+    let path = tmp("capacity.trace");
+    std::fs::write(
+        &path,
+        "# cistern-trace v1\na 1 3000000 0\na 2 1000 0\nf 1\n",
+    )
+    .unwrap();
+    let run = |cap: &str| {
+        let out = cistern()
+            .arg("replay")
+            .arg(&path)
+            .args(["-a", "cistern,pytorch,cudamalloc", "--no-min-capacity"])
+            .args(["-c", cap])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "-c {cap}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // Bytes, when asked for with their unit: every allocator fails the first allocation.
+    let err = run("80B");
+    assert!(
+        err.contains("capacity.trace")
+            && err.contains("first allocation")
+            && err.contains("capacity is likely wrong"),
+        "{err}"
+    );
+    assert!(!run("8GiB").contains("likely wrong"));
+}
