@@ -108,6 +108,10 @@ pub struct ConvertArgs {
     /// device N > 0.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
+    /// The most bytes taken from the input, read and decompressed (e.g. 16GiB; default 4 GiB
+    /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_input: Option<String>,
 }
 
 /// Arguments of `cistern replay`.
@@ -139,6 +143,10 @@ pub struct ReplayArgs {
     /// A100 figures, as in replay/costs/a100-published.json).
     #[arg(long, value_name = "FILE.json")]
     pub costs: Option<PathBuf>,
+    /// The most bytes taken from each input, read and decompressed (e.g. 16GiB; default 4 GiB
+    /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_input: Option<String>,
 }
 
 /// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": a command

@@ -129,10 +129,17 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
 /// Loads the files and generates the workloads asked for (all available ones when neither).
 fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     let mut inputs = Vec::new();
-    let opts = LoadOptions::default();
+    let opts = load_options(args.max_input.as_deref())?;
     for path in &args.files {
         // Read once: a pipe gives its bytes only once.
         let (format, traces) = load::load_file(path, &opts).map_err(|e| e.to_string())?;
+        if traces.is_empty() {
+            return Err(format!(
+                "{}: {}: read, but it holds no allocation: nothing to replay (leave it out)",
+                path.display(),
+                format.name()
+            ));
+        }
         for trace in traces {
             // Snapshots and profiler traces (gzipped or not) record PyTorch's reserved bytes;
             // cistern's own traces record the recording allocator's.
@@ -167,14 +174,29 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
 /// `--capacity SIZE`: a size with its unit. A bare number is refused: `-c 80` would be 80
 /// bytes, on which every allocator fails (`80B` asks for bytes).
 fn parse_capacity(text: &str) -> Result<u64, String> {
+    parse_size_with_unit("--capacity", text)
+}
+
+/// A size option's value: a number with its unit (`80GiB`, `512MB`, `4096B`); a bare number
+/// is refused, since bytes are rarely what was meant.
+pub fn parse_size_with_unit(flag: &str, text: &str) -> Result<u64, String> {
     let t = text.trim();
     if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
         return Err(format!(
-            "--capacity {t}: a capacity needs a unit, e.g. {t}GiB, {t}GB or {t}MiB \
-             ({t}B for bytes)"
+            "{flag} {t}: a size needs a unit, e.g. {t}GiB, {t}GB or {t}MiB ({t}B for bytes)"
         ));
     }
-    cistern::config::parse_size(t).map_err(|e| format!("--capacity: {e}"))
+    cistern::config::parse_size(t).map_err(|e| format!("{flag}: {e}"))
+}
+
+/// The reader's options: `--max-input` caps what each input may take.
+pub fn load_options(max_input: Option<&str>) -> Result<LoadOptions, String> {
+    Ok(LoadOptions {
+        max_input_bytes: max_input
+            .map(|m| parse_size_with_unit("--max-input", m))
+            .transpose()?,
+        ..LoadOptions::default()
+    })
 }
 
 /// When every modelled allocator failed the trace's very first allocation on a device of

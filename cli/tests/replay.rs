@@ -454,3 +454,93 @@ fn a_capacity_needs_a_unit_and_a_hopeless_one_is_named() {
     );
     assert!(!run("8GiB").contains("likely wrong"));
 }
+
+/// Waits for `child` at most `secs` seconds (killing it then: a reader that never stops).
+fn wait_at_most(mut child: std::process::Child, secs: u64) -> std::process::Output {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!("still reading after {secs} s: {out:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn what_a_reader_takes_is_capped_and_an_empty_trace_is_named() {
+    use std::process::Stdio;
+    // No trace at all: refused from its first bytes, not read to the end of memory.
+    let child = cistern()
+        .args(["replay", "/dev/zero", "-a", "cistern"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_at_most(child, 20);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("/dev/zero: byte 0: expected"), "{err}");
+
+    // A trace larger than --max-input, as a file and through a pipe.
+    let mut big = String::from("# cistern-trace v1\n");
+    for i in 0..100_000 {
+        big.push_str(&format!("a {i} 4096 0\nf {i}\n"));
+    }
+    assert!(big.len() > 1 << 20);
+    let path = tmp("big.trace");
+    std::fs::write(&path, &big).unwrap();
+    let args = ["-a", "cistern", "--no-min-capacity", "--max-input", "1MiB"];
+    let file = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap();
+    let mut piped = vec!["/dev/stdin"];
+    piped.extend(args);
+    for (how, out) in [
+        ("file", file),
+        ("pipe", replay_piped(&piped, big.as_bytes())),
+    ] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{how}: {err}");
+        assert!(
+            err.contains("more than the input limit of 1 MiB") && err.contains("--max-input SIZE"),
+            "{how}: {err}"
+        );
+    }
+    // Within the limit it replays.
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern", "--no-min-capacity", "--max-input", "4MiB"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["--max-input", "1048576"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a unit"));
+
+    // A trace that parses but holds no allocation is named, even beside a workload.
+    let empty = tmp("empty.trace");
+    std::fs::write(&empty, "# cistern-trace v1\nname nothing\n").unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&empty)
+        .args(["-w", "rmm-random", "-a", "cistern", "--no-min-capacity"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("empty.trace") && err.contains("holds no allocation"),
+        "{err}"
+    );
+}
