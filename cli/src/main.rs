@@ -174,7 +174,8 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("cistern: {e}");
+            // Errors may quote a record or a trace: escaped as the tables are.
+            eprintln!("cistern: {}", table::printable_lines(&e));
             ExitCode::from(2)
         }
     }

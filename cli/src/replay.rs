@@ -103,7 +103,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     }
     bar.finish_and_clear();
     for w in &warnings {
-        eprintln!("cistern: warning: {w}");
+        eprintln!("cistern: warning: {}", table::printable(w));
     }
 
     if let Some(path) = &args.plot {
@@ -305,7 +305,12 @@ fn print_tables(reports: &[TraceReport]) {
             println!();
         }
         let live = rep.results.first().map_or(0, |r| r.peak_live);
-        println!("{}  (peak live {})", rep.trace, format_bytes(live));
+        // The name may come from the file's content (a cistern trace's `name` line).
+        println!(
+            "{}  (peak live {})",
+            table::printable(&rep.trace),
+            format_bytes(live)
+        );
         let best = rep
             .results
             .iter()

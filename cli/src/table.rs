@@ -43,6 +43,12 @@ pub fn use_colour() -> bool {
     std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()) && std::io::stdout().is_terminal()
 }
 
+/// [`printable`] line by line: the line breaks of a message of ours stay, everything else in
+/// it is escaped (for errors and warnings, which may quote a record or a trace).
+pub fn printable_lines(s: &str) -> String {
+    s.split('\n').map(printable).collect::<Vec<_>>().join("\n")
+}
+
 /// How a cell is aligned.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Align {
@@ -173,5 +179,13 @@ mod tests {
         assert!(text.contains("evil\\u{1b}]0;pwned\\u{7}\\r\\n"), "{text}");
         assert!(!text.contains('\x07') && !text.contains('\r'));
         assert_eq!(text.matches('\n').count(), 2, "{text}");
+    }
+
+    #[test]
+    fn messages_keep_their_line_breaks_and_nothing_else() {
+        assert_eq!(
+            printable_lines("bad `\x1b[2J`\r\n(see the README)"),
+            "bad `\\u{1b}[2J`\\r\n(see the README)"
+        );
     }
 }

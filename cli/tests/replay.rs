@@ -544,3 +544,25 @@ fn what_a_reader_takes_is_capped_and_an_empty_trace_is_named() {
         "{err}"
     );
 }
+
+#[test]
+fn a_trace_name_from_the_file_is_escaped_in_the_table() {
+    let path = tmp("named.trace");
+    std::fs::write(
+        &path,
+        "# cistern-trace v1\nname evil\x1b]0;pwned\x07\x1b[2J\na 1 3000000 0\nf 1\n",
+    )
+    .unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern", "--no-min-capacity"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("evil\\u{1b}]0;pwned\\u{7}\\u{1b}[2J") && !text.contains('\x1b'),
+        "{text}"
+    );
+}
