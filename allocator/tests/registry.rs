@@ -423,6 +423,34 @@ fn refuses_a_symlinked_directory() {
 }
 
 #[test]
+fn refuses_a_symlinked_directory_in_every_spelling() {
+    let t = TempDir::new("symdir-spellings");
+    let real = t.0.join("real");
+    fs::create_dir(&real).unwrap();
+    fs::set_permissions(&real, fs::Permissions::from_mode(0o700)).unwrap();
+    symlink(&real, t.0.join("link")).unwrap();
+    let base = t.0.display().to_string();
+    for spelling in ["link/", "link/.", "link//", "link/./", "./link/."] {
+        let link = PathBuf::from(format!("{base}/{spelling}"));
+        let e = Registry::open(&link).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, RegistryError::UnsafeDir { .. }) && msg.contains("symlink"),
+            "{spelling}: {msg}"
+        );
+        assert!(check_dir(&link).is_err(), "{spelling}");
+        assert!(ensure_dir(&link).is_err(), "{spelling}");
+        assert!(read_all(&link).is_err(), "{spelling}");
+    }
+    // Nothing was written through the link.
+    assert_eq!(fs::read_dir(&real).unwrap().count(), 0);
+    // The real directory is accepted in every spelling.
+    for spelling in ["real", "real/", "real/."] {
+        check_dir(&PathBuf::from(format!("{base}/{spelling}"))).unwrap();
+    }
+}
+
+#[test]
 fn refuses_an_open_or_foreign_directory() {
     let t = TempDir::new("opendir");
     let dir = t.reg();

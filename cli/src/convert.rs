@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use cistern_trace::load::{self, LoadOptions};
+use cistern_trace::load;
 use cistern_trace::own;
 
 use crate::ConvertArgs;
@@ -18,8 +18,8 @@ pub enum Target {
 }
 
 pub fn run(args: &ConvertArgs) -> Result<(), String> {
-    let traces =
-        load::load_with(&args.input, &LoadOptions::default()).map_err(|e| e.to_string())?;
+    let opts = crate::replay::load_options(args.max_input.as_deref())?;
+    let traces = load::load_with(&args.input, &opts).map_err(|e| e.to_string())?;
     if traces.is_empty() {
         return Err(format!(
             "{}: no allocations to convert",

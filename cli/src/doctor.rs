@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::gpu;
 use crate::ps::{self, PsState, Snapshot};
-use crate::table;
+use crate::table::{self, printable};
 use crate::DoctorArgs;
 
 /// How serious a finding is.
@@ -292,7 +292,9 @@ pub fn render(r: &DoctorReport, colour: bool) -> String {
         };
         out.push_str(&format!(
             "{label} [{}] {}\n    -> {}\n",
-            f.kind, f.message, f.suggestion
+            f.kind,
+            printable(&f.message),
+            printable(&f.suggestion)
         ));
     }
     out.push_str(if r.healthy {

@@ -11,7 +11,7 @@ use cistern::registry::{Liveness, MarkRecord, Record, State};
 use serde::Serialize;
 
 use crate::ps::{registry_dir, Snapshot};
-use crate::table::{self, Align, Table};
+use crate::table::{self, printable, Align, Table};
 use crate::LeaksArgs;
 
 /// One group of live blocks.
@@ -198,7 +198,7 @@ pub fn render(r: &LeaksReport, colour: bool) -> String {
         } else {
             "live bytes by tag"
         },
-        r.command
+        printable(&r.command)
     );
     let mut t = Table::new(&[
         ("tag", Align::Left),
@@ -245,7 +245,7 @@ pub fn render(r: &LeaksReport, colour: bool) -> String {
                 format_bytes(s.bytes),
                 s.blocks,
                 s.device,
-                s.site.as_deref().unwrap_or("-")
+                printable(s.site.as_deref().unwrap_or("-"))
             ));
         }
     }
@@ -257,7 +257,7 @@ pub fn render(r: &LeaksReport, colour: bool) -> String {
                 m.id,
                 m.label
                     .as_deref()
-                    .map(|l| format!(" ({l})"))
+                    .map(|l| format!(" ({})", printable(l)))
                     .unwrap_or_default(),
                 format_bytes(m.live_bytes_since),
                 m.live_blocks_since

@@ -54,7 +54,7 @@ pub struct PsArgs {
     /// Print JSON instead of tables (one document per line in watch mode).
     #[arg(long)]
     pub json: bool,
-    /// Watch mode: redraw every SECONDS.
+    /// Watch mode: redraw every SECONDS (0.01 to 86400).
     #[arg(long = "interval", short = 'i', value_name = "SECONDS")]
     pub interval: Option<f64>,
     /// Stop watch mode after N redraws (for tests).
@@ -108,6 +108,10 @@ pub struct ConvertArgs {
     /// device N > 0.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
+    /// The most bytes taken from the input, read and decompressed (e.g. 16GiB; default 4 GiB
+    /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_input: Option<String>,
 }
 
 /// Arguments of `cistern replay`.
@@ -122,7 +126,8 @@ pub struct ReplayArgs {
     /// Allocators to compare, comma-separated; `--allocators list` lists them.
     #[arg(long, short = 'a', value_delimiter = ',')]
     pub allocators: Vec<String>,
-    /// Capacity of the simulated device (e.g. 80GiB); by default large enough for each trace.
+    /// Capacity of the simulated device, with its unit (e.g. 80GiB, 512MB, 4096B); by default
+    /// large enough for each trace.
     #[arg(long, short = 'c')]
     pub capacity: Option<String>,
     /// Skip the search for the smallest device that runs each trace (faster).
@@ -138,9 +143,26 @@ pub struct ReplayArgs {
     /// A100 figures, as in replay/costs/a100-published.json).
     #[arg(long, value_name = "FILE.json")]
     pub costs: Option<PathBuf>,
+    /// The most bytes taken from each input, read and decompressed (e.g. 16GiB; default 4 GiB
+    /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_input: Option<String>,
+}
+
+/// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": a command
+/// whose reader has gone (`cistern replay ... | head -1`) then ends quietly, killed by SIGPIPE
+/// as other Unix tools are (the shell reports status 141), instead of panicking on the failed
+/// write to stdout.
+fn restore_sigpipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` with
+    // `SIG_DFL` installs no handler (no code of ours runs in signal context).
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }
 
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(&args).map(|()| ExitCode::SUCCESS),
@@ -152,7 +174,8 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("cistern: {e}");
+            // Errors may quote a record or a trace: escaped as the tables are.
+            eprintln!("cistern: {}", table::printable_lines(&e));
             ExitCode::from(2)
         }
     }

@@ -15,7 +15,7 @@ use cistern::registry::{self, AttributionRecord, Liveness, Record, State};
 use serde::Serialize;
 
 use crate::gpu::{self, GpuInfo, GpuProcess, GpuView, ProcKind};
-use crate::table::{self, Align, Table};
+use crate::table::{self, printable, Align, Table};
 use crate::PsArgs;
 
 /// How many tags a process row names.
@@ -483,8 +483,9 @@ pub fn render(r: &PsReport, colour: bool) -> String {
     let mut out = String::new();
     if let Some(e) = &r.nvml.error {
         out.push_str(&format!(
-            "{e}\nshowing cistern's registry alone ({})\n\n",
-            r.registry_dir.display()
+            "{}\nshowing cistern's registry alone ({})\n\n",
+            printable(e),
+            printable(&r.registry_dir.display().to_string())
         ));
     }
     if !r.gpus.is_empty() {
@@ -612,18 +613,37 @@ pub fn render(r: &PsReport, colour: bool) -> String {
     for f in &r.refused_records {
         out.push_str(&format!(
             "record {} refused: {}\n",
-            f.path.display(),
-            f.error
+            printable(&f.path.display().to_string()),
+            printable(&f.error)
         ));
     }
     out
 }
 
+/// The shortest and longest watch-mode interval `-i` takes, in seconds.
+const INTERVAL_RANGE: (f64, f64) = (0.01, 86_400.0);
+
+/// The watch-mode interval: `-i SECONDS` must be a finite number of seconds from 0.01 to 86400
+/// (one day), so that it converts to a [`Duration`].
+fn watch_interval(secs: Option<f64>) -> Result<Option<Duration>, String> {
+    let Some(secs) = secs else {
+        return Ok(None);
+    };
+    let (lo, hi) = INTERVAL_RANGE;
+    if !(lo..=hi).contains(&secs) {
+        return Err(format!(
+            "-i/--interval {secs}: expected a number of seconds from {lo} to {hi} (one day), \
+             e.g. `-i 2`; leave it out to print once"
+        ));
+    }
+    Ok(Some(Duration::from_secs_f64(secs)))
+}
+
 pub fn run(args: &PsArgs) -> Result<(), String> {
+    let watch = watch_interval(args.interval)?;
     let view = gpu::from_env()?;
     let dir = registry_dir(args.registry_dir.as_deref());
     let colour = table::use_colour();
-    let watch = args.interval.filter(|s| *s > 0.0);
     let mut n = 0u64;
     loop {
         let snap = Snapshot::take(view.as_ref(), &dir)?;
@@ -648,12 +668,12 @@ pub fn run(args: &PsArgs) -> Result<(), String> {
             print!("{}", render(&report, colour));
         }
         n += 1;
-        let Some(secs) = watch else {
+        let Some(interval) = watch else {
             return Ok(());
         };
         if args.iterations.is_some_and(|max| n >= max) {
             return Ok(());
         }
-        std::thread::sleep(Duration::from_secs_f64(secs));
+        std::thread::sleep(interval);
     }
 }

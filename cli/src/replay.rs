@@ -1,12 +1,11 @@
 //! `cistern replay`: load traces (or generate workloads), replay them against allocator models,
 //! and present the comparison as tables, JSON and an SVG plot.
 
-use std::path::Path;
-
 use cistern::{format_bytes, CostTable};
 use cistern_replay::catalog::{self, ALLOCATORS};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
+use cistern_trace::sequence::Op;
 use cistern_trace::workloads;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -65,7 +64,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         None => CostTable::default(),
     };
     let capacity = match &args.capacity {
-        Some(c) => Some(cistern::config::parse_size(c).map_err(|e| format!("--capacity: {e}"))?),
+        Some(c) => Some(parse_capacity(c)?),
         None => None,
     };
 
@@ -77,6 +76,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     let total = (inputs.len() * allocators.len()) as u64;
     let bar = progress(total, args.json);
     let mut reports = Vec::new();
+    let mut warnings = Vec::new();
     for input in &inputs {
         let seq = &input.trace.sequence;
         let cap = match capacity {
@@ -99,12 +99,16 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             results.push(r);
             bar.inc(1);
         }
+        warnings.extend(capacity_warning(&input.trace, &results, cap));
         reports.push(TraceReport {
             trace: input.trace.name.clone(),
             results,
         });
     }
     bar.finish_and_clear();
+    for w in &warnings {
+        eprintln!("cistern: warning: {}", table::printable(w));
+    }
 
     if let Some(path) = &args.plot {
         let svg = plot::render(&charts(&reports));
@@ -129,15 +133,22 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
 /// Loads the files and generates the workloads asked for (all available ones when neither).
 fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     let mut inputs = Vec::new();
-    let opts = LoadOptions::default();
+    let opts = load_options(args.max_input.as_deref())?;
     for path in &args.files {
-        let format = sniff(path);
-        let traces = load::load_with(path, &opts).map_err(|e| e.to_string())?;
+        // Read once: a pipe gives its bytes only once.
+        let (format, traces) = load::load_file(path, &opts).map_err(|e| e.to_string())?;
+        if traces.is_empty() {
+            return Err(format!(
+                "{}: {}: read, but it holds no allocation: nothing to replay (leave it out)",
+                path.display(),
+                format.name()
+            ));
+        }
         for trace in traces {
             // Snapshots and profiler traces (gzipped or not) record PyTorch's reserved bytes;
             // cistern's own traces record the recording allocator's.
             let recorded_label = trace.recorded_reserved.as_ref().map(|_| match format {
-                Some(Format::Own) => "recorded",
+                Format::Own => "recorded",
                 _ => "pytorch-recorded",
             });
             inputs.push(Input {
@@ -164,10 +175,60 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     Ok(inputs)
 }
 
-/// The format of a file, from its first bytes (gzip is looked through).
-fn sniff(path: &Path) -> Option<Format> {
-    let bytes = std::fs::read(path).ok()?;
-    load::detect(&bytes)
+/// `--capacity SIZE`: a size with its unit. A bare number is refused: `-c 80` would be 80
+/// bytes, on which every allocator fails (`80B` asks for bytes).
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    parse_size_with_unit("--capacity", text)
+}
+
+/// A size option's value: a number with its unit (`80GiB`, `512MB`, `4096B`); a bare number
+/// is refused, since bytes are rarely what was meant.
+pub fn parse_size_with_unit(flag: &str, text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(format!(
+            "{flag} {t}: a size needs a unit, e.g. {t}GiB, {t}GB or {t}MiB ({t}B for bytes)"
+        ));
+    }
+    cistern::config::parse_size(t).map_err(|e| format!("{flag}: {e}"))
+}
+
+/// The reader's options: `--max-input` caps what each input may take.
+pub fn load_options(max_input: Option<&str>) -> Result<LoadOptions, String> {
+    Ok(LoadOptions {
+        max_input_bytes: max_input
+            .map(|m| parse_size_with_unit("--max-input", m))
+            .transpose()?,
+        ..LoadOptions::default()
+    })
+}
+
+/// When every modelled allocator failed the trace's very first allocation on a device of
+/// `capacity` bytes, the capacity, not the allocators, is likely what is wrong: says so.
+fn capacity_warning(trace: &Trace, results: &[ReplayResult], capacity: u64) -> Option<String> {
+    let first = trace
+        .sequence
+        .ops
+        .iter()
+        .position(|op| matches!(op, Op::Alloc { .. }))?;
+    let mut models = results
+        .iter()
+        .filter(|r| r.ops_per_sec.is_some())
+        .peekable();
+    models.peek()?;
+    if !models.all(|r| r.oom.as_ref().is_some_and(|o| o.op_index == first)) {
+        return None;
+    }
+    let Op::Alloc { size, .. } = trace.sequence.ops[first] else {
+        return None;
+    };
+    Some(format!(
+        "{}: every allocator failed the first allocation ({}) on the {} device: the capacity \
+         is likely wrong (--capacity takes a unit, e.g. 80GiB)",
+        trace.name,
+        format_bytes(size),
+        format_bytes(capacity)
+    ))
 }
 
 /// A simulated device comfortably larger than the trace: four times its peak live bytes, at
@@ -259,7 +320,12 @@ fn print_tables(reports: &[TraceReport]) {
             println!();
         }
         let live = rep.results.first().map_or(0, |r| r.peak_live);
-        println!("{}  (peak live {})", rep.trace, format_bytes(live));
+        // The name may come from the file's content (a cistern trace's `name` line).
+        println!(
+            "{}  (peak live {})",
+            table::printable(&rep.trace),
+            format_bytes(live)
+        );
         let best = rep
             .results
             .iter()

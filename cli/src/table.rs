@@ -1,12 +1,52 @@
-//! Plain-text tables for the terminal, with colour only where it helps and only on a TTY.
+//! Plain-text tables for the terminal, with colour only where it helps and only on a TTY, and
+//! the escaping of untrusted text ([`printable`]) that every table cell goes through.
 //!
 //! Colour is used when stdout is a terminal and `NO_COLOR` is unset (https://no-color.org).
 
+use std::borrow::Cow;
 use std::io::IsTerminal;
+
+/// `s` safe to print to a terminal: control characters (ESC, BEL, CR, LF, DEL, C1, ...) and
+/// invisible formatting characters (bidirectional overrides, zero-width characters) are
+/// written as escapes (`\n`, `\r`, `\t`, else `\u{1b}` style), so that strings from records
+/// (another user's command line, tags, call sites) can neither drive the reader's terminal nor
+/// hide or fake what is shown. Every table cell goes through it; text printed outside tables
+/// from records must too. JSON output needs none of it (JSON escapes control characters).
+pub fn printable(s: &str) -> Cow<'_, str> {
+    fn hidden(c: char) -> bool {
+        c.is_control()
+            || matches!(c,
+                '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{2069}'
+                | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}')
+    }
+    if !s.chars().any(hidden) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if hidden(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
 
 /// Whether to colour output written to stdout.
 pub fn use_colour() -> bool {
     std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()) && std::io::stdout().is_terminal()
+}
+
+/// [`printable`] line by line: the line breaks of a message of ours stay, everything else in
+/// it is escaped (for errors and warnings, which may quote a record or a trace).
+pub fn printable_lines(s: &str) -> String {
+    s.split('\n').map(printable).collect::<Vec<_>>().join("\n")
 }
 
 /// How a cell is aligned.
@@ -44,9 +84,14 @@ impl Table {
         }
     }
 
-    /// Adds a row whose cells may be coloured.
+    /// Adds a row whose cells may be coloured. Each cell is escaped with [`printable`].
     pub fn row_coloured(&mut self, cells: Vec<(String, Option<&'static str>)>) {
-        self.rows.push(cells);
+        self.rows.push(
+            cells
+                .into_iter()
+                .map(|(c, col)| (printable(&c).into_owned(), col))
+                .collect(),
+        );
     }
 
     /// Renders with two spaces between columns.
@@ -118,5 +163,29 @@ mod tests {
         );
         assert!(!plain.contains('\x1b'));
         assert!(t.render(true).contains(RED));
+    }
+
+    #[test]
+    fn untrusted_text_is_escaped_in_every_cell() {
+        assert!(matches!(printable("python train.py"), Cow::Borrowed(_)));
+        assert_eq!(
+            printable("a\x1b[2Jb\x07c\rd\ne\tf\u{7f}g\u{9b}h\u{202e}i"),
+            "a\\u{1b}[2Jb\\u{7}c\\rd\\ne\\tf\\u{7f}g\\u{9b}h\\u{202e}i"
+        );
+        assert_eq!(printable("naïve 日本"), "naïve 日本");
+        let mut t = Table::new(&[("command", Align::Left)]);
+        t.row_coloured(vec![("evil\x1b]0;pwned\x07\r\n".into(), None)]);
+        let text = t.render(true);
+        assert!(text.contains("evil\\u{1b}]0;pwned\\u{7}\\r\\n"), "{text}");
+        assert!(!text.contains('\x07') && !text.contains('\r'));
+        assert_eq!(text.matches('\n').count(), 2, "{text}");
+    }
+
+    #[test]
+    fn messages_keep_their_line_breaks_and_nothing_else() {
+        assert_eq!(
+            printable_lines("bad `\x1b[2J`\r\n(see the README)"),
+            "bad `\\u{1b}[2J`\\r\n(see the README)"
+        );
     }
 }

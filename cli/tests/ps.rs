@@ -409,3 +409,32 @@ fn ps_with_100_records_prints_its_time() {
         best * 1e3
     );
 }
+
+#[test]
+fn a_watch_interval_out_of_range_is_refused_naming_the_fix() {
+    let tmp = TempDir::new("ps-interval");
+    let dir = tmp.path().join("registry");
+    // Without --iterations, inf and 1e300 reached the sleep and panicked.
+    for (value, iterations) in [
+        ("inf", None),
+        ("1e300", None),
+        ("NaN", None),
+        ("0", Some("1")),
+        ("-1", Some("1")),
+        ("1e6", Some("1")),
+    ] {
+        let mut c = cistern(None);
+        c.arg("ps").arg(format!("--interval={value}"));
+        if let Some(n) = iterations {
+            c.args(["--iterations", n]);
+        }
+        let out = c.arg("--registry-dir").arg(&dir).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "-i {value}: {err}");
+        assert!(
+            err.contains("--interval") && err.contains("86400") && !err.contains("panicked"),
+            "-i {value}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "-i {value}: drew before refusing");
+    }
+}

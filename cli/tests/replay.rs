@@ -374,3 +374,195 @@ fn capacity_runs_report_costs_under_memory_pressure() {
         );
     }
 }
+
+/// Runs `cistern replay ARGS` with `input` on its standard input (a pipe).
+fn replay_piped(args: &[&str], input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = cistern()
+        .arg("replay")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // The reader may stop early (and close the pipe): a failed write is its answer.
+    let _ = stdin.write_all(input);
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_trace_on_a_pipe_is_read_once() {
+    let trace = b"# cistern-trace v1\nr 4194304\na 1 3000000 0\na 2 1000 0\nf 1\n";
+    let out = replay_piped(
+        &["/dev/stdin", "-a", "cistern", "--json", "--no-min-capacity"],
+        trace,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = doc["results"].as_array().unwrap();
+    // The format (hence the baseline's label) comes from the same single read.
+    assert_eq!(results[0]["allocator"], "recorded");
+    assert_eq!(results[1]["peak_live"], 3001000);
+}
+
+#[test]
+fn a_capacity_needs_a_unit_and_a_hopeless_one_is_named() {
+    for bare in ["80", "80.5", " 1024 "] {
+        let out = cistern()
+            .args(["replay", "-w", "rmm-random", "-c", bare])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "-c {bare}: {err}");
+        assert!(
+            err.contains("--capacity") && err.contains("needs a unit") && err.contains("GiB"),
+            "-c {bare}: {err}"
+        );
+    }
+    let path = tmp("capacity.trace");
+    std::fs::write(
+        &path,
+        "# cistern-trace v1\na 1 3000000 0\na 2 1000 0\nf 1\n",
+    )
+    .unwrap();
+    let run = |cap: &str| {
+        let out = cistern()
+            .arg("replay")
+            .arg(&path)
+            .args(["-a", "cistern,pytorch,cudamalloc", "--no-min-capacity"])
+            .args(["-c", cap])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "-c {cap}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // Bytes, when asked for with their unit: every allocator fails the first allocation.
+    let err = run("80B");
+    assert!(
+        err.contains("capacity.trace")
+            && err.contains("first allocation")
+            && err.contains("capacity is likely wrong"),
+        "{err}"
+    );
+    assert!(!run("8GiB").contains("likely wrong"));
+}
+
+/// Waits for `child` at most `secs` seconds (killing it then: a reader that never stops).
+fn wait_at_most(mut child: std::process::Child, secs: u64) -> std::process::Output {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!("still reading after {secs} s: {out:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn what_a_reader_takes_is_capped_and_an_empty_trace_is_named() {
+    use std::process::Stdio;
+    // No trace at all: refused from its first bytes, not read to the end of memory.
+    let child = cistern()
+        .args(["replay", "/dev/zero", "-a", "cistern"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_at_most(child, 20);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("/dev/zero: byte 0: expected"), "{err}");
+
+    // A trace larger than --max-input, as a file and through a pipe.
+    let mut big = String::from("# cistern-trace v1\n");
+    for i in 0..100_000 {
+        big.push_str(&format!("a {i} 4096 0\nf {i}\n"));
+    }
+    assert!(big.len() > 1 << 20);
+    let path = tmp("big.trace");
+    std::fs::write(&path, &big).unwrap();
+    let args = ["-a", "cistern", "--no-min-capacity", "--max-input", "1MiB"];
+    let file = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap();
+    let mut piped = vec!["/dev/stdin"];
+    piped.extend(args);
+    for (how, out) in [
+        ("file", file),
+        ("pipe", replay_piped(&piped, big.as_bytes())),
+    ] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{how}: {err}");
+        assert!(
+            err.contains("more than the input limit of 1 MiB") && err.contains("--max-input SIZE"),
+            "{how}: {err}"
+        );
+    }
+    // Within the limit it replays.
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern", "--no-min-capacity", "--max-input", "4MiB"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["--max-input", "1048576"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a unit"));
+
+    // A trace that parses but holds no allocation is named, even beside a workload.
+    let empty = tmp("empty.trace");
+    std::fs::write(&empty, "# cistern-trace v1\nname nothing\n").unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&empty)
+        .args(["-w", "rmm-random", "-a", "cistern", "--no-min-capacity"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("empty.trace") && err.contains("holds no allocation"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_trace_name_from_the_file_is_escaped_in_the_table() {
+    let path = tmp("named.trace");
+    std::fs::write(
+        &path,
+        "# cistern-trace v1\nname evil\x1b]0;pwned\x07\x1b[2J\na 1 3000000 0\nf 1\n",
+    )
+    .unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "cistern", "--no-min-capacity"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("evil\\u{1b}]0;pwned\\u{7}\\u{1b}[2J") && !text.contains('\x1b'),
+        "{text}"
+    );
+}

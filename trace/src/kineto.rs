@@ -157,19 +157,28 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<KinetoDevice>, KinetoError> {
 
 /// Decompress `bytes` if they start with the gzip magic, else take them as JSON text.
 pub fn decompress(bytes: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, KinetoError> {
+    decompress_limited(bytes, MAX_JSON_BYTES)
+}
+
+/// [`decompress`], stopping with an error past `limit` decompressed bytes (having taken at most
+/// `limit + 1` of them).
+pub fn decompress_limited(
+    bytes: &[u8],
+    limit: u64,
+) -> Result<std::borrow::Cow<'_, [u8]>, KinetoError> {
     if !bytes.starts_with(&[0x1f, 0x8b]) {
         return Ok(std::borrow::Cow::Borrowed(bytes));
     }
     let mut out = Vec::new();
-    let mut dec = flate2::read::MultiGzDecoder::new(bytes).take(MAX_JSON_BYTES + 1);
+    let mut dec = flate2::read::MultiGzDecoder::new(bytes).take(limit.saturating_add(1));
     dec.read_to_end(&mut out).map_err(|e| KinetoError::Gzip {
         offset: out.len() as u64,
         message: e.to_string(),
     })?;
-    if out.len() as u64 > MAX_JSON_BYTES {
+    if out.len() as u64 > limit {
         return Err(KinetoError::Gzip {
-            offset: MAX_JSON_BYTES,
-            message: format!("expected at most {MAX_JSON_BYTES} decompressed bytes"),
+            offset: limit,
+            message: format!("expected at most {limit} decompressed bytes"),
         });
     }
     Ok(std::borrow::Cow::Owned(out))

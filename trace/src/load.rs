@@ -1,7 +1,15 @@
 //! The common entry point: [`load`] detects a trace file's format and returns one [`Trace`] per
 //! device, each with its replayable sequence and, where the file records it, the allocator's own
 //! reserved-bytes curve as a baseline.
+//!
+//! Inputs are untrusted and may be pipes: each is read once, and what a reader takes is capped
+//! (see [`LoadOptions::max_input_bytes`]): at most [`DEFAULT_MAX_INPUT_BYTES`] read, and a gzipped
+//! input decompressed to at most [`GZIP_MAX_RATIO`] times its size (at least
+//! [`GZIP_MIN_LIMIT`]), so `/dev/zero` or a gzip bomb is a prompt error naming the limit.
 
+use std::borrow::Cow;
+use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use crate::kineto::{self, KinetoOptions};
@@ -63,6 +71,11 @@ pub struct LoadOptions {
     pub minimalloc_scale: u64,
     /// Options of the profiler-trace reader.
     pub kineto: KinetoOptions,
+    /// The most bytes taken from one input, read and decompressed alike (`cistern replay
+    /// --max-input`). `None`: [`DEFAULT_MAX_INPUT_BYTES`] read, and a gzipped input expanded
+    /// to at most [`GZIP_MAX_RATIO`] times its size (at least [`GZIP_MIN_LIMIT`], at most
+    /// [`DEFAULT_MAX_INPUT_BYTES`]).
+    pub max_input_bytes: Option<u64>,
 }
 
 impl Default for LoadOptions {
@@ -70,8 +83,97 @@ impl Default for LoadOptions {
         LoadOptions {
             minimalloc_scale: 64,
             kineto: KinetoOptions::default(),
+            max_input_bytes: None,
         }
     }
+}
+
+/// The most bytes read from one input by default (4 GiB), and the most a gzipped one expands to.
+pub const DEFAULT_MAX_INPUT_BYTES: u64 = 4 << 30;
+
+/// By default a gzipped input may expand to at most this many times its compressed size:
+/// profiler traces compress 5 to 20 times, a gzip bomb about 1000 times.
+pub const GZIP_MAX_RATIO: u64 = 100;
+
+/// ... or to this many bytes (256 MiB), whichever is more.
+pub const GZIP_MIN_LIMIT: u64 = 256 << 20;
+
+/// How to raise the limits, for messages.
+const RAISE: &str = "pass --max-input SIZE (e.g. --max-input 16GiB) to allow more";
+
+/// The first bytes read of an input: enough to tell its format, so that what is no trace at
+/// all (`/dev/zero`) is refused without reading the rest.
+const SNIFF_BYTES: u64 = 64 << 10;
+
+impl LoadOptions {
+    /// The most bytes read from one input.
+    pub fn input_limit(&self) -> u64 {
+        self.max_input_bytes.unwrap_or(DEFAULT_MAX_INPUT_BYTES)
+    }
+
+    /// The most bytes an input of `compressed` gzipped bytes may expand to.
+    pub fn decompressed_limit(&self, compressed: u64) -> u64 {
+        self.max_input_bytes.unwrap_or_else(|| {
+            compressed
+                .saturating_mul(GZIP_MAX_RATIO)
+                .clamp(GZIP_MIN_LIMIT, DEFAULT_MAX_INPUT_BYTES)
+        })
+    }
+}
+
+/// `n` bytes for messages: in GiB, MiB or KiB when it is a whole number of them.
+fn size(n: u64) -> String {
+    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if n >= 1 << shift && n % (1 << shift) == 0 {
+            return format!("{} {unit}", n >> shift);
+        }
+    }
+    format!("{n} bytes")
+}
+
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+const UNKNOWN_FORMAT: &str = "byte 0: expected a PyTorch snapshot pickle (0x80), a profiler \
+     trace (JSON `{`, maybe gzipped), an RMM log header `Thread,Time,Action,Pointer,Size,Stream`, \
+     `# cistern-trace v1`, or a MiniMalloc header `id,lower,upper,size`";
+
+/// Reads `path` once, to its end or to the input limit: an error past the limit, and as soon
+/// as the first bytes show it is no trace.
+fn read_input(path: &Path, opts: &LoadOptions) -> Result<Vec<u8>, String> {
+    let limit = opts.input_limit();
+    let too_large = |what: String| {
+        format!(
+            "{what}, more than the input limit of {}: {RAISE}",
+            size(limit)
+        )
+    };
+    let mut f = File::open(path).map_err(|e| e.to_string())?;
+    if let Ok(md) = f.metadata() {
+        if md.is_file() && md.len() > limit {
+            return Err(too_large(format!("{} bytes", md.len())));
+        }
+    }
+    let mut bytes = Vec::new();
+    (&mut f)
+        .take(SNIFF_BYTES.min(limit.saturating_add(1)))
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    let full = bytes.len() as u64 == SNIFF_BYTES;
+    if full
+        && !bytes.starts_with(&GZIP_MAGIC)
+        && bytes.iter().any(|b| !b.is_ascii_whitespace())
+        && detect(&bytes).is_none()
+    {
+        return Err(UNKNOWN_FORMAT.to_string());
+    }
+    let rest = limit.saturating_add(1).saturating_sub(bytes.len() as u64);
+    f.take(rest)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(format!("read {}", size(limit))));
+    }
+    Ok(bytes)
 }
 
 /// A trace file that could not be loaded.
@@ -94,16 +196,22 @@ pub fn load(path: &Path) -> Result<Vec<Trace>, LoadError> {
 
 /// Read `path`, detect its format and return one [`Trace`] per device that has operations.
 pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Vec<Trace>, LoadError> {
-    let bytes = std::fs::read(path).map_err(|e| LoadError {
+    load_file(path, opts).map(|(_, traces)| traces)
+}
+
+/// [`load_with`], also returning the detected format. The file is read once, from start to
+/// end, so a pipe or a process substitution (`/dev/stdin`, `<(zcat t.gz)`) works.
+pub fn load_file(path: &Path, opts: &LoadOptions) -> Result<(Format, Vec<Trace>), LoadError> {
+    let bytes = read_input(path, opts).map_err(|message| LoadError {
         path: path.to_path_buf(),
         format: None,
-        message: e.to_string(),
+        message,
     })?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string());
-    load_bytes(&name, &bytes, opts).map_err(|(format, message)| LoadError {
+    load_bytes_detected(&name, &bytes, opts).map_err(|(format, message)| LoadError {
         path: path.to_path_buf(),
         format,
         message,
@@ -160,17 +268,18 @@ pub fn load_bytes(
     bytes: &[u8],
     opts: &LoadOptions,
 ) -> Result<Vec<Trace>, (Option<Format>, String)> {
-    let plain = kineto::decompress(bytes).map_err(|e| (None, e.to_string()))?;
+    load_bytes_detected(name, bytes, opts).map(|(_, traces)| traces)
+}
+
+/// [`load_bytes`], also returning the detected format.
+pub fn load_bytes_detected(
+    name: &str,
+    bytes: &[u8],
+    opts: &LoadOptions,
+) -> Result<(Format, Vec<Trace>), (Option<Format>, String)> {
+    let plain = gunzip(bytes, opts).map_err(|m| (None, m))?;
     let bytes: &[u8] = &plain;
-    let format = detect(bytes).ok_or_else(|| {
-        (
-            None,
-            "byte 0: expected a PyTorch snapshot pickle (0x80), a profiler trace (JSON `{`, \
-             maybe gzipped), an RMM log header `Thread,Time,Action,Pointer,Size,Stream`, \
-             `# cistern-trace v1`, or a MiniMalloc header `id,lower,upper,size`"
-                .to_string(),
-        )
-    })?;
+    let format = detect(bytes).ok_or_else(|| (None, UNKNOWN_FORMAT.to_string()))?;
     let fail = |m: String| (Some(format), m);
     let single = |sequence: AllocSequence, device: usize, reserved: Vec<(usize, u64)>| {
         let peak = reserved.iter().map(|&(_, r)| r).max();
@@ -224,10 +333,38 @@ pub fn load_bytes(
             vec![single(seq, 0, Vec::new())]
         }
     };
-    Ok(traces
-        .into_iter()
-        .filter(|t| !t.sequence.ops.is_empty())
-        .collect())
+    Ok((
+        format,
+        traces
+            .into_iter()
+            .filter(|t| !t.sequence.ops.is_empty())
+            .collect(),
+    ))
+}
+
+/// `bytes` decompressed when they start with the gzip magic, to at most the decompressed limit.
+fn gunzip<'a>(bytes: &'a [u8], opts: &LoadOptions) -> Result<Cow<'a, [u8]>, String> {
+    let limit = opts.decompressed_limit(bytes.len() as u64);
+    kineto::decompress_limited(bytes, limit).map_err(|e| match e {
+        kineto::KinetoError::Gzip { offset, .. } if offset >= limit => {
+            let why = if opts.max_input_bytes.is_some() {
+                "the input limit".to_string()
+            } else {
+                format!(
+                    "the default limit: {GZIP_MAX_RATIO} times the {} compressed bytes, at \
+                     least {}, at most {}; a gzip bomb?",
+                    bytes.len(),
+                    size(GZIP_MIN_LIMIT),
+                    size(DEFAULT_MAX_INPUT_BYTES)
+                )
+            };
+            format!(
+                "gzip: expands to more than {} ({why}): {RAISE}",
+                size(limit)
+            )
+        }
+        e => e.to_string(),
+    })
 }
 
 /// One trace per device of a snapshot, with PyTorch's reserved curve mapped onto the ops.
@@ -331,6 +468,71 @@ mod tests {
         );
         let e = load(Path::new("/nonexistent/file")).unwrap_err();
         assert!(e.to_string().starts_with("/nonexistent/file: "), "{e}");
+    }
+
+    /// `n` bytes of `byte`, gzipped.
+    fn gzip_of(byte: u8, n: usize) -> Vec<u8> {
+        use std::io::Write;
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(&vec![byte; n]).unwrap();
+        e.finish().unwrap()
+    }
+
+    #[test]
+    fn a_gzip_bomb_stops_at_the_limit_naming_it() {
+        // The default: 100 times the compressed size, from 256 MiB to 4 GiB.
+        let o = LoadOptions::default();
+        assert_eq!(o.decompressed_limit(1000), GZIP_MIN_LIMIT);
+        assert_eq!(o.decompressed_limit(3_000_000), 300_000_000);
+        assert_eq!(o.decompressed_limit(1 << 40), DEFAULT_MAX_INPUT_BYTES);
+        assert_eq!(o.input_limit(), DEFAULT_MAX_INPUT_BYTES);
+        // A bomb: 8 MiB of spaces (a JSON prefix would be whitespace) from a few KiB.
+        let bomb = gzip_of(b' ', 8 << 20);
+        assert!(bomb.len() < 64 << 10);
+        let capped = LoadOptions {
+            max_input_bytes: Some(1 << 20),
+            ..LoadOptions::default()
+        };
+        let e = load_bytes("bomb", &bomb, &capped).unwrap_err();
+        assert_eq!(e.0, None);
+        assert!(
+            e.1.contains("expands to more than 1 MiB (the input limit)")
+                && e.1.contains("--max-input"),
+            "{}",
+            e.1
+        );
+        // Within the default limit it decompresses (and is then no trace).
+        let e = load_bytes("spaces", &bomb, &o).unwrap_err();
+        assert!(e.1.starts_with("byte 0: expected"), "{}", e.1);
+    }
+
+    #[test]
+    fn reading_stops_at_the_input_limit() {
+        let dir = std::env::temp_dir().join(format!("cistern-load-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.trace");
+        let mut text = String::from("# cistern-trace v1\n");
+        for i in 0..20_000 {
+            text.push_str(&format!("a {i} 8 0\n"));
+        }
+        std::fs::write(&path, &text).unwrap();
+        let capped = |n| LoadOptions {
+            max_input_bytes: Some(n),
+            ..LoadOptions::default()
+        };
+        let e = load_with(&path, &capped(64 << 10)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("more than the input limit of 64 KiB"),
+            "{e}"
+        );
+        let (format, traces) = load_file(&path, &capped(1 << 20)).unwrap();
+        assert_eq!(format, Format::Own);
+        assert_eq!(traces[0].sequence.ops.len(), 20_000);
+        // Not a trace: refused from the first bytes (this would read forever).
+        let e = load(Path::new("/dev/zero")).unwrap_err();
+        assert!(e.to_string().contains("byte 0: expected"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -34,11 +34,23 @@ pub fn dir_for(config: &crate::Config) -> Option<PathBuf> {
     Some(config.registry_dir.clone().unwrap_or_else(default_dir))
 }
 
+/// `dir` as the registry checks it: trailing slashes and `.` components dropped, so that
+/// `link/` and `link/.` name the link itself (the kernel resolves a trailing slash or `.`
+/// through a symlink, which would let every spelling but the plain one slip past the check).
+pub(crate) fn normalised(dir: &Path) -> PathBuf {
+    dir.components().collect()
+}
+
+/// `lstat` of the registry directory, whatever the spelling (see [`normalised`]).
+pub(crate) fn dir_metadata(dir: &Path) -> io::Result<fs::Metadata> {
+    fs::symlink_metadata(normalised(dir))
+}
+
 /// Creates `dir` (mode 0700, with its missing parents) or checks the existing one: refused when
 /// it is a symlink, not a directory, not owned by the effective user, or accessible to group or
 /// others. The error says how to fix it.
 pub fn ensure_dir(dir: &Path) -> Result<(), RegistryError> {
-    match fs::symlink_metadata(dir) {
+    match dir_metadata(dir) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             fs::DirBuilder::new()
                 .recursive(true)
@@ -60,7 +72,7 @@ pub fn check_dir(dir: &Path) -> Result<(), RegistryError> {
     };
     let fix = "remove it, or point CISTERN_CONF=registry_dir:PATH at a directory of your own \
                with mode 0700 (or set registry:off)";
-    let md = fs::symlink_metadata(dir).map_err(io_err(format!("inspecting {}", dir.display())))?;
+    let md = dir_metadata(dir).map_err(io_err(format!("inspecting {}", dir.display())))?;
     if md.file_type().is_symlink() {
         return Err(unsafe_dir(format!(
             "is a symlink, which the registry never follows: {fix}"
@@ -149,6 +161,21 @@ pub fn sweep_temporaries(dir: &Path) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn normalising_drops_trailing_slashes_and_dots() {
+        for (given, want) in [
+            ("/a/link/", "/a/link"),
+            ("/a/link/.", "/a/link"),
+            ("/a/./link//./", "/a/link"),
+            ("link/", "link"),
+            ("./link/.", "./link"),
+            (".", "."),
+            ("/", "/"),
+        ] {
+            assert_eq!(normalised(Path::new(given)), Path::new(want), "{given}");
+        }
+    }
 
     #[test]
     fn temporary_names() {

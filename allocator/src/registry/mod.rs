@@ -6,8 +6,8 @@
 //! One file per process, `<pid>-<start_time>.json`, in a per-user directory ([`default_dir`]:
 //! `/dev/shm/cistern-<uid>`, else `$XDG_RUNTIME_DIR/cistern`, else `/tmp/cistern-<uid>`;
 //! `CISTERN_CONF=registry_dir:PATH` overrides it). The directory is created with mode 0700 and
-//! refused when it is a symlink, not owned by the effective user, or group/other-accessible
-//! ([`ensure_dir`]). Record files are mode 0600 and replaced atomically: a temporary file in the
+//! refused when it is a symlink (in every spelling: `link/` and `link/.` name the link too),
+//! not owned by the effective user, or group/other-accessible ([`ensure_dir`]). Record files are mode 0600 and replaced atomically: a temporary file in the
 //! same directory, opened with `O_CREAT|O_EXCL|O_NOFOLLOW`, then renamed over the record, so a
 //! reader sees either the old or the new record, never a torn one. No path is opened through a
 //! symlink.

@@ -6,6 +6,7 @@ use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use super::dir::dir_metadata;
 use super::record::{parse_file_name, parse_record, Record, RecordError, MAX_RECORD_BYTES};
 use super::{io_err, RegistryError};
 
@@ -47,9 +48,10 @@ pub type RecordFile = (PathBuf, Result<Record, RecordError>);
 
 /// Reads every record file (`<pid>-<start_time>.json`) in `dir`, each as a record or the reason
 /// it was refused, sorted by file name. Temporary files and other names are skipped. A missing
-/// directory gives no records; a directory that is a symlink is refused.
+/// directory gives no records; a directory that is a symlink is refused, however it is spelled
+/// (a trailing `/` or `/.` does not make it followed).
 pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
-    match fs::symlink_metadata(dir) {
+    match dir_metadata(dir) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err(format!("inspecting {}", dir.display()))(e)),
         Ok(md) if md.file_type().is_symlink() => {
