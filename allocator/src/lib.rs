@@ -20,6 +20,7 @@ macro_rules! stderr_line {
 pub mod config;
 pub mod driver;
 pub mod error;
+pub mod fork;
 pub(crate) mod heap;
 pub mod interop;
 #[doc(hidden)]

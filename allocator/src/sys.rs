@@ -38,3 +38,10 @@ pub(crate) fn atexit(f: extern "C" fn()) -> bool {
     // unwind across the C boundary (a panic in an `extern "C"` fn aborts).
     unsafe { libc::atexit(f) == 0 }
 }
+
+/// Registers `child` to run in the child process after every `fork()`; whether it was.
+pub(crate) fn at_fork_child(child: extern "C" fn()) -> bool {
+    // SAFETY: registering a function with no captured state; the caller's function must only
+    // do what is safe in a child of a multithreaded process (it stores an atomic).
+    unsafe { libc::pthread_atfork(None, None, Some(child)) == 0 }
+}

@@ -71,6 +71,10 @@ static POOL: OnceLock<Result<AnyPool, String>> = OnceLock::new();
 /// be created.
 #[inline]
 pub(crate) fn pool() -> Result<&'static AnyPool, &'static str> {
+    // Before anything that could take a lock a parent's thread held at fork().
+    if cistern_alloc::fork::is_fork_child() {
+        return Err(cistern_alloc::fork::CHILD_ERROR);
+    }
     let created = match POOL.get() {
         Some(r) => r,
         None => create(),
@@ -89,6 +93,12 @@ fn create() -> &'static Result<AnyPool, String> {
     let mut opened = false;
     let r = POOL.get_or_init(|| {
         opened = true;
+        if !cistern_alloc::fork::watch() {
+            eprintln!(
+                "cistern: pthread_atfork failed: a fork() child of this process may hang if it \
+                 allocates"
+            );
+        }
         open()
     });
     if let (true, Ok(p)) = (opened, r) {

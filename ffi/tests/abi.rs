@@ -680,3 +680,78 @@ fn child_bad_record() {
         .last_error()
         .contains("/nonexistent-cistern-dir/run.trace"));
 }
+
+/// A `fork()` child of a process whose threads are allocating used to hang in `cistern_malloc`
+/// (5 to 10 children in 10) on a lock a parent thread held at the fork; the child is now told,
+/// without taking a lock, that the parent's pool cannot be used after fork.
+#[test]
+fn a_fork_child_is_refused_and_never_hangs() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_forks_while_threads_allocate",
+        &[("CISTERN_DRIVER", "sim")],
+    );
+}
+
+#[test]
+fn child_forks_while_threads_allocate() {
+    if !is_child() {
+        return;
+    }
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    let abi = common::load_with_env(&[]);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut i = 0usize;
+                while !stop.load(Relaxed) {
+                    let p = malloc(abi, 4096 << (i % 8), 0, stream(t + 1));
+                    assert!(!p.is_null(), "{}", abi.last_error());
+                    // SAFETY: the export's documented types; `p` came from cistern_malloc.
+                    unsafe { (abi.free)(p, 4096 << (i % 8), 0, stream(t + 1)) };
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for _ in 0..10 {
+        // SAFETY: the child only calls cistern and `_exit`, both fine in a fork child.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let p = malloc(abi, 4096, 0, stream(9));
+            let told = abi.last_error().contains("fork()");
+            // SAFETY: ends the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(if p.is_null() && told { 0 } else { 3 }) };
+        }
+        let mut status = 0;
+        let mut waited = 0;
+        loop {
+            // SAFETY: our own child; `status` is a live int.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            waited += 1;
+            if waited > 1000 {
+                // SAFETY: our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the fork child hung in cistern_malloc");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the fork child was not refused with an error naming fork(): status {status}"
+        );
+    }
+    stop.store(true, Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+}

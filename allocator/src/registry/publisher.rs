@@ -360,6 +360,10 @@ extern "C" fn run_exit_hook() {
     // Nothing may unwind out of an `extern "C"` function: a panic here would abort the
     // process at exit and replace its exit status.
     let _ = std::panic::catch_unwind(|| {
+        // A fork() child: the handles are the parent's, and their locks may be held forever.
+        if crate::fork::is_fork_child() {
+            return;
+        }
         let handles = match EXIT_HANDLES.try_lock() {
             Ok(mut v) => std::mem::take(&mut *v),
             Err(_) => return,
