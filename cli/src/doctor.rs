@@ -310,7 +310,7 @@ pub fn run(args: &DoctorArgs) -> Result<ExitCode, String> {
         return Err(format!("--grace {}: not a duration in seconds", args.grace));
     }
     let view = gpu::from_env()?;
-    let dir = ps::registry_dir(args.registry_dir.as_deref());
+    let dir = ps::registry_dir(args.registry_dir.as_deref())?;
     let snap = Snapshot::take(view.as_ref(), &dir)?;
     let report = examine(&snap, (args.grace * 1e3) as u64, args.clean_stale);
     if args.json {

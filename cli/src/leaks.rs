@@ -268,7 +268,7 @@ pub fn render(r: &LeaksReport, colour: bool) -> String {
 }
 
 pub fn run(args: &LeaksArgs) -> Result<(), String> {
-    let dir = registry_dir(args.registry_dir.as_deref());
+    let dir = registry_dir(args.registry_dir.as_deref())?;
     // The GPUs play no part here.
     let snap = Snapshot::take(&crate::gpu::FakeView::default(), &dir)?;
     let newest = snap

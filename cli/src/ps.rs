@@ -36,15 +36,19 @@ pub struct Snapshot {
 }
 
 /// The registry directory: `--registry-dir`, else `CISTERN_CONF`'s `registry_dir`, else the
-/// default.
-pub fn registry_dir(arg: Option<&Path>) -> PathBuf {
+/// default. An invalid `CISTERN_CONF` is an error (reading the default registry instead would
+/// show other processes than the ones the setting names, without a word).
+pub fn registry_dir(arg: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(d) = arg {
-        return d.to_path_buf();
+        return Ok(d.to_path_buf());
     }
-    cistern::Config::from_env()
-        .ok()
-        .and_then(|c| c.registry_dir)
-        .unwrap_or_else(registry::default_dir)
+    match cistern::Config::from_env() {
+        Ok(c) => Ok(c.registry_dir.unwrap_or_else(registry::default_dir)),
+        Err(e) => Err(format!(
+            "{e}\n(the registry directory is read from CISTERN_CONF: fix it, or name the \
+             directory with --registry-dir)"
+        )),
+    }
 }
 
 pub fn now_ms() -> u64 {
@@ -66,6 +70,17 @@ impl Snapshot {
                 .collect()
         });
         let files = registry::read_all(dir).map_err(|e| e.to_string())?;
+        // A directory the library would refuse to publish in (another user's, or open to
+        // others) is still read, so that its records can be examined, but never silently: what
+        // is in it may have been planted.
+        if !files.is_empty() {
+            if let Err(e) = registry::check_dir(dir) {
+                eprintln!(
+                    "cistern: warning: {}; its records may have been written by another user",
+                    crate::table::printable(&e.to_string())
+                );
+            }
+        }
         let mut records = Vec::new();
         let mut refused = Vec::new();
         for (path, r) in files {
@@ -642,7 +657,7 @@ fn watch_interval(secs: Option<f64>) -> Result<Option<Duration>, String> {
 pub fn run(args: &PsArgs) -> Result<(), String> {
     let watch = watch_interval(args.interval)?;
     let view = gpu::from_env()?;
-    let dir = registry_dir(args.registry_dir.as_deref());
+    let dir = registry_dir(args.registry_dir.as_deref())?;
     let colour = table::use_colour();
     let mut n = 0u64;
     loop {

@@ -190,3 +190,56 @@ fn a_reader_that_has_gone_ends_every_command_quietly() {
         );
     }
 }
+
+#[test]
+fn an_invalid_cistern_conf_is_an_error_not_the_default_registry() {
+    // The setting names a registry the commands cannot read: they used to show the default
+    // registry's processes instead, without a word.
+    let tmp = TempDir::new("hostile-conf");
+    let conf = format!("registry_dir:{},bogus_key:1", tmp.path().display());
+    for args in [vec!["ps"], vec!["leaks", "1"], vec!["doctor"]] {
+        let out = cistern(None)
+            .env("CISTERN_CONF", &conf)
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("bogus_key") && err.contains("--registry-dir"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_registry_open_to_others_is_read_with_a_warning() {
+    // The library refuses to publish in a directory open to group or others; the readers
+    // still show what is there, but say that it may have been planted.
+    let tmp = TempDir::new("hostile-open");
+    let dir = tmp.path().join("reg");
+    let (me, start) = me();
+    publish(
+        &dir,
+        identity(me, start, "python train.py"),
+        vec![device(0, "GPU-aaaa", GIB, MIB, &[])],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let d = dir.display().to_string();
+    let pid = me.to_string();
+    for args in [
+        vec!["ps", "--registry-dir", &d],
+        vec!["leaks", &pid, "--registry-dir", &d],
+        vec!["doctor", "--registry-dir", &d],
+    ] {
+        let out = cistern(None).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("warning") && err.contains("0777") && err.contains("another user"),
+            "{args:?}: {err}"
+        );
+    }
+}
