@@ -3,9 +3,10 @@
 //! `fork()` copies only the calling thread. Every lock another thread of the parent held at that
 //! moment (an arena's, the device's, the registry's) stays locked in the child forever, so a
 //! child that allocates can hang; and a child cannot use its parent's CUDA state anyway (the
-//! driver does not support it: CUDA contexts do not survive `fork`). [`watch`] registers a
-//! `pthread_atfork` child handler that marks the child; the C ABI then refuses every pool call
-//! there with [`CHILD_ERROR`], without taking a lock, and the registry's exit hook does nothing.
+//! driver does not support it: CUDA contexts do not survive `fork`). [`watch`] (called by
+//! `Pool::new` and the C ABI) registers a `pthread_atfork` child handler that marks the child;
+//! every pool call there (`alloc`, `free`, `record_stream`, and the C ABI's exports) then fails
+//! with [`CHILD_ERROR`] before taking a lock, and the registry's exit hook does nothing.
 //! A child that wants the GPU starts fresh: `multiprocessing`'s `spawn` or `forkserver`, or an
 //! `exec`.
 

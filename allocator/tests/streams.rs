@@ -274,3 +274,63 @@ fn many_short_lived_streams_keep_address_space_and_arenas_bounded() {
     check(&pool);
     assert_no_leak(&sim, pool);
 }
+
+#[test]
+fn a_fork_child_is_refused_by_the_pool_and_never_hangs() {
+    // fork() copies one thread: an arena lock another thread held stays held in the child.
+    // The child's calls fail with an error naming fork() before taking any lock.
+    let (_sim, pool) = pool(GIB, true);
+    let pool = std::sync::Arc::new(pool);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..3u64)
+        .map(|t| {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let p = pool
+                        .alloc_raw(0, 4096 << (i % 8), StreamId(0x40 + t))
+                        .unwrap();
+                    pool.free_raw(p, StreamId(0x40 + t)).unwrap();
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    for _ in 0..10 {
+        // SAFETY: the child only calls the pool (which refuses at once) and `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let refused = match pool.alloc_raw(0, 4096, StreamId(0x40)) {
+                Err(e) => e.to_string().contains("fork()"),
+                Ok(_) => false,
+            };
+            let freed = pool.free_raw(0x1000, StreamId(0x40)).is_err();
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(if refused && freed { 0 } else { 3 }) };
+        }
+        let mut status = 0;
+        let mut waited = 0;
+        // SAFETY: our own child; `status` is a live int.
+        while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } != pid {
+            waited += 1;
+            if waited > 1000 {
+                // SAFETY: our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the fork child hung in the pool");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the fork child was not refused: status {status}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    check(&pool);
+}

@@ -74,6 +74,11 @@ impl<D: Driver> std::fmt::Debug for Buffer<D> {
 impl<D: Driver> Drop for Buffer<D> {
     fn drop(&mut self) {
         if let Some(a) = self.arena.take() {
+            if crate::fork::is_fork_child() {
+                // The parent's pool: its locks may be held forever here (see `crate::fork`).
+                std::mem::forget(a);
+                return;
+            }
             // A buffer's pointer is live by construction; an error here would be a pool bug,
             // already counted and logged by free_ptr.
             let _ = a.free_ptr(self.ptr);

@@ -394,6 +394,7 @@ impl<D: Driver> DevicePool<D> {
         if size == 0 {
             return Ok((0, None));
         }
+        fork_check()?;
         let rounded = round_size(size)
             .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
         let kind = self.kind_of(rounded);
@@ -479,6 +480,7 @@ impl<D: Driver> DevicePool<D> {
         if ptr == 0 {
             return Ok(());
         }
+        fork_check()?;
         let c = &*self.core;
         // The recorder hears of a free before the block can be handed out again, so another
         // thread's reuse of the address is always recorded after it (it ignores unknown
@@ -521,6 +523,7 @@ impl<D: Driver> DevicePool<D> {
     /// `stream`: when it is freed, it is not reused until the work queued on `stream` by then
     /// has completed.
     pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        fork_check()?;
         let c = &*self.core;
         let Some(arena) = self.arena_of(ptr) else {
             c.counters.num_invalid_frees.fetch_add(1, Relaxed);
@@ -596,4 +599,14 @@ impl<D: Driver> Drop for DevicePool<D> {
             let _ = c.driver.event_destroy(c.dev, ev);
         }
     }
+}
+
+/// Refuses pool work in a `fork()` child (see [`crate::fork`]): before any lock, one relaxed
+/// load.
+#[inline]
+fn fork_check() -> Result<()> {
+    if crate::fork::is_fork_child() {
+        return Err(Error::InvalidArgument(crate::fork::CHILD_ERROR.to_owned()));
+    }
+    Ok(())
 }

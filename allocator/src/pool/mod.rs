@@ -173,6 +173,8 @@ impl<D: Driver> Pool<D> {
     /// driver cannot count its devices.
     pub fn new(driver: D, config: Config) -> Result<Self> {
         config.validate()?;
+        // A fork() child of this process must never take the pool's locks (see `crate::fork`).
+        crate::fork::watch();
         let driver = Arc::new(driver);
         let n = driver.device_count()?;
         Ok(Pool {
