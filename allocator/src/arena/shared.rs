@@ -9,7 +9,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, DriverResult, EventId, StreamId, StreamInfo};
 use crate::error::Error;
 use crate::stats::SharedGauges;
 
@@ -94,6 +94,18 @@ impl<D: Driver> DeviceCore<D> {
         }
         crate::log_rate_limited(&msg);
         Error::InvalidArgument(format!("{ptr:#x} is not a live allocation: {why}"))
+    }
+
+    /// What `stream`, named by a caller of `record_stream`, is: a special handle means the
+    /// stream of the caller's current device (this device when it has none), as the driver
+    /// resolves it.
+    pub(crate) fn resolve_use(&self, stream: StreamId) -> DriverResult<StreamInfo> {
+        let on = if stream.is_special() {
+            self.driver.current_device().unwrap_or(self.dev)
+        } else {
+            self.dev
+        };
+        self.driver.stream_info(on, stream)
     }
 
     /// Whether all work queued on `stream` so far has finished, without blocking: records an

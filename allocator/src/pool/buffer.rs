@@ -47,12 +47,7 @@ impl<D: Driver> Buffer<D> {
     pub fn record_stream(&self, stream: StreamId) -> crate::error::Result<()> {
         let Some(a) = &self.arena else { return Ok(()) };
         let c = &*a.core;
-        let on = if stream.is_special() {
-            c.driver.current_device().unwrap_or(c.dev)
-        } else {
-            c.dev
-        };
-        let info = c.driver.stream_info(on, stream)?;
+        let info = c.resolve_use(stream)?;
         if a.add_use(self.ptr, stream, info) {
             c.counters.num_record_streams.fetch_add(1, Relaxed);
         }

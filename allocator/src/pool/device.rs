@@ -17,7 +17,7 @@ use crate::arena::{
     Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind, StreamRef,
 };
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId, StreamInfo};
+use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
@@ -241,16 +241,7 @@ impl<D: Driver> DevicePool<D> {
             return Ok(a.clone());
         }
         if !stream.is_special() {
-            let gone: Vec<u64> = map
-                .iter()
-                .filter(|(_, a)| a.stream == stream)
-                .map(|(&id, _)| id)
-                .collect();
-            for id in gone {
-                if let Some(old) = map.remove(&id) {
-                    self.retire(old);
-                }
-            }
+            self.retire_handle(&mut map, stream);
         }
         let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
         map.insert(info.id, arena.clone());
@@ -275,7 +266,11 @@ impl<D: Driver> DevicePool<D> {
     ///
     /// [`Pool::forget_stream`]: super::Pool::forget_stream
     pub fn forget_stream(&self, stream: StreamId) -> bool {
-        let mut map = self.arenas.write();
+        self.retire_handle(&mut self.arenas.write(), stream)
+    }
+
+    /// Retires every arena of `map` whose stream has the handle `stream`; whether there was one.
+    fn retire_handle(&self, map: &mut FxHashMap<u64, Arc<Arena<D>>>, stream: StreamId) -> bool {
         let gone: Vec<u64> = map
             .iter()
             .filter(|(_, a)| a.stream == stream)
@@ -537,23 +532,10 @@ impl<D: Driver> DevicePool<D> {
                 "record_stream: {ptr:#x} is not inside a live block"
             )));
         };
-        let info = self.resolve_use(stream)?;
+        let info = c.resolve_use(stream)?;
         c.counters.num_record_streams.fetch_add(1, Relaxed);
         arena.add_use(base, stream, info);
         Ok(())
-    }
-
-    /// What `stream`, named by a caller of `record_stream`, is: a special handle means the
-    /// stream of the caller's current device (the block's device when it has none), as the
-    /// driver resolves it.
-    pub(super) fn resolve_use(&self, stream: StreamId) -> Result<StreamInfo> {
-        let c = &*self.core;
-        let on = if stream.is_special() {
-            c.driver.current_device().unwrap_or(c.dev)
-        } else {
-            c.dev
-        };
-        Ok(c.driver.stream_info(on, stream)?)
     }
 
     pub(super) fn all_arenas(&self) -> Vec<Arc<Arena<D>>> {

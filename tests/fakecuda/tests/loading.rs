@@ -35,6 +35,30 @@ fn mapped_drivers() -> Vec<String> {
     files
 }
 
+/// Runs the child test `name` with `LD_LIBRARY_PATH=ld` and `CHILD=value`; returns the
+/// `libcuda.so*` files it says were mapped.
+fn run_child(name: &str, ld: &str, value: &str) -> Vec<String> {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--ignored", "--nocapture"]);
+    common::child_env(&mut cmd, &[]);
+    cmd.env("LD_LIBRARY_PATH", ld);
+    cmd.env(CHILD, value);
+    let out = cmd.output().expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child {name} failed\n{stdout}\n{stderr}"
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("MAPPED "))
+        .unwrap_or_else(|| panic!("no MAPPED line\n{stdout}"))
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
 #[test]
 #[ignore = "runs in a child process started by stub_libcuda_so_earlier_on_the_path_is_not_opened"]
 fn child_opens_the_driver() {
@@ -60,36 +84,12 @@ fn stub_libcuda_so_earlier_on_the_path_is_not_opened() {
     // Different files under the two names: the "stub" first on the path, the driver after it.
     std::fs::copy(dir.join("libcuda.so"), stubs.join("libcuda.so")).unwrap();
     std::fs::copy(dir.join("libcuda.so.1"), driver.join("libcuda.so.1")).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "child_opens_the_driver",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-    ]);
-    common::child_env(&mut cmd, &[]);
-    cmd.env(
-        "LD_LIBRARY_PATH",
-        format!("{}:{}", stubs.display(), driver.display()),
-    );
-    cmd.env(CHILD, "1");
-    let out = cmd.output().expect("run the child");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let ld = format!("{}:{}", stubs.display(), driver.display());
+    let files = run_child("child_opens_the_driver", &ld, "1");
     let _ = std::fs::remove_dir_all(&root);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child failed\n{stdout}\n{stderr}"
-    );
-    let mapped = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("MAPPED "))
-        .unwrap_or_else(|| panic!("no MAPPED line\n{stdout}"));
-    let files: Vec<&str> = mapped.split_whitespace().collect();
     assert_eq!(
         files,
-        [driver.join("libcuda.so.1").to_string_lossy().as_ref()],
+        [driver.join("libcuda.so.1").to_string_lossy().into_owned()],
         "exactly the driver's libcuda.so.1 must be loaded, never the libcuda.so before it"
     );
 }
@@ -128,32 +128,12 @@ fn the_driver_already_in_the_process_is_the_one_used() {
     std::fs::create_dir_all(&empty).unwrap();
     let driver = private.join("libcuda.so.1");
     std::fs::copy(dir.join("libcuda.so.1"), &driver).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "child_uses_the_loaded_driver",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-    ]);
-    common::child_env(&mut cmd, &[]);
     // Nothing on the search path: only the already loaded driver can serve.
-    cmd.env("LD_LIBRARY_PATH", &empty);
-    cmd.env(CHILD, &driver);
-    let out = cmd.output().expect("run the child");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let files = run_child(
+        "child_uses_the_loaded_driver",
+        &empty.display().to_string(),
+        &driver.display().to_string(),
+    );
     let _ = std::fs::remove_dir_all(&root);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child failed\n{stdout}\n{stderr}"
-    );
-    let mapped = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("MAPPED "))
-        .unwrap_or_else(|| panic!("no MAPPED line\n{stdout}"));
-    assert_eq!(
-        mapped.split_whitespace().collect::<Vec<_>>(),
-        [driver.to_string_lossy().as_ref()]
-    );
+    assert_eq!(files, [driver.to_string_lossy().into_owned()]);
 }

@@ -179,3 +179,16 @@ fn open() -> Result<(&'static str, Library), OpenError> {
     }
     Err(OpenError::NotFound(errors.join("; ")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symbols_are_listed_once() {
+        let mut s = CUDA_SYMBOLS.to_vec();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), CUDA_SYMBOLS.len());
+    }
+}
