@@ -40,7 +40,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             let note = if available.contains(w) {
                 ""
             } else {
-                "  (needs ../shared/traces or CISTERN_TRACES_DIR)"
+                "  (needs google/minimalloc's CSV in $CISTERN_TRACES_DIR)"
             };
             println!("  {w}{note}");
         }
@@ -130,7 +130,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Loads the files and generates the workloads asked for (all available ones when neither).
+/// Loads the files and generates the workloads asked for (the built-in ones when neither).
 fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     let mut inputs = Vec::new();
     let opts = load_options(args.max_input.as_deref())?;
@@ -158,10 +158,8 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
         }
     }
     let names: Vec<String> = if args.files.is_empty() && args.workloads.is_empty() {
-        workloads::available()
-            .into_iter()
-            .map(String::from)
-            .collect()
+        // The built-in set reads no file: the same rows on every machine.
+        workloads::builtin().iter().map(|s| s.to_string()).collect()
     } else {
         args.workloads.clone()
     };
