@@ -72,8 +72,14 @@ pub fn colour_for(name: &str) -> &'static str {
     HASHED[(h % HASHED.len() as u64) as usize]
 }
 
+/// `s` as SVG text: control and invisible characters written as escapes ([`printable`]: XML
+/// forbids most control characters, and names may come from a trace file), then XML's
+/// specials.
+///
+/// [`printable`]: crate::table::printable
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
+    crate::table::printable(s)
+        .replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
@@ -435,6 +441,24 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("a &lt;b&gt;"));
         assert!(svg.contains("stroke-dasharray"));
+    }
+
+    /// A trace's name comes from its file: control characters in it must not make the SVG
+    /// invalid XML (XML 1.0 forbids them even escaped as `&#x1b;`).
+    #[test]
+    fn control_characters_in_names_keep_the_svg_valid() {
+        let svg = render(&[Chart {
+            title: "evil\x1b[2J\x07 & <trace>".into(),
+            x_label: "operation".into(),
+            series: vec![line("a\u{0}b\r\n (reserved)", 1e9)],
+        }]);
+        let doc = roxmltree::Document::parse(&svg).expect("the SVG parses as XML");
+        let texts: Vec<&str> = doc.descendants().filter_map(|n| n.text()).collect();
+        assert!(
+            texts.contains(&"evil\\u{1b}[2J\\u{7} & <trace>"),
+            "{texts:?}"
+        );
+        assert!(texts.contains(&"a\\u{0}b\\r\\n (reserved)"), "{texts:?}");
     }
 
     #[test]
