@@ -317,10 +317,11 @@ fn pct(f: f64) -> String {
 pub const COLUMNS: &str = "\
 Columns:
   peak reserved  the most device memory the allocator held (green: the least of the models)
-  F              fragmentation at the peak: 1 - peak live / peak reserved
+  F              fragmentation: 1 - peak live / peak reserved
   min capacity   the smallest device on which the trace runs without running out (bisection)
   x live         min capacity / peak live: the device the allocator needs, in multiples of
-                 the live bytes (1.000: no overhead; -: not searched, see --no-min-capacity)
+                 the live bytes (1.000: no overhead; -: not searched, with --no-min-capacity
+                 or for a recorded baseline)
   driver calls   calls to the simulated driver (reserve, map, alloc, free, ...)
   drv ms         their modelled host time, priced by the cost table (--costs)
   waits          calls that block the host on GPU work (counted, not timed)
