@@ -311,6 +311,21 @@ fn pct(f: f64) -> String {
     format!("{:.1}%", f * 100.0)
 }
 
+/// What the table's columns mean: printed under the tables and by `cistern replay --help`.
+pub const COLUMNS: &str = "\
+Columns:
+  peak reserved  the most device memory the allocator held (green: the least of the models)
+  F              fragmentation: 1 - peak live / peak reserved
+  min capacity   the smallest device on which the trace runs without running out (bisection)
+  x live         min capacity / peak live: the device the allocator needs, in multiples of
+                 the live bytes (1.000: no overhead; -: not searched, with --no-min-capacity
+                 or for a recorded baseline)
+  driver calls   calls to the simulated driver (reserve, map, alloc, free, ...)
+  drv ms         their modelled host time, priced by the cost table (--costs)
+  waits          calls that block the host on GPU work (counted, not timed)
+  steady         driver calls after peak reserved was first reached (churn)
+  ops/s          replay speed of the model on this machine (- for a recorded baseline)";
+
 fn print_tables(reports: &[TraceReport]) {
     let colour = table::use_colour();
     for (i, rep) in reports.iter().enumerate() {
@@ -398,6 +413,10 @@ fn print_tables(reports: &[TraceReport]) {
             ]);
         }
         print!("{}", t.render(colour));
+    }
+    if !reports.is_empty() {
+        println!();
+        println!("{COLUMNS}");
     }
 }
 
