@@ -1,11 +1,13 @@
-//! A tour of cistern at work: a training-like loop on two streams, a real PyTorch trace replayed
-//! when `../shared/traces/` is present, and an out-of-memory report.
+//! A tour of cistern at work: a training-like loop on two streams, a trace replayed (the
+//! built-in GPT-medium training workload, or the PyTorch snapshot given as the argument), and an
+//! out-of-memory report.
 //!
 //! Runs on the GPU when a CUDA driver is present, otherwise on the simulated GPU (and says so).
 //! `CISTERN_DRIVER=sim` forces the simulator; `CISTERN_CONF` configures the pool.
 //!
 //! ```text
 //! cargo run --release -p cistern --example tour
+//! cargo run --release -p cistern --example tour -- snapshot.pickle   # a PyTorch snapshot
 //! ```
 
 use std::path::PathBuf;
@@ -112,31 +114,32 @@ fn training_loop(pool: &Pool<Arc<dyn Driver>>) -> Result<(), Box<dyn std::error:
     Ok(())
 }
 
-fn traces_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("CISTERN_TRACES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"));
-    dir.is_dir().then_some(dir)
-}
-
-/// Replays a real PyTorch trace on a fresh pool and compares with what PyTorch reserved.
+/// Replays a trace on a fresh pool: the snapshot given as the first argument (compared with
+/// what PyTorch reserved), else the built-in training workload (two steps).
 fn replay_trace(driver: &Arc<dyn Driver>) -> Result<(), Box<dyn std::error::Error>> {
     use cistern_trace::sequence::Op;
     use cistern_trace::snapshot::Snapshot;
-    println!("\n== replaying a real PyTorch trace ==");
-    let Some(dir) = traces_dir() else {
-        println!("  skipped: no traces folder (set CISTERN_TRACES_DIR to one)");
-        return Ok(());
+    let (name, seq, recorded) = match std::env::args_os().nth(1).map(PathBuf::from) {
+        Some(path) => {
+            println!("\n== replaying a PyTorch snapshot ==");
+            let snap = Snapshot::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let name = path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            (
+                name,
+                snap.alloc_free_sequence(0),
+                Some(snap.reserved_curve(0).peak()),
+            )
+        }
+        None => {
+            println!("\n== replaying a trace (give a PyTorch snapshot as the argument to replay yours) ==");
+            let t = cistern_trace::workloads::generate("training:iters=2", 1)?;
+            (t.name, t.sequence, None)
+        }
     };
-    let name = "cs336-wedsonlin__gpt-medium_train_ctx128.pickle";
-    let path = dir.join("pytorch_snapshots").join(name);
-    if !path.exists() {
-        println!("  skipped: {} not found", path.display());
-        return Ok(());
-    }
-    let snap = Snapshot::read(&path)?;
-    let seq = snap.alloc_free_sequence(0);
-    let recorded = snap.reserved_curve(0).peak();
     // A fresh pool on the same driver: the trace's memory must fit next to the tour's.
     let pool = Pool::new(driver.clone(), Config::default())?;
     let dev = pool.device(0)?;
@@ -164,14 +167,20 @@ fn replay_trace(driver: &Arc<dyn Driver>) -> Result<(), Box<dyn std::error::Erro
         seq.ops.len(),
         el.as_secs_f64() * 1e3
     );
+    let live_peak = seq.peak_live_requested.max(1) as f64;
     println!(
-        "  peak live (requested) {:>10}\n  cistern peak reserved  {:>10}  ({:.3}x live)\n  PyTorch peak reserved  {:>10}  ({:.3}x live, recorded)",
+        "  peak live (requested) {:>10}\n  cistern peak reserved  {:>10}  ({:.3}x live)",
         format_bytes(seq.peak_live_requested),
         format_bytes(peak_reserved),
-        peak_reserved as f64 / seq.peak_live_requested as f64,
-        format_bytes(recorded),
-        recorded as f64 / seq.peak_live_requested as f64,
+        peak_reserved as f64 / live_peak,
     );
+    if let Some(recorded) = recorded {
+        println!(
+            "  PyTorch peak reserved  {:>10}  ({:.3}x live, recorded)",
+            format_bytes(recorded),
+            recorded as f64 / live_peak,
+        );
+    }
     drop(live);
     Ok(())
 }

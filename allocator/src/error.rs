@@ -24,6 +24,9 @@ pub enum Error {
         device: DeviceId,
         /// How many devices exist.
         count: usize,
+        /// The driver's name ([`crate::Driver::name`]): what sets the device count, and so
+        /// what the message tells the user to check.
+        driver: &'static str,
     },
     /// An argument was rejected (the message says which and why).
     InvalidArgument(String),
@@ -70,9 +73,14 @@ impl fmt::Display for Error {
             Error::LimitExceeded(r) => write!(f, "memory limit exceeded: {r}"),
             Error::Driver(e) => write!(f, "driver error: {e}"),
             Error::NoDriver(m) => f.write_str(m),
-            Error::InvalidDevice { device, count } => write!(
+            Error::InvalidDevice {
+                device,
+                count,
+                driver,
+            } => write!(
                 f,
-                "invalid device {device}: {count} device(s) visible (check CUDA_VISIBLE_DEVICES)"
+                "invalid device {device}: {count} device(s) visible ({})",
+                device_hint(driver, *device)
             ),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::Config(e) => write!(f, "{e}"),
@@ -81,6 +89,18 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// What sets the number of devices `driver` shows, for a message about device `wanted`: the
+/// simulator's is `CISTERN_SIM`'s `devices:N`; a real GPU's, `CUDA_VISIBLE_DEVICES`.
+fn device_hint(driver: &str, wanted: DeviceId) -> String {
+    match driver {
+        "sim" => format!(
+            "the simulated GPU: set CISTERN_SIM=devices:{} or more for device {wanted}",
+            wanted.saturating_add(1)
+        ),
+        _ => "check CUDA_VISIBLE_DEVICES".to_string(),
+    }
+}
 
 /// Shorthand for the library's results.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -203,5 +223,37 @@ impl fmt::Display for OomReport {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bad device on the simulator names what sets its device count there (`CISTERN_SIM`),
+    /// not `CUDA_VISIBLE_DEVICES`, which the simulator ignores.
+    #[test]
+    fn a_bad_device_names_what_sets_the_device_count() {
+        let sim = Error::InvalidDevice {
+            device: 3,
+            count: 2,
+            driver: "sim",
+        }
+        .to_string();
+        assert_eq!(
+            sim,
+            "invalid device 3: 2 device(s) visible (the simulated GPU: set \
+             CISTERN_SIM=devices:4 or more for device 3)"
+        );
+        let cuda = Error::InvalidDevice {
+            device: 3,
+            count: 2,
+            driver: "cuda",
+        }
+        .to_string();
+        assert_eq!(
+            cuda,
+            "invalid device 3: 2 device(s) visible (check CUDA_VISIBLE_DEVICES)"
+        );
     }
 }

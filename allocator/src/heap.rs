@@ -485,10 +485,32 @@ impl Heap {
     }
 
     /// Free spans of at least `len` bytes (every one of them; in no particular order).
+    ///
+    /// Walks only the size classes whose bitmap bit is set, so a heap with few free spans costs
+    /// a few word operations, not one test per class: stealing and stitching call this for
+    /// every arena of the device.
     pub fn free_spans_at_least(&self, len: u64) -> impl Iterator<Item = SpanId> + '_ {
         let (fl0, sl0) = mapping(len);
-        (fl0 * SL + sl0..FL * SL)
-            .filter(move |&idx| self.sl_bitmap[idx / SL] & (1 << (idx % SL)) != 0)
+        let mut fl_bits = if fl0 < FL {
+            self.fl_bitmap & (!0u64 << fl0)
+        } else {
+            0
+        };
+        let (mut fl, mut sl_bits) = (0usize, 0u32);
+        let classes = std::iter::from_fn(move || loop {
+            if sl_bits != 0 {
+                let sl = sl_bits.trailing_zeros() as usize;
+                sl_bits &= sl_bits - 1;
+                return Some(fl * SL + sl);
+            }
+            if fl_bits == 0 {
+                return None;
+            }
+            fl = fl_bits.trailing_zeros() as usize;
+            fl_bits &= fl_bits - 1;
+            sl_bits = self.sl_bitmap[fl] & if fl == fl0 { !0u32 << sl0 } else { !0 };
+        });
+        classes
             .flat_map(move |idx| {
                 let mut id = self.heads[idx];
                 std::iter::from_fn(move || {

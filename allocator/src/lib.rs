@@ -1,7 +1,10 @@
 //! cistern: a stream-ordered, VMM-backed caching allocator for CUDA device memory.
 //!
-//! See the README for the ideas the pool rests on, [`driver`] for the seam between the pool
-//! and a device, and [`interop`] for using pooled buffers as cudarc device memory.
+//! The guide below is `allocator/README.md`; its examples run as doc tests. For the pool's
+//! design read [`pool`] (and the workspace README), [`driver`] for the seam between the pool
+//! and a device, and [`interop`] for pooled buffers as cudarc device memory.
+//!
+#![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 // `unsafe` lives only in `driver::cuda` (the driver API is FFI) and `sys` (libc calls).
 #![deny(unsafe_code)]
@@ -40,7 +43,7 @@ pub use driver::cuda::CudaDriver;
 pub use driver::sim::{CallCost, CostTable, SimConfig, SimDriver};
 pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
-pub use open::{open_driver, DriverChoice};
+pub use open::{choice_from_env, open_driver, open_driver_from_env, DriverChoice};
 pub use pool::{
     BlockInfo, BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport,
     SegmentSnapshot,
@@ -52,6 +55,11 @@ pub use provenance::{
 pub use stats::Stats;
 
 pub(crate) use log::log_rate_limited;
+
+/// The workspace README's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
 
 /// Formats a byte count for people: `512 B`, `1.5 KiB`, `20.0 MiB`, `79.2 GiB`.
 pub fn format_bytes(b: u64) -> String {

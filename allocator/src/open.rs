@@ -98,6 +98,14 @@ pub fn open_driver(choice: DriverChoice, fallback_to_sim: bool) -> Result<(Arc<d
     }
 }
 
+/// Opens the driver `CISTERN_DRIVER` names ([`choice_from_env`], then [`open_driver`]).
+///
+/// With `fallback_to_sim`, `auto` (the default) gives the simulator on a machine without a CUDA
+/// driver, and `true` in the second field so the caller can say so; `cuda` never falls back.
+pub fn open_driver_from_env(fallback_to_sim: bool) -> Result<(Arc<dyn Driver>, bool)> {
+    open_driver(choice_from_env()?, fallback_to_sim)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -31,6 +31,7 @@ enum Command {
     /// Replay allocation traces against allocators on a simulated GPU and compare how much
     /// memory each one reserves (fragmentation, smallest device that runs the trace, driver
     /// calls, speed). With no trace and no workload, runs the built-in workloads.
+    #[command(after_long_help = replay::COLUMNS)]
     Replay(ReplayArgs),
     /// Convert a trace (any format `replay` reads) to cistern's own format or to a RAPIDS RMM
     /// log (`logging_resource_adaptor` CSV), one output per device.

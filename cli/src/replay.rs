@@ -40,7 +40,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             let note = if available.contains(w) {
                 ""
             } else {
-                "  (needs ../shared/traces or CISTERN_TRACES_DIR)"
+                "  (needs google/minimalloc's CSV in $CISTERN_TRACES_DIR)"
             };
             println!("  {w}{note}");
         }
@@ -130,7 +130,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Loads the files and generates the workloads asked for (all available ones when neither).
+/// Loads the files and generates the workloads asked for (the built-in ones when neither).
 fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     let mut inputs = Vec::new();
     let opts = load_options(args.max_input.as_deref())?;
@@ -158,10 +158,8 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
         }
     }
     let names: Vec<String> = if args.files.is_empty() && args.workloads.is_empty() {
-        workloads::available()
-            .into_iter()
-            .map(String::from)
-            .collect()
+        // The built-in set reads no file: the same rows on every machine.
+        workloads::builtin().iter().map(|s| s.to_string()).collect()
     } else {
         args.workloads.clone()
     };
@@ -313,6 +311,21 @@ fn pct(f: f64) -> String {
     format!("{:.1}%", f * 100.0)
 }
 
+/// What the table's columns mean: printed under the tables and by `cistern replay --help`.
+pub const COLUMNS: &str = "\
+Columns:
+  peak reserved  the most device memory the allocator held (green: the least of the models)
+  F              fragmentation: 1 - peak live / peak reserved
+  min capacity   the smallest device on which the trace runs without running out (bisection)
+  x live         min capacity / peak live: the device the allocator needs, in multiples of
+                 the live bytes (1.000: no overhead; -: not searched, with --no-min-capacity
+                 or for a recorded baseline)
+  driver calls   calls to the simulated driver (reserve, map, alloc, free, ...)
+  drv ms         their modelled host time, priced by the cost table (--costs)
+  waits          calls that block the host on GPU work (counted, not timed)
+  steady         driver calls after peak reserved was first reached (churn)
+  ops/s          replay speed of the model on this machine (- for a recorded baseline)";
+
 fn print_tables(reports: &[TraceReport]) {
     let colour = table::use_colour();
     for (i, rep) in reports.iter().enumerate() {
@@ -400,6 +413,10 @@ fn print_tables(reports: &[TraceReport]) {
             ]);
         }
         print!("{}", t.render(colour));
+    }
+    if !reports.is_empty() {
+        println!();
+        println!("{COLUMNS}");
     }
 }
 

@@ -2,9 +2,20 @@
 //! the escaping of untrusted text ([`printable`]) that every table cell goes through.
 //!
 //! Colour is used when stdout is a terminal and `NO_COLOR` is unset (https://no-color.org).
+//! Columns are padded to their display width (`unicode-width`: a CJK character takes two
+//! terminal cells), so a table holding a wide tag or command line stays aligned.
+//!
+//! Hand-written, by choice: `comfy-table` and `tabled` were considered. Either would need to
+//! be configured down to exactly this layout (no borders, two spaces between columns, no
+//! trailing blanks, a bold header), which scripts and tests read; neither escapes control
+//! characters, so [`printable`] would stay ours all the same; and what they add (borders,
+//! wrapping to the terminal's width) is nothing these tables want. Display width, the one
+//! thing they would do better than the old code, is the one dependency taken.
 
 use std::borrow::Cow;
 use std::io::IsTerminal;
+
+use unicode_width::UnicodeWidthStr;
 
 /// `s` safe to print to a terminal: control characters (ESC, BEL, CR, LF, DEL, C1, ...) and
 /// invisible formatting characters (bidirectional overrides, zero-width characters) are
@@ -97,15 +108,15 @@ impl Table {
     /// Renders with two spaces between columns.
     pub fn render(&self, colour: bool) -> String {
         let n = self.header.len();
-        let mut width: Vec<usize> = self.header.iter().map(|(h, _)| h.chars().count()).collect();
+        let mut width: Vec<usize> = self.header.iter().map(|(h, _)| h.width()).collect();
         for r in &self.rows {
             for (i, (c, _)) in r.iter().enumerate().take(n) {
-                width[i] = width[i].max(c.chars().count());
+                width[i] = width[i].max(c.width());
             }
         }
         let mut out = String::new();
         let pad = |s: &str, w: usize, a: Align| {
-            let fill = " ".repeat(w.saturating_sub(s.chars().count()));
+            let fill = " ".repeat(w.saturating_sub(s.width()));
             match a {
                 Align::Left => format!("{s}{fill}"),
                 Align::Right => format!("{fill}{s}"),
@@ -163,6 +174,17 @@ mod tests {
         );
         assert!(!plain.contains('\x1b'));
         assert!(t.render(true).contains(RED));
+    }
+
+    /// A wide (CJK) character takes two terminal cells: the next column still lines up.
+    #[test]
+    fn wide_characters_keep_the_columns_aligned() {
+        let mut t = Table::new(&[("tag", Align::Left), ("bytes", Align::Right)]);
+        t.row_coloured(vec![("日本語".into(), None), ("1".into(), None)]);
+        t.row_coloured(vec![("abcdef".into(), None), ("22".into(), None)]);
+        let text = t.render(false);
+        let ends: Vec<usize> = text.lines().map(UnicodeWidthStr::width).collect();
+        assert_eq!(ends, [13, 13, 13], "{text}");
     }
 
     #[test]

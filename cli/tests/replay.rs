@@ -566,3 +566,84 @@ fn a_trace_name_from_the_file_is_escaped_in_the_table() {
         "{text}"
     );
 }
+
+/// `x live` and the other columns are explained in words, under the tables and in `--help`.
+#[test]
+fn the_columns_are_explained_under_the_tables_and_in_help() {
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "-a", "cistern"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("x live "))
+        .unwrap_or_else(|| panic!("x live is not explained: {text}"));
+    assert!(line.contains("min capacity / peak live"), "{line}");
+    let help = cistern().args(["replay", "--help"]).output().unwrap();
+    let help = String::from_utf8(help.stdout).unwrap();
+    for col in [
+        "x live",
+        "peak reserved",
+        "min capacity",
+        "drv ms",
+        "steady",
+    ] {
+        assert!(help.contains(col), "--help does not explain {col}: {help}");
+    }
+}
+
+/// The colour of each allocator's legend swatch in a plot.
+fn plot_colours(allocators: &str) -> Vec<(String, String)> {
+    let svg = tmp(&format!("colours-{}.svg", allocators.replace(',', "-")));
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "rmm-random",
+            "--no-min-capacity",
+            "-a",
+            allocators,
+        ])
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("the plot parses as XML");
+    let nodes: Vec<_> = doc.descendants().collect();
+    let mut colours = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        if let Some(label) = n.text().filter(|_| n.has_tag_name("text")) {
+            if let Some(name) = label.strip_suffix(" (reserved)") {
+                let swatch = nodes[..i]
+                    .iter()
+                    .rev()
+                    .find(|n| n.has_tag_name("line"))
+                    .unwrap();
+                colours.push((
+                    name.to_string(),
+                    swatch.attribute("stroke").unwrap().to_string(),
+                ));
+            }
+        }
+    }
+    colours
+}
+
+#[test]
+fn an_allocator_has_the_same_colour_in_every_plot() {
+    let a = plot_colours("pytorch,cistern");
+    let b = plot_colours("cudamalloc,cistern,pytorch-expandable,pytorch");
+    assert_eq!(a.len(), 2, "{a:?}");
+    for (name, colour) in &a {
+        let other = b.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!(colour, &other.1, "{name}: {a:?} vs {b:?}");
+    }
+}

@@ -123,6 +123,13 @@ void cistern_reset_peak_stats(int device);
 // call on this thread.
 const char *cistern_last_error(void);
 
+// Whether a failed call on this thread also logs its message on stderr (`on` non-zero, the
+// default) or only sets `cistern_last_error` (`on` 0). For callers that report every error
+// themselves, such as the Python binding, which raises it: the message is then shown once.
+// Only this thread's calls are affected (PyTorch's calls into the hooks on other threads
+// still log). Returns the previous setting (1 or 0).
+int cistern_log_errors(int on);
+
 // The library's version, `"major.minor.patch"` (a static string).
 const char *cistern_version(void);
 

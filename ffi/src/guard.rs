@@ -6,7 +6,7 @@
 //! the pool.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -21,6 +21,13 @@ pub(crate) static ABI_PANICS: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     /// The message of the latest failed call on this thread (empty when none failed).
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// Whether failures on this thread are logged on stderr as well (`cistern_log_errors`).
+    static LOG_ERRORS: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Sets whether failures on this thread are logged on stderr; returns the previous setting.
+pub(crate) fn set_log_errors(on: bool) -> bool {
+    LOG_ERRORS.try_with(|l| l.replace(on)).unwrap_or(true)
 }
 
 /// Runs `f`, the body of export `name`; a panic inside it becomes `fallback`, a last error, a
@@ -56,15 +63,16 @@ fn panicked(name: &str, payload: Box<dyn Any + Send>) {
     );
 }
 
-/// Records a failed call: the thread's last error, the error counter and, when `log` is set,
-/// a rate-limited line on stderr (callers pass `false` when the pool has logged the failure
-/// already, or for out-of-memory, which callers report themselves).
+/// Records a failed call: the thread's last error, the error counter and, when `log` is set
+/// and the thread has not turned logging off (`cistern_log_errors(0)`), a rate-limited line
+/// on stderr (callers pass `false` when the pool has logged the failure already, or for
+/// out-of-memory, which callers report themselves).
 #[cold]
 #[inline(never)]
 pub(crate) fn fail(msg: String, log: bool) {
     ABI_ERRORS.fetch_add(1, Relaxed);
     let msg = format!("cistern: {msg}");
-    if log {
+    if log && LOG_ERRORS.try_with(Cell::get).unwrap_or(true) {
         log_rate_limited(&msg);
     }
     set_last_error(msg);

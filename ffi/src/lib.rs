@@ -19,6 +19,7 @@
 //!   (`cistern_last_error`), counts (`num_abi_errors`, and `num_invalid_frees` for frees) and
 //!   logs one line, at most one per second, on stderr. Out of memory is not logged: it is an
 //!   expected, recoverable outcome, and the caller gets the full report from the last error.
+//!   A thread that reports errors itself turns the line off for its calls (`cistern_log_errors`).
 //! * The last error is never cleared by a successful call (like `errno`): read it right after
 //!   a call that failed.
 //! * The pool is created on first use (or by `cistern_init`) from `CISTERN_DRIVER`,
@@ -400,6 +401,18 @@ pub extern "C" fn cistern_reset_peak_stats(device: c_int) {
 #[no_mangle]
 pub extern "C" fn cistern_last_error() -> *const c_char {
     guard::call("cistern_last_error", c"".as_ptr(), guard::last_error_ptr)
+}
+
+/// Whether a failed call on this thread also logs its message on stderr (`on` non-zero, the
+/// default) or only sets `cistern_last_error` (`on` 0). For callers that report every error
+/// themselves, such as the Python binding, which raises it: the message is then shown once.
+/// Only this thread's calls are affected (PyTorch's calls into the hooks on other threads
+/// still log). Returns the previous setting (1 or 0).
+#[no_mangle]
+pub extern "C" fn cistern_log_errors(on: c_int) -> c_int {
+    guard::call("cistern_log_errors", 1, || {
+        c_int::from(guard::set_log_errors(on != 0))
+    })
 }
 
 /// The library's version, `"major.minor.patch"` (a static string).

@@ -208,3 +208,23 @@ fn version_is_the_packages() {
     let v = unsafe { CStr::from_ptr(cistern_version()) };
     assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
 }
+
+/// `cistern_log_errors` is per thread, returns the previous setting, and leaves the last
+/// error set when logging is off (the caller reads it instead).
+#[test]
+fn error_logging_is_turned_off_per_thread() {
+    sim();
+    assert_eq!(cistern_log_errors(0), 1);
+    assert_eq!(cistern_log_errors(0), 0);
+    std::thread::spawn(|| assert_eq!(cistern_log_errors(1), 1))
+        .join()
+        .unwrap();
+    // SAFETY: NULL is refused without being read.
+    unsafe { cistern_tag_push(ptr::null()) };
+    assert!(
+        last_error().contains("a tag is required"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(cistern_log_errors(1), 0);
+}

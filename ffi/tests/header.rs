@@ -31,6 +31,7 @@ fn header_declares_every_export() {
         "size_t cistern_snapshot_json(char *buf, size_t cap);",
         "void cistern_reset_peak_stats(int device);",
         "const char *cistern_last_error(void);",
+        "int cistern_log_errors(int on);",
         "const char *cistern_version(void);",
         "void cistern_tag_push(const char *tag);",
         "void cistern_tag_pop(void);",

@@ -12,17 +12,23 @@ Quick start::
         ...
     cistern_torch.dump_snapshot("snap.pickle")   # opens in PyTorch's memory viewer
 
+Without torch, :func:`alloc` gives device memory (``with cistern_torch.alloc(1 << 20) as a:
+a.ptr``) and :func:`check` (``python -m cistern_torch check``) allocates and frees once and says
+which driver is in use.
+
 Everything but :func:`install` and :func:`mem_pool` works without torch (ctypes over
 ``libcistern.so``); importing this package never imports torch. The library is found through
 ``CISTERN_LIB=/path/to/libcistern.so``, else the copy bundled by ``pip install``.
 
-Layout: ``_lib`` (the C ABI through ctypes), ``_memory`` (stats and limits), ``_tags``,
-``_snapshot``, ``_torch`` (install, mem_pool, OOM) and ``_shim`` (the C++ OOM shim).
+Layout: ``_lib`` (the C ABI through ctypes), ``_alloc`` (alloc, check), ``_memory`` (stats and
+limits), ``_tags``, ``_snapshot``, ``_torch`` (install, mem_pool, OOM) and ``_shim`` (the C++
+OOM shim).
 """
 
 from __future__ import annotations
 
 from . import _lib
+from ._alloc import Allocation, alloc, check
 from ._lib import LibraryNotFoundError
 from ._memory import (
     empty_cache,
@@ -53,6 +59,9 @@ from ._torch import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "alloc",
+    "Allocation",
+    "check",
     "install",
     "is_installed",
     "oom_mode",

@@ -1,5 +1,8 @@
-"""``python -m cistern_torch``: ``info`` (library, version, stats) or ``build-shim``.
+"""``python -m cistern_torch``: ``check`` (allocate and free once, say which driver is used),
+``info`` (library, version, stats) or ``build-shim``.
 
+``check`` is the first thing to run on a new machine: it needs no torch, and it fails with the
+one message that says what to fix (no library, no driver, a bad device or setting).
 ``build-shim`` compiles the OOM shim for the installed torch ahead of time (e.g. in a container
 build), so that ``install()`` finds it in the cache.
 """
@@ -9,27 +12,67 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
+
+#: The stats ``check`` prints (all of them with ``--json``).
+CHECK_STATS = [
+    "allocated_bytes.all.current",
+    "allocated_bytes.all.peak",
+    "reserved_bytes.all.current",
+    "num_device_alloc",
+    "num_ooms",
+]
+
+
+def _fail(e: BaseException) -> int:
+    # cistern's messages name cistern already.
+    text = str(e)
+    print(text if text.startswith("cistern") else f"cistern: {text}", file=sys.stderr)
+    return 1
+
+
+def _print_check(r: Dict[str, Any]) -> None:
+    print(f"ok: allocated and freed {r['size']} bytes on device {r['device']} at {r['ptr']:#x}")
+    print(f"driver:  {r['driver_description']}")
+    print(f"library: {r['library']} (version {r['version']})")
+    for key in CHECK_STATS:
+        if key in r["stats"]:
+            print(f"  {key}: {r['stats'][key]}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the command line; returns the exit code."""
     p = argparse.ArgumentParser(prog="python -m cistern_torch")
     sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser(
+        "check", help="allocate and free once; print the driver used (simulated or CUDA)"
+    )
+    c.add_argument("--device", type=int, default=0, help="device ordinal (default 0)")
+    c.add_argument("--bytes", type=int, default=1 << 20, help="bytes to allocate (default 1 MiB)")
+    c.add_argument("--json", action="store_true", help="print one JSON object, with every stat")
     sub.add_parser("info", help="library path, version and device 0's stats")
     sub.add_parser("build-shim", help="compile the OOM shim for the installed torch")
     args = p.parse_args(argv)
 
     import cistern_torch
 
+    if args.cmd == "check":
+        try:
+            report = cistern_torch.check(args.bytes, args.device)
+        except (cistern_torch.LibraryNotFoundError, RuntimeError, ValueError, TypeError) as e:
+            return _fail(e)
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            _print_check(report)
+        return 0
     if args.cmd == "info":
         try:
             print(f"library: {cistern_torch.library_path()}")
             print(f"version: {cistern_torch.version()}")
             print(json.dumps(cistern_torch.memory_stats(0), indent=1))
-        except cistern_torch.LibraryNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        except (cistern_torch.LibraryNotFoundError, RuntimeError, ValueError) as e:
+            return _fail(e)
         return 0
     try:
         import torch

@@ -16,12 +16,13 @@ process: PyTorch holds raw pointers to its functions once :func:`cistern_torch.i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
 import os
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 __all__ = [
     "LibraryNotFoundError",
@@ -30,6 +31,8 @@ __all__ = [
     "function_address",
     "malloc",
     "free",
+    "errors_raised",
+    "driver",
     "init",
     "empty_cache",
     "set_memory_fraction",
@@ -55,6 +58,8 @@ class LibraryNotFoundError(ImportError):
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
+#: ``CISTERN_DRIVER`` when the library was loaded (the pool reads it once, on first use).
+_driver_env: Optional[str] = None
 
 
 def _bundled_candidates() -> list:
@@ -122,6 +127,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "cistern_get_memory_fraction"):
         lib.cistern_get_memory_fraction.restype = c.c_double
         lib.cistern_get_memory_fraction.argtypes = [c.c_int]
+    if hasattr(lib, "cistern_log_errors"):
+        lib.cistern_log_errors.restype = c.c_int
+        lib.cistern_log_errors.argtypes = [c.c_int]
 
 
 def load() -> ctypes.CDLL:
@@ -130,7 +138,7 @@ def load() -> ctypes.CDLL:
     Raises:
         LibraryNotFoundError: no library was found, it failed to load, or it lacks an export.
     """
-    global _lib, _path
+    global _lib, _path, _driver_env
     if _lib is not None:
         return _lib
     with _lock:
@@ -147,6 +155,7 @@ def load() -> ctypes.CDLL:
             raise LibraryNotFoundError(f"could not load {path}: {e}") from e
         _path = path
         _declare(lib)
+        _driver_env = os.environ.get("CISTERN_DRIVER", "")
         _lib = lib
         return lib
 
@@ -162,6 +171,32 @@ def function_address(name: str) -> int:
     if not addr:
         raise LibraryNotFoundError(f"{_path}: {name} resolves to NULL")
     return int(addr)
+
+
+def driver() -> str:
+    """The driver the library's pool uses: ``"sim"`` (the simulated GPU) or ``"cuda"``.
+
+    Read from ``CISTERN_DRIVER`` as it was when the library was loaded (unset or ``auto``:
+    the CUDA driver, as the library picks it).
+    """
+    load()
+    return "sim" if _driver_env == "sim" else "cuda"
+
+
+@contextlib.contextmanager
+def errors_raised() -> Iterator[None]:
+    """Within it, this thread's failed calls set :func:`last_error` without the library also
+    logging it on stderr: for calls whose failure Python raises, so that the message is shown
+    once. A library without ``cistern_log_errors`` keeps logging."""
+    lib = load()
+    if not hasattr(lib, "cistern_log_errors"):
+        yield
+        return
+    previous = lib.cistern_log_errors(0)
+    try:
+        yield
+    finally:
+        lib.cistern_log_errors(previous)
 
 
 # --- the allocator entry points -------------------------------------------------------------
@@ -229,9 +264,11 @@ def _read_snprintf(call: Any) -> str:
 
 
 def stats_json(device: int = 0) -> str:
-    """``cistern_stats_json``: the device's stats as a JSON object (PyTorch key names)."""
+    """``cistern_stats_json``: the device's stats as a JSON object (PyTorch key names); ""
+    when there are none (see :func:`last_error`; not logged on stderr: callers raise it)."""
     lib = load()
-    return _read_snprintf(lambda buf, cap: lib.cistern_stats_json(device, buf, cap))
+    with errors_raised():
+        return _read_snprintf(lambda buf, cap: lib.cistern_stats_json(device, buf, cap))
 
 
 def stats(device: int = 0) -> Dict[str, Any]:
@@ -247,14 +284,18 @@ def stats(device: int = 0) -> Dict[str, Any]:
     except json.JSONDecodeError as e:
         raise RuntimeError(f"cistern_stats_json wrote invalid JSON ({e}): {text[:200]!r}") from e
     if not isinstance(value, dict):
-        raise ValueError(f"cistern has no stats for device {device}: {last_error()}")
+        why = last_error()
+        why = why[len("cistern: ") :] if why.startswith("cistern: ") else why
+        raise ValueError(f"cistern has no stats for device {device}: {why}")
     return value
 
 
 def snapshot_json() -> str:
-    """``cistern_snapshot_json``: the pool state in PyTorch's snapshot schema, as JSON."""
+    """``cistern_snapshot_json``: the pool state in PyTorch's snapshot schema, as JSON (""
+    on failure, not logged on stderr: callers raise :func:`last_error`)."""
     lib = load()
-    return _read_snprintf(lambda buf, cap: lib.cistern_snapshot_json(buf, cap))
+    with errors_raised():
+        return _read_snprintf(lambda buf, cap: lib.cistern_snapshot_json(buf, cap))
 
 
 def reset_peak_stats(device: int = 0) -> None:

@@ -132,6 +132,18 @@ proptest! {
                 _ => {}
             }
             h.check(&seg).map_err(TestCaseError::fail)?;
+            // The bitmap walk finds exactly the free spans a scan of the segment finds.
+            for at_least in [ALIGN, 3 * ALIGN, MIB, 2 * MIB + ALIGN, 16 * MIB] {
+                let mut walked: Vec<SpanId> = h.free_spans_at_least(at_least).collect();
+                walked.sort_unstable();
+                let mut scanned: Vec<SpanId> = h
+                    .segment_spans(first)
+                    .filter(|(_, s)| s.state == SpanState::Free && s.len >= at_least)
+                    .map(|(id, _)| id)
+                    .collect();
+                scanned.sort_unstable();
+                prop_assert_eq!(walked, scanned, "free spans of at least {}", at_least);
+            }
         }
     }
 }

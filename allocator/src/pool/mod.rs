@@ -202,9 +202,10 @@ impl<D: Driver> Pool<D> {
 
     /// The pool of device `dev`, created on first use.
     pub fn device(&self, dev: DeviceId) -> Result<&Arc<DevicePool<D>>> {
-        let slot = self.devices.get(dev).ok_or(Error::InvalidDevice {
+        let slot = self.devices.get(dev).ok_or_else(|| Error::InvalidDevice {
             device: dev,
             count: self.devices.len(),
+            driver: self.driver.name(),
         })?;
         if let Some(p) = slot.get() {
             return Ok(p);

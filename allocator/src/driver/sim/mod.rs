@@ -240,12 +240,59 @@ fn oom(call: DriverCall, msg: impl Into<String>) -> DriverError {
 }
 
 impl SimDriver {
-    /// A simulator with the given configuration.
-    pub fn new(mut config: SimConfig) -> SimDriver {
+    /// A simulator with the given configuration. A granularity of 0 means the default's, and one
+    /// that is not a power of two is rounded up to the next one.
+    ///
+    /// # Panics
+    ///
+    /// When the configuration would make the simulator, or a pool on it, allocate without
+    /// bound: no device or more than [`MAX_DEVICES`], or a granularity under
+    /// [`MIN_GRANULARITY`] (a pool's page tables would take gigabytes). [`SimDriver::try_new`]
+    /// returns that as an error instead and checks the capacity too ([`SimConfig::check`]):
+    /// configurations from people (files, flags, environment) should go through it, as
+    /// `CISTERN_SIM` does.
+    pub fn new(config: SimConfig) -> SimDriver {
+        let config = Self::normalised(config);
+        if let Err(e) = Self::bounded(&config) {
+            panic!("SimDriver::new: {e} (SimDriver::try_new returns this as an error)");
+        }
+        Self::build(config)
+    }
+
+    /// [`SimDriver::new`], with every bound of [`SimConfig::check`] an error naming the fix.
+    pub fn try_new(config: SimConfig) -> Result<SimDriver, String> {
+        let config = Self::normalised(config);
+        config.check()?;
+        Ok(Self::build(config))
+    }
+
+    fn normalised(mut config: SimConfig) -> SimConfig {
         if config.granularity == 0 {
             config.granularity = SimConfig::default().granularity;
         }
-        config.granularity = config.granularity.next_power_of_two();
+        config.granularity = config.granularity.checked_next_power_of_two().unwrap_or(0);
+        config
+    }
+
+    /// The bounds [`SimDriver::new`] enforces: those that keep memory bounded whatever the
+    /// capacity (replays size devices from traces, up to [`MAX_CAPACITY`] and beyond).
+    fn bounded(config: &SimConfig) -> Result<(), String> {
+        if config.devices == 0 || config.devices > MAX_DEVICES {
+            return Err(format!(
+                "devices:{} is out of range: use 1 to {MAX_DEVICES}",
+                config.devices
+            ));
+        }
+        if config.granularity < MIN_GRANULARITY {
+            return Err(format!(
+                "granularity:{} must be a power of two of at least {MIN_GRANULARITY} bytes",
+                config.granularity
+            ));
+        }
+        Ok(())
+    }
+
+    fn build(config: SimConfig) -> SimDriver {
         let devices = (0..config.devices)
             .map(|d| Device {
                 unfinished: AtomicUsize::new(0),

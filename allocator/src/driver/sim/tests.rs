@@ -817,6 +817,30 @@ fn granularity_is_normalised() {
     assert_eq!(sim.config().granularity, 2 * MIB);
 }
 
+/// A configuration from code that would allocate without bound (a vector of 4 billion devices
+/// aborted the process; a 512 B granularity made page tables of gigabytes) panics with the
+/// reason in `new`, and is an error naming the fix in `try_new`.
+#[test]
+fn unbounded_configurations_are_refused_from_code() {
+    for (config, says) in [
+        (SimConfig::default().devices(4_294_967_295), "devices"),
+        (SimConfig::default().devices(0), "devices"),
+        (SimConfig::default().granularity(512), "granularity"),
+    ] {
+        let Err(e) = SimDriver::try_new(config.clone()) else {
+            panic!("{config:?} was accepted");
+        };
+        assert!(e.contains(says), "{e}");
+        let panic = std::panic::catch_unwind(|| SimDriver::new(config)).unwrap_err();
+        let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(says) && msg.contains("try_new"), "{msg}");
+    }
+    // try_new checks the capacity as well; new leaves it to the caller (replays size devices
+    // from traces).
+    assert!(SimDriver::try_new(SimConfig::default().capacity(1 << 20)).is_err());
+    assert!(SimDriver::try_new(SimConfig::default()).is_ok());
+}
+
 #[test]
 fn threads_create_map_unmap_release_concurrently() {
     let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(256 * G)));
