@@ -218,6 +218,39 @@ pub fn load_file(path: &Path, opts: &LoadOptions) -> Result<(Format, Vec<Trace>)
     })
 }
 
+/// What [`load_any`] read: a PyTorch snapshot is kept whole beside its traces, for tools that
+/// need more than the sequences (its `oom` events, its allocator settings).
+#[derive(Debug, Clone)]
+pub enum Loaded {
+    /// A PyTorch memory snapshot and one trace per device that has operations.
+    Snapshot(Box<Snapshot>, Vec<Trace>),
+    /// Any other format, and its traces.
+    Other(Format, Vec<Trace>),
+}
+
+/// [`load_file`], keeping a snapshot whole ([`Loaded::Snapshot`]); read once, gzipped or not.
+pub fn load_any(path: &Path, opts: &LoadOptions) -> Result<Loaded, LoadError> {
+    let fail = |format, message| LoadError {
+        path: path.to_path_buf(),
+        format,
+        message,
+    };
+    let bytes = read_input(path, opts).map_err(|m| fail(None, m))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    let plain = gunzip(&bytes, opts).map_err(|m| fail(None, m))?;
+    if detect(&plain) == Some(Format::Snapshot) {
+        let snap = Snapshot::from_bytes(&plain)
+            .map_err(|e| fail(Some(Format::Snapshot), e.to_string()))?;
+        let traces = snapshot_traces(&name, &snap);
+        return Ok(Loaded::Snapshot(Box::new(snap), traces));
+    }
+    let (format, traces) = load_bytes_detected(&name, &plain, opts).map_err(|(f, m)| fail(f, m))?;
+    Ok(Loaded::Other(format, traces))
+}
+
 /// Detect the format of `bytes` (after gzip decompression when they start with the gzip magic).
 pub fn detect(bytes: &[u8]) -> Option<Format> {
     if bytes.first() == Some(&0x80) {

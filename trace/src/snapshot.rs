@@ -371,9 +371,13 @@ impl Snapshot {
             .filter(|(_, e)| e.action == Action::Oom)
     }
 
-    /// Whether the snapshot recorded any event history (`device_traces` with an event).
+    /// Whether the snapshot recorded any event history: an event other than `snapshot` (a
+    /// state-only snapshot's trace may hold just that one).
     pub fn has_history(&self) -> bool {
-        self.device_traces.iter().any(|t| !t.is_empty())
+        self.device_traces
+            .iter()
+            .flatten()
+            .any(|e| e.action != Action::Snapshot)
     }
 
     /// The segments of `device`.
