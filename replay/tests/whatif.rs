@@ -4,9 +4,10 @@
 mod common;
 
 use cistern_replay::whatif::{
-    analyze_snapshot, candidates, round_size, PytorchSettings, Verdict, WhatifOptions,
+    analyze_snapshot, at_capacity, candidates, round_size, PytorchSettings, Verdict, WhatifOptions,
 };
 use cistern_trace::snapshot::Snapshot;
+use cistern_trace::{AllocSequence, Op};
 use common::oom_traces::{self, MIB};
 
 fn row<'a>(results: &'a [Verdict], label: &str) -> &'a Verdict {
@@ -29,7 +30,10 @@ fn analyze(s: &Snapshot) -> Vec<cistern_replay::whatif::OomReport> {
 
 #[test]
 fn stranded_bytes_reproduce_and_expandable_segments_fit() {
-    let reps = analyze(&oom_traces::stranded(0, 0).snapshot());
+    // The program caught the OOM and went on freeing: only what came before it is replayed.
+    let mut r = oom_traces::stranded(0, 0);
+    r.free(0, 0x7f00_0000_0000, 0);
+    let reps = analyze(&r.snapshot());
     assert_eq!(reps.len(), 1);
     let o = &reps[0];
     assert_eq!(o.recorded_reserved, 160 * MIB);
@@ -169,6 +173,29 @@ fn recorded_settings_are_the_first_candidate() {
         .results
         .iter()
         .any(|v| v.change.as_deref() == Some("expandable_segments:True")));
+}
+
+#[test]
+fn roundup_power2_divisions_change_the_verdict() {
+    // 60 MiB live on a 62 MiB device: PyTorch's own 60 MiB segment fits; rounded up to 64 MiB
+    // by roundup_power2_divisions:4 it does not.
+    let seq = AllocSequence::new(
+        vec![Op::Alloc {
+            id: 0,
+            size: 60 * MIB,
+            stream: 0,
+        }],
+        0,
+    )
+    .unwrap();
+    let cands = candidates(&PytorchSettings::default());
+    let rep = at_capacity("t", 0, &seq, 62 * MIB, &cands, &WhatifOptions::default());
+    assert_eq!(rep.results[0].fits, Some(true));
+    assert_eq!(rep.results[0].headroom, Some(2 * MIB as i64));
+    let round = row(&rep.results, "pytorch roundup_power2_divisions:4");
+    assert_eq!(round.fits, Some(false));
+    assert_eq!(round.needed, Some(64 * MIB));
+    assert_eq!(round.headroom, Some(-2 * MIB as i64));
 }
 
 #[test]
