@@ -97,6 +97,7 @@ pub fn run(args: &WhatifArgs) -> Result<(), String> {
             for o in &r.ooms {
                 let mut v = serde_json::to_value(o).map_err(|e| e.to_string())?;
                 v["file"] = r.file.clone().into();
+                v["answer"] = o.answer().into();
                 ooms.push(v);
             }
             for c in &r.at_capacity {
@@ -126,7 +127,27 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
     let (settings, traces, ooms, what) = match loaded {
         Loaded::Snapshot(snap, traces) => {
             if !snap.has_history() {
-                return Err(format!("{name}: {}", whatif::NO_HISTORY));
+                // What a state-only snapshot does tell: the memory at the dump, per device.
+                let mut devices: Vec<u64> = snap.segments.iter().map(|s| s.device).collect();
+                devices.sort_unstable();
+                devices.dedup();
+                let state: Vec<String> = devices
+                    .iter()
+                    .map(|&d| {
+                        let d = d as usize;
+                        format!(
+                            "cuda:{d}: {} reserved, {} live",
+                            gib(snap.reserved_bytes(d)),
+                            gib(snap.active_requested_bytes(d))
+                        )
+                    })
+                    .collect();
+                let state = if state.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (at the dump: {})", state.join("; "))
+                };
+                return Err(format!("{name}{state}: {}", whatif::NO_HISTORY));
             }
             let ooms = whatif::analyze_snapshot(&snap, opts).map_err(|e| format!("{name}: {e}"))?;
             let s = PytorchSettings::recorded(snap.allocator_settings.as_ref()).unwrap_or_default();

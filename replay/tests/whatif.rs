@@ -66,6 +66,23 @@ fn stranded_bytes_reproduce_and_expandable_segments_fit() {
 }
 
 #[test]
+fn segments_from_before_the_window_count() {
+    // The ring buffer lost the first segment_alloc and alloc: the segment is still in the final
+    // `segments`, and its block comes back as live at the window's start.
+    let mut s = oom_traces::stranded(0, 0).snapshot();
+    s.device_traces[0].drain(..2);
+    let o = &analyze(&s)[0];
+    assert_eq!(o.recorded_reserved, 160 * MIB);
+    assert_eq!(o.capacity, 170 * MIB);
+    assert_eq!(o.live, 120 * MIB);
+    assert_eq!(o.reproduced, Some(true));
+    assert_eq!(
+        row(&o.results, "pytorch expandable_segments:True").headroom,
+        Some(10 * MIB as i64)
+    );
+}
+
+#[test]
 fn a_request_larger_than_what_is_left_fits_nowhere() {
     let reps = analyze(&oom_traces::fits_nowhere().snapshot());
     let o = &reps[0];
