@@ -393,6 +393,34 @@ fn charts(reports: &[FileReport]) -> Vec<Chart> {
                 series,
             });
         }
+        for c in &rep.at_capacity {
+            let mut series: Vec<Series> = c
+                .results
+                .iter()
+                .filter(|v| !v.series.is_empty())
+                .map(|v| Series {
+                    name: format!("{} (reserved)", v.label()),
+                    points: v
+                        .series
+                        .iter()
+                        .map(|p| (p.op as f64, p.reserved as f64))
+                        .collect(),
+                    dashed: false,
+                })
+                .collect();
+            if let Some(v) = c.results.iter().find(|v| !v.series.is_empty()) {
+                series.push(Series {
+                    name: "live (requested)".into(),
+                    points: v.series.iter().map(|p| (p.op as f64, p.live as f64)).collect(),
+                    dashed: true,
+                });
+            }
+            out.push(Chart {
+                title: format!("{} on {}", c.trace, gib(c.capacity)),
+                x_label: "operation".into(),
+                series,
+            });
+        }
     }
     out
 }
