@@ -7,8 +7,8 @@ allocator. One call at the top of a training script::
 starts PyTorch's memory history (``torch.cuda.memory._record_memory_history``: every
 allocation, free and segment event with its stack, in a ring buffer) and attaches an observer
 (``torch._C._cuda_attach_out_of_memory_observer``) that PyTorch's caching allocator calls with
-``(device, alloc, device_allocated, device_free)`` each time it is about to raise
-``OutOfMemoryError``; the observer writes the snapshot (``torch.cuda.memory._dump_snapshot``).
+``(device, alloc_size, device_total, device_free)`` (``device_total`` is the allowed maximum
+under ``set_per_process_memory_fraction``) each time it is about to raise ``OutOfMemoryError``; the observer writes the snapshot (``torch.cuda.memory._dump_snapshot``).
 After the OOM, ``cistern whatif oom.pickle`` says whether other settings or cistern would have
 fitted the request.
 
@@ -52,7 +52,7 @@ def _path_for(template: str, device: int) -> str:
         return template
 
 
-def _observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+def _observer(device: int, alloc_size: int, device_total: int, device_free: int) -> None:
     """Called by PyTorch before it raises OutOfMemoryError: writes the snapshot."""
     with _lock:
         template = _state.get("path")
@@ -75,8 +75,8 @@ def _observer(device: int, alloc: int, device_allocated: int, device_free: int) 
         _state["written"] = path
         _state["count"] = _state.get("count", 0) + 1
     print(
-        f"cistern_torch: out of memory on cuda:{device} ({alloc} bytes asked, {device_free} "
-        f"free on the device); wrote {path}; next: cistern whatif {path}",
+        f"cistern_torch: out of memory on cuda:{device} (a {alloc_size}-byte allocation, "
+        f"{device_free} of {device_total} bytes free); wrote {path}; next: cistern whatif {path}",
         file=sys.stderr,
     )
 
