@@ -151,13 +151,13 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
             }
             let ooms = whatif::analyze_snapshot(&snap, opts).map_err(|e| format!("{name}: {e}"))?;
             let s = PytorchSettings::recorded(snap.allocator_settings.as_ref()).unwrap_or_default();
-            (s, traces, ooms, "pytorch snapshot")
+            (s, traces, ooms, None)
         }
         Loaded::Other(format, traces) => (
             PytorchSettings::default(),
             traces,
             Vec::new(),
-            format.name(),
+            Some(format.name()),
         ),
     };
     if !ooms.is_empty() {
@@ -168,13 +168,12 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
             note: None,
         });
     }
-    let no_oom = if what == "pytorch snapshot" {
-        format!("{name}: no OOM recorded (no `oom` event in its device_traces)")
-    } else {
-        format!(
+    let no_oom = match what {
+        None => format!("{name}: no OOM recorded (no `oom` event in its device_traces)"),
+        Some(what) => format!(
             "{name}: {what}: no OOM recorded (whatif finds OOMs in PyTorch snapshots' `oom` \
              events; this format records none with the capacity it failed at)"
-        )
+        ),
     };
     let Some(capacity) = opts.capacity else {
         return Err(format!(
@@ -411,7 +410,11 @@ fn charts(reports: &[FileReport]) -> Vec<Chart> {
             if let Some(v) = c.results.iter().find(|v| !v.series.is_empty()) {
                 series.push(Series {
                     name: "live (requested)".into(),
-                    points: v.series.iter().map(|p| (p.op as f64, p.live as f64)).collect(),
+                    points: v
+                        .series
+                        .iter()
+                        .map(|p| (p.op as f64, p.live as f64))
+                        .collect(),
                     dashed: true,
                 });
             }
