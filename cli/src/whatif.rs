@@ -184,7 +184,13 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
     if traces.is_empty() {
         return Err(format!("{no_oom}, and it holds no allocation to replay"));
     }
-    let cands = candidates(&settings);
+    let mut cands = candidates(&settings);
+    if what.is_some() {
+        // Not a snapshot: no recorded settings; the first row is PyTorch with its defaults.
+        for c in &mut cands {
+            c.recorded = false;
+        }
+    }
     let at = traces
         .iter()
         .map(|t| whatif::at_capacity(&t.name, t.device, &t.sequence, capacity, &cands, opts))

@@ -220,7 +220,14 @@ fn bad_input_gets_a_clear_message() {
     .unwrap();
     let e = err(&whatif(&[rmm.to_str().unwrap()]));
     assert!(e.contains("rmm log: no OOM recorded"), "{e}");
-    ok(&whatif(&[rmm.to_str().unwrap(), "--capacity", "1GiB"]));
+    let text = ok(&whatif(&[rmm.to_str().unwrap(), "--capacity", "1GiB"]));
+    // An RMM log records no PyTorch settings: no row claims them.
+    assert!(!text.contains("(recorded)"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("pytorch ") && l.contains(" yes ")),
+        "{text}"
+    );
 }
 
 #[test]
