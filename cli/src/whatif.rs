@@ -153,12 +153,17 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
             let s = PytorchSettings::recorded(snap.allocator_settings.as_ref()).unwrap_or_default();
             (s, traces, ooms, None)
         }
-        Loaded::Other(format, traces) => (
-            PytorchSettings::default(),
-            traces,
-            Vec::new(),
-            Some(format.name()),
-        ),
+        Loaded::Other(format, traces, failures) => {
+            if !failures.is_empty() {
+                return analyze_failures(name, format.name(), &traces, &failures, opts);
+            }
+            (
+                PytorchSettings::default(),
+                traces,
+                Vec::new(),
+                Some(format.name()),
+            )
+        }
     };
     if !ooms.is_empty() {
         return Ok(FileReport {
@@ -200,6 +205,54 @@ fn analyze_file(name: &str, loaded: Loaded, opts: &WhatifOptions) -> Result<File
         ooms: Vec::new(),
         at_capacity: at,
         note: Some(no_oom),
+    })
+}
+
+/// A trace whose failed allocations carry no capacity (an RMM log): replayed at `--capacity`.
+fn analyze_failures(
+    name: &str,
+    what: &str,
+    traces: &[load::Trace],
+    failures: &[load::FailedAlloc],
+    opts: &WhatifOptions,
+) -> Result<FileReport, String> {
+    let Some(capacity) = opts.capacity else {
+        return Err(format!(
+            "{name}: {what}: {} failed allocations recorded, but the log does not say how much \
+             memory the device had: pass --capacity SIZE (what the pool could use, e.g. \
+             --capacity 80GiB) to ask whether they would have fitted",
+            failures.len()
+        ));
+    };
+    let mut ooms = Vec::new();
+    for t in traces {
+        let here: Vec<_> = failures
+            .iter()
+            .filter(|f| f.device == t.device)
+            .map(|f| (f.ops_before, f.size, f.stream, f.time_ns))
+            .collect();
+        ooms.extend(whatif::analyze_failures(
+            t.device,
+            &t.sequence,
+            &here,
+            capacity,
+            opts,
+        ));
+    }
+    if ooms.is_empty() {
+        // Every allocation failed: nothing was replayed, but the requests are still answered.
+        let empty = cistern_trace::AllocSequence::default();
+        let here: Vec<_> = failures
+            .iter()
+            .map(|f| (0, f.size, f.stream, f.time_ns))
+            .collect();
+        ooms = whatif::analyze_failures(0, &empty, &here, capacity, opts);
+    }
+    Ok(FileReport {
+        file: name.to_string(),
+        ooms,
+        at_capacity: Vec::new(),
+        note: None,
     })
 }
 

@@ -231,6 +231,63 @@ fn bad_input_gets_a_clear_message() {
 }
 
 #[test]
+fn rmm_allocate_failures_are_answered_at_a_given_capacity() {
+    let log = tmp("fail.csv");
+    let mib = |n: u64| (n * MIB).to_string();
+    std::fs::write(
+        &log,
+        format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n\
+             1,10:00:00.000001,allocate,0x10000000,{},0x0\n\
+             1,10:00:00.000002,allocate,0x90000000,{},0x0\n\
+             1,10:00:00.000003,free,0x10000000,{},0x0\n\
+             1,10:00:00.000004,allocate failure,(nil),{},0x0\n",
+            mib(600),
+            mib(300),
+            mib(600),
+            mib(700)
+        ),
+    )
+    .unwrap();
+    let e = err(&whatif(&[log.to_str().unwrap()]));
+    assert!(
+        e.contains("1 failed allocations recorded") && e.contains("--capacity"),
+        "{e}"
+    );
+    // 300 MiB live + 700 MiB asked on 1 GiB: PyTorch frees its cached 600 MiB segment and fits,
+    // with 24 MiB to spare.
+    let doc: serde_json::Value = serde_json::from_str(&ok(&whatif(&[
+        log.to_str().unwrap(),
+        "--capacity",
+        "1GiB",
+        "--json",
+    ])))
+    .unwrap();
+    let o = &doc["ooms"][0];
+    assert_eq!(o["live"], 300 * MIB);
+    assert_eq!(o["size"], 700 * MIB);
+    assert!(o["reproduced"].is_null(), "{o}");
+    let py = &o["results"][0];
+    assert_eq!(
+        (py["allocator"].as_str(), py["recorded"].as_bool()),
+        (Some("pytorch"), Some(false))
+    );
+    assert_eq!(py["fits"], true);
+    assert_eq!(py["headroom"], 24 * MIB);
+    assert!(
+        o["answer"].as_str().unwrap().starts_with(
+            "On 1.0 GiB the failed 700 MiB request fits with: pytorch (24 MiB to spare)"
+        ),
+        "{o}"
+    );
+    let text = ok(&whatif(&[log.to_str().unwrap(), "--capacity", "900MiB"]));
+    assert!(
+        text.starts_with("On 900 MiB no allocator can fit"),
+        "{text}"
+    );
+}
+
+#[test]
 fn public_snapshots() {
     let Some(dir) = traces_dir() else {
         eprintln!("skipped: no ../shared/traces (set CISTERN_TRACES_DIR)");

@@ -698,6 +698,58 @@ pub const NO_HISTORY: &str = "a PyTorch snapshot without memory history (no devi
      torch.cuda.memory._record_memory_history() before the run), then run cistern whatif \
      oom.pickle";
 
+/// The candidates for a trace recorded by an allocator other than PyTorch's (an RMM log):
+/// no row stands for recorded settings, so no verdict says whether the failure reproduces.
+pub fn foreign_candidates() -> Vec<Candidate> {
+    let mut c = candidates(&PytorchSettings::default());
+    for x in &mut c {
+        x.recorded = false;
+    }
+    c
+}
+
+/// Failed allocations of a trace without capacity records (an RMM log's `allocate failure`
+/// rows at `(ops_before, size, stream, time_ns)`), replayed on a device of `capacity` bytes
+/// (which the caller knows: the file does not say).
+pub fn analyze_failures(
+    device: usize,
+    seq: &AllocSequence,
+    failures: &[(usize, u64, u64, Option<u64>)],
+    capacity: u64,
+    opts: &WhatifOptions,
+) -> Vec<OomReport> {
+    let cands = foreign_candidates();
+    let live = seq.live_curve();
+    failures
+        .iter()
+        .enumerate()
+        .map(|(i, &(ops_before, size, stream, time_ns))| {
+            let ops_before = ops_before.min(seq.ops.len());
+            let p = OomPoint {
+                device,
+                event: i,
+                stream,
+                time_us: time_ns.and_then(|t| i64::try_from(t / 1000).ok()),
+                size,
+                device_free: None,
+                recorded_reserved: 0,
+                capacity: Some(capacity),
+                live: ops_before.checked_sub(1).map_or(0, |k| live[k]),
+                ops_before,
+                frame: None,
+            };
+            let mut rep = analyze_oom(seq, &p, capacity, &cands, opts);
+            rep.capacity_source = CapacitySource::Given;
+            rep.notes.push(
+                "recorded by another allocator: its own placement is not modelled, so whether \
+                 the replay reproduces the failure is unknown"
+                    .into(),
+            );
+            rep
+        })
+        .collect()
+}
+
 /// The verdicts of `cands` at the OOM `p` of `seq` on a device of `capacity` bytes.
 pub fn analyze_oom(
     seq: &AllocSequence,
@@ -1007,12 +1059,50 @@ pub fn headroom_words(h: i64) -> String {
 }
 
 impl OomReport {
+    /// The answer for a failure recorded by another allocator: which allocators fit it on the
+    /// given capacity.
+    fn answer_foreign(&self) -> String {
+        let fits: Vec<String> = self
+            .results
+            .iter()
+            .filter(|v| v.fits == Some(true))
+            .map(|v| match v.headroom {
+                Some(h) if h > 0 => format!("{} ({} to spare)", v.label(), gib(h.unsigned_abs())),
+                _ => v.label(),
+            })
+            .collect();
+        let need = self.live.saturating_add(self.size);
+        if !fits.is_empty() {
+            format!(
+                "On {} the failed {} request fits with: {}.",
+                gib(self.capacity),
+                gib(self.size),
+                fits.join(", ")
+            )
+        } else if need > self.capacity {
+            format!(
+                "On {} no allocator can fit the failed {} request: the live bytes plus the \
+                 request ({}) exceed the capacity.",
+                gib(self.capacity),
+                gib(self.size),
+                gib(need)
+            )
+        } else {
+            format!(
+                "On {} no allocator tried fits the failed {} request (live plus request: {}).",
+                gib(self.capacity),
+                gib(self.size),
+                gib(need)
+            )
+        }
+    }
+
     /// The first line of the answer: whether the recorded settings reproduce the OOM (if not,
     /// how far the model is from the recording, and no advice), then the smallest change that
     /// fits and cistern's verdict.
     pub fn answer(&self) -> String {
         let Some(rec) = self.results.iter().find(|v| v.recorded) else {
-            return "no verdict with the recorded settings".into();
+            return self.answer_foreign();
         };
         let conf_words = |c: &str| {
             if c.is_empty() {
