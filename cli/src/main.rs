@@ -12,6 +12,7 @@ mod plot;
 mod ps;
 mod replay;
 mod table;
+mod whatif;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -47,6 +48,10 @@ enum Command {
     /// group leader died, and stale records. Exit status 0 when healthy, 1 when something needs
     /// attention, 2 on error. Suggests actions; never kills.
     Doctor(DoctorArgs),
+    /// For each OOM recorded in a PyTorch memory snapshot: the capacity the allocator had, and
+    /// whether the request would have fitted with other PyTorch settings
+    /// (PYTORCH_CUDA_ALLOC_CONF) or with cistern, and with how much to spare.
+    Whatif(whatif::WhatifArgs),
 }
 
 /// Arguments of `cistern ps`.
@@ -171,6 +176,7 @@ fn main() -> ExitCode {
         Command::Ps(args) => ps::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Leaks(args) => leaks::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Doctor(args) => doctor::run(&args),
+        Command::Whatif(args) => whatif::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -43,6 +43,7 @@ from ._memory import (
     set_per_process_memory_fraction,
 )
 from ._shim import ShimBuildError
+from ._oom import record_oom_snapshot
 from ._snapshot import dump_snapshot, snapshot
 from ._tags import TagHandle, tag, tag_modules
 from ._torch import (

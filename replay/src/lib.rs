@@ -9,6 +9,7 @@
 //! * [`engine`]: [`replay`], [`min_capacity`], [`evaluate`] and the [`ReplayResult`] metrics.
 //! * [`recorded`](mod@recorded): the `pytorch-recorded` row from a snapshot's own segment events, and
 //!   [`evaluate_snapshot`], which puts it beside the models.
+//! * [`whatif`]: recorded OOMs replayed under other allocators and settings (`cistern whatif`).
 //!
 //! ```
 //! use cistern_replay::{evaluate, EvalOptions};
@@ -31,6 +32,7 @@ pub mod model;
 pub mod pytorch;
 pub mod recorded;
 pub mod simple;
+pub mod whatif;
 
 pub use catalog::{make, make_with, ALLOCATORS, RECORDED};
 pub use cistern::{CallCost, CostTable};

@@ -218,6 +218,106 @@ pub fn load_file(path: &Path, opts: &LoadOptions) -> Result<(Format, Vec<Trace>)
     })
 }
 
+/// What [`load_any`] read: a PyTorch snapshot is kept whole beside its traces, for tools that
+/// need more than the sequences (its `oom` events, its allocator settings).
+#[derive(Debug, Clone)]
+pub enum Loaded {
+    /// A PyTorch memory snapshot and one trace per device that has operations.
+    Snapshot(Box<Snapshot>, Vec<Trace>),
+    /// Any other format, its traces, and the allocations it records as failed.
+    Other(Format, Vec<Trace>, Vec<FailedAlloc>),
+}
+
+/// An allocation a trace records as failed (an RMM log's `allocate failure` row). Such a
+/// record has no capacity: what the device held then is not in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedAlloc {
+    /// CUDA device (the trace's).
+    pub device: usize,
+    /// The 0-based data row (RMM) it came from.
+    pub row: usize,
+    /// Operations of the trace's sequence before it.
+    pub ops_before: usize,
+    /// Bytes asked.
+    pub size: u64,
+    /// The stream asked on.
+    pub stream: u64,
+    /// Time in nanoseconds, when recorded.
+    pub time_ns: Option<u64>,
+}
+
+/// The `allocate failure` rows of an RMM log that [`rmm::parse`] read into `log` (rows as it
+/// counts them: the non-blank lines after the header), placed among `log`'s operations.
+fn rmm_failures(text: &str, log: &rmm::RmmLog) -> Vec<FailedAlloc> {
+    let stream = |s: &str| {
+        let s = s.trim();
+        match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+            Some(h) => u64::from_str_radix(h, 16).ok(),
+            None => s.parse().ok(),
+        }
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .skip(1)
+        .enumerate()
+        .filter_map(|(row, line)| {
+            let f: Vec<&str> = line.split(',').map(str::trim).collect();
+            if f.get(2) != Some(&"allocate failure") {
+                return None;
+            }
+            Some(FailedAlloc {
+                device: 0,
+                row,
+                ops_before: log.op_rows.partition_point(|r| r.map_or(true, |r| r < row)),
+                size: f.get(4)?.parse().ok()?,
+                stream: stream(f.get(5)?)?,
+                time_ns: log.row_times_ns.get(row).copied(),
+            })
+        })
+        .collect()
+}
+
+/// [`load_file`], keeping a snapshot whole ([`Loaded::Snapshot`]); read once, gzipped or not.
+pub fn load_any(path: &Path, opts: &LoadOptions) -> Result<Loaded, LoadError> {
+    let fail = |format, message| LoadError {
+        path: path.to_path_buf(),
+        format,
+        message,
+    };
+    let bytes = read_input(path, opts).map_err(|m| fail(None, m))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    let plain = gunzip(&bytes, opts).map_err(|m| fail(None, m))?;
+    if detect(&plain) == Some(Format::Snapshot) {
+        let snap = Snapshot::from_bytes(&plain)
+            .map_err(|e| fail(Some(Format::Snapshot), e.to_string()))?;
+        let traces = snapshot_traces(&name, &snap);
+        return Ok(Loaded::Snapshot(Box::new(snap), traces));
+    }
+    if detect(&plain) == Some(Format::Rmm) {
+        let fail_rmm = |m: String| fail(Some(Format::Rmm), m);
+        let text = text(&plain, Format::Rmm).map_err(|(_, m)| fail_rmm(m))?;
+        let log = rmm::parse(text).map_err(|e| fail_rmm(e.to_string()))?;
+        let failures = rmm_failures(text, &log);
+        let traces = if log.sequence.ops.is_empty() {
+            Vec::new()
+        } else {
+            vec![Trace {
+                name,
+                device: 0,
+                sequence: log.sequence,
+                recorded_reserved: None,
+                recorded_peak_reserved: None,
+            }]
+        };
+        return Ok(Loaded::Other(Format::Rmm, traces, failures));
+    }
+    let (format, traces) = load_bytes_detected(&name, &plain, opts).map_err(|(f, m)| fail(f, m))?;
+    Ok(Loaded::Other(format, traces, Vec::new()))
+}
+
 /// Detect the format of `bytes` (after gzip decompression when they start with the gzip magic).
 pub fn detect(bytes: &[u8]) -> Option<Format> {
     if bytes.first() == Some(&0x80) {
@@ -532,6 +632,37 @@ mod tests {
         // Not a trace: refused from the first bytes (this would read forever).
         let e = load(Path::new("/dev/zero")).unwrap_err();
         assert!(e.to_string().contains("byte 0: expected"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rmm_failures_are_placed_among_the_ops() {
+        let dir = std::env::temp_dir().join(format!("cistern-load-rmm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("log.csv");
+        std::fs::write(
+            &path,
+            "Thread,Time,Action,Pointer,Size,Stream\n\
+             1,10:00:00.000001,allocate,0x10,1024,0x0\n\
+             \n\
+             1,10:00:00.000002,allocate failure,(nil),4096,0x7f\n\
+             1,10:00:00.000003,free,0x10,1024,0x0\n\
+             1,10:00:00.000004,allocate failure,(nil),8192,3\n",
+        )
+        .unwrap();
+        let Loaded::Other(format, traces, failures) =
+            load_any(&path, &LoadOptions::default()).unwrap()
+        else {
+            panic!("not Other");
+        };
+        assert_eq!(format, Format::Rmm);
+        assert_eq!(traces[0].sequence.ops.len(), 2);
+        let got: Vec<(usize, usize, u64, u64)> = failures
+            .iter()
+            .map(|f| (f.row, f.ops_before, f.size, f.stream))
+            .collect();
+        assert_eq!(got, vec![(1, 1, 4096, 0x7f), (3, 2, 8192, 3)]);
+        assert_eq!(failures[0].time_ns, Some(36_000_000_002_000));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -161,7 +161,7 @@ impl Action {
 pub struct TraceEvent {
     /// What happened.
     pub action: Action,
-    /// Device address (for `oom`, the device's free bytes).
+    /// Device address (for `oom`, the device's free bytes, as in [`TraceEvent::device_free`]).
     pub addr: u64,
     /// Bytes (requested size for `alloc` and frees, segment size for `segment_*`).
     pub size: u64,
@@ -171,6 +171,10 @@ pub struct TraceEvent {
     pub time_us: Option<i64>,
     /// Innermost Python frame as `file:line function`, when the event has Python frames.
     pub top_frame: Option<Arc<str>>,
+    /// For `oom`: the device's free bytes (`cudaMemGetInfo`) when the allocation failed, from
+    /// the event's `device_free` key (PyTorch writes it instead of `addr`); `None` when an
+    /// `oom` event lacks it, and for every other action.
+    pub device_free: Option<u64>,
 }
 
 /// A parsed memory snapshot.
@@ -180,6 +184,44 @@ pub struct Snapshot {
     pub segments: Vec<Segment>,
     /// Events per device (index = device); empty when the snapshot has no history.
     pub device_traces: Vec<Vec<TraceEvent>>,
+    /// The allocator's settings at dump time (`allocator_settings`, written by newer PyTorch);
+    /// `None` when the snapshot has none.
+    pub allocator_settings: Option<AllocatorSettings>,
+}
+
+/// `allocator_settings` of a snapshot: the caching allocator's configuration when it was
+/// dumped. Typed where the replay models use the setting; every other key is kept by name.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AllocatorSettings {
+    /// `PYTORCH_CUDA_ALLOC_CONF` as the program set it (PyTorch's `last_allocator_settings`).
+    pub conf: Option<String>,
+    /// `expandable_segments`.
+    pub expandable_segments: Option<bool>,
+    /// `max_split_size` in bytes; `None` when unlimited (PyTorch writes `SIZE_MAX` as -1) or
+    /// absent.
+    pub max_split_size: Option<u64>,
+    /// `roundup_power2_divisions`, as `(interval start in MiB, divisions)` pairs in ascending
+    /// order: sizes from that power of two up to the next use that many divisions (the first
+    /// interval also takes everything smaller, the last everything larger). 0 or 1: off. Empty
+    /// when absent.
+    pub roundup_power2_divisions: Vec<(u64, u64)>,
+    /// `garbage_collection_threshold` (0 when off).
+    pub garbage_collection_threshold: Option<f64>,
+    /// Every other key, with its value written as Python would print it.
+    pub other: Vec<(String, String)>,
+}
+
+impl Eq for AllocatorSettings {}
+
+impl AllocatorSettings {
+    /// Whether any setting differs from PyTorch's defaults (a conf string alone counts only
+    /// when it is not empty).
+    pub fn is_default(&self) -> bool {
+        self.expandable_segments != Some(true)
+            && self.max_split_size.is_none()
+            && self.roundup_power2_divisions.iter().all(|&(_, d)| d <= 1)
+            && self.garbage_collection_threshold.unwrap_or(0.0) <= 0.0
+    }
 }
 
 /// Something in a trace that does not fit the final state or itself. The reconstruction works
@@ -220,6 +262,13 @@ pub struct ReservedCurve {
 }
 
 impl ReservedCurve {
+    /// Reserved bytes just before event `event` of the window: after every segment event
+    /// before it (the start when there is none).
+    pub fn before(&self, event: usize) -> u64 {
+        let n = self.points.partition_point(|&(i, _)| i < event);
+        n.checked_sub(1).map_or(self.start, |k| self.points[k].1)
+    }
+
     /// Largest reserved value over the window, including its start.
     pub fn peak(&self) -> u64 {
         self.points
@@ -292,9 +341,17 @@ impl Snapshot {
                 }
             }
         }
+        let allocator_settings = match v {
+            Value::Dict(_) => match v.get("allocator_settings") {
+                None | Some(Value::None) => None,
+                Some(a) => Some(parse_settings(a)?),
+            },
+            _ => None,
+        };
         Ok(Snapshot {
             segments,
             device_traces,
+            allocator_settings,
         })
     }
 
@@ -304,6 +361,23 @@ impl Snapshot {
             .get(device)
             .map(Vec::as_slice)
             .unwrap_or(&[])
+    }
+
+    /// The `oom` events of `device`, with their index in its trace.
+    pub fn ooms(&self, device: usize) -> impl Iterator<Item = (usize, &TraceEvent)> {
+        self.events(device)
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.action == Action::Oom)
+    }
+
+    /// Whether the snapshot recorded any event history: an event other than `snapshot` (a
+    /// state-only snapshot's trace may hold just that one).
+    pub fn has_history(&self) -> bool {
+        self.device_traces
+            .iter()
+            .flatten()
+            .any(|e| e.action != Action::Snapshot)
     }
 
     /// The segments of `device`.
@@ -446,6 +520,221 @@ impl Snapshot {
     }
 }
 
+/// A minimal pickle writer (protocol 2: dicts, lists, ints, floats, bools, strs), enough for
+/// the layout PyTorch's snapshots use and that [`Snapshot::from_bytes`] reads back.
+struct PickleWriter(Vec<u8>);
+
+impl PickleWriter {
+    fn int(&mut self, v: i128) {
+        if let Ok(i) = i32::try_from(v) {
+            self.0.push(b'J'); // BININT
+            self.0.extend_from_slice(&i.to_le_bytes());
+        } else {
+            // LONG1: little-endian two's complement, minimal length.
+            let bytes = v.to_le_bytes();
+            let mut n = bytes.len();
+            while n > 1 {
+                let top = bytes[n - 1];
+                let next_sign = bytes[n - 2] & 0x80;
+                if (top == 0 && next_sign == 0) || (top == 0xff && next_sign != 0) {
+                    n -= 1;
+                } else {
+                    break;
+                }
+            }
+            self.0.push(0x8a);
+            self.0.push(n as u8);
+            self.0.extend_from_slice(&bytes[..n]);
+        }
+    }
+
+    fn str(&mut self, s: &str) {
+        self.0.push(b'X'); // BINUNICODE
+        self.0.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        self.0.extend_from_slice(s.as_bytes());
+    }
+
+    fn float(&mut self, f: f64) {
+        self.0.push(b'G'); // BINFLOAT, big-endian
+        self.0.extend_from_slice(&f.to_be_bytes());
+    }
+
+    fn bool(&mut self, b: bool) {
+        self.0.push(if b { 0x88 } else { 0x89 });
+    }
+
+    /// A dict: `items` writes each key and value in turn.
+    fn dict(&mut self, items: impl FnOnce(&mut Self)) {
+        self.0.extend_from_slice(b"}("); // EMPTY_DICT MARK
+        items(self);
+        self.0.push(b'u'); // SETITEMS
+    }
+
+    /// A list: `items` writes each item.
+    fn list(&mut self, items: impl FnOnce(&mut Self)) {
+        self.0.extend_from_slice(b"]("); // EMPTY_LIST MARK
+        items(self);
+        self.0.push(b'e'); // APPENDS
+    }
+
+    fn key_int(&mut self, k: &str, v: i128) {
+        self.str(k);
+        self.int(v);
+    }
+
+    fn key_str(&mut self, k: &str, v: &str) {
+        self.str(k);
+        self.str(v);
+    }
+}
+
+impl Action {
+    /// The action string PyTorch writes.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Oom => "oom",
+            Action::Snapshot => "snapshot",
+            Action::Other(s) => s,
+        }
+    }
+}
+
+impl BlockState {
+    /// The state string PyTorch writes.
+    pub fn as_str(&self) -> &str {
+        match self {
+            BlockState::ActiveAllocated => "active_allocated",
+            BlockState::ActivePendingFree => "active_pending_free",
+            BlockState::Inactive => "inactive",
+            BlockState::Other(s) => s,
+        }
+    }
+}
+
+impl Snapshot {
+    /// The snapshot as a pickle in PyTorch's layout (`segments` with `blocks`, `device_traces`
+    /// whose `oom` events carry `device_free` instead of `addr`, `allocator_settings` when
+    /// present), which [`Snapshot::from_bytes`] reads back to an equal snapshot. Settings kept
+    /// by name ([`AllocatorSettings::other`]) are written as strings. Frames are not kept by
+    /// the reader and are written as a one-frame stack when an event has a top frame.
+    pub fn to_pickle(&self) -> Vec<u8> {
+        let mut w = PickleWriter(vec![0x80, 2]);
+        w.dict(|w| {
+            w.str("segments");
+            w.list(|w| {
+                for seg in &self.segments {
+                    w.dict(|w| {
+                        w.key_int("device", seg.device.into());
+                        w.key_int("address", seg.address.into());
+                        w.key_int("total_size", seg.total_size.into());
+                        w.key_int("stream", seg.stream.into());
+                        if let Some(t) = &seg.segment_type {
+                            w.key_str("segment_type", t);
+                        }
+                        if let Some(a) = seg.allocated_size {
+                            w.key_int("allocated_size", a.into());
+                        }
+                        if let Some(a) = seg.active_size {
+                            w.key_int("active_size", a.into());
+                        }
+                        w.str("blocks");
+                        w.list(|w| {
+                            for b in &seg.blocks {
+                                w.dict(|w| {
+                                    w.key_int("address", b.address.into());
+                                    w.key_int("size", b.size.into());
+                                    if let Some(r) = b.requested_size {
+                                        w.key_int("requested_size", r.into());
+                                    }
+                                    w.key_str("state", b.state.as_str());
+                                });
+                            }
+                        });
+                    });
+                }
+            });
+            w.str("device_traces");
+            w.list(|w| {
+                for trace in &self.device_traces {
+                    w.list(|w| {
+                        for e in trace {
+                            w.dict(|w| {
+                                w.key_str("action", e.action.as_str());
+                                if e.action == Action::Oom {
+                                    if let Some(f) = e.device_free {
+                                        w.key_int("device_free", f.into());
+                                    }
+                                } else {
+                                    w.key_int("addr", e.addr.into());
+                                }
+                                w.key_int("size", e.size.into());
+                                w.key_int("stream", e.stream.into());
+                                if let Some(t) = e.time_us {
+                                    w.key_int("time_us", t.into());
+                                }
+                                if let Some(f) = &e.top_frame {
+                                    write_frame(w, f);
+                                }
+                            });
+                        }
+                    });
+                }
+            });
+            if let Some(a) = &self.allocator_settings {
+                w.str("allocator_settings");
+                w.dict(|w| {
+                    if let Some(c) = &a.conf {
+                        w.key_str("PYTORCH_CUDA_ALLOC_CONF", c);
+                    }
+                    if let Some(e) = a.expandable_segments {
+                        w.str("expandable_segments");
+                        w.bool(e);
+                    }
+                    w.key_int("max_split_size", a.max_split_size.map_or(-1, i128::from));
+                    if let Some(g) = a.garbage_collection_threshold {
+                        w.str("garbage_collection_threshold");
+                        w.float(g);
+                    }
+                    if !a.roundup_power2_divisions.is_empty() {
+                        w.str("roundup_power2_divisions");
+                        w.dict(|w| {
+                            for &(mb, d) in &a.roundup_power2_divisions {
+                                w.key_int(&mb.to_string(), d.into());
+                            }
+                        });
+                    }
+                    for (k, v) in &a.other {
+                        w.key_str(k, v);
+                    }
+                });
+            }
+        });
+        w.0.push(b'.');
+        w.0
+    }
+}
+
+/// `frames: [{"filename", "line", "name"}]` from a `file:line name` top frame.
+fn write_frame(w: &mut PickleWriter, top: &str) {
+    let (loc, name) = top.split_once(' ').unwrap_or((top, "?"));
+    let (file, line) = loc.rsplit_once(':').unwrap_or((loc, "0"));
+    w.str("frames");
+    w.list(|w| {
+        w.dict(|w| {
+            w.key_str("filename", file);
+            w.key_int("line", line.parse::<i128>().unwrap_or(0));
+            w.key_str("name", name);
+        })
+    });
+}
+
 /// How many more segments, blocks and events may be read.
 struct Budget(usize);
 
@@ -569,14 +858,132 @@ fn parse_event(e: &Value, device: usize, index: usize) -> Result<TraceEvent, Sna
                 .ok_or_else(|| shape(&format!("{path}.time_us"), "an int", &describe(v)))?,
         ),
     };
+    let action = Action::parse(action);
+    let device_free = if action == Action::Oom {
+        opt_u64(e, "device_free", &path)?
+    } else {
+        None
+    };
+    let addr = opt_u64(e, "addr", &path)?;
     Ok(TraceEvent {
-        action: Action::parse(action),
-        addr: opt_u64(e, "addr", &path)?.unwrap_or(0),
+        addr: device_free.or(addr).unwrap_or(0),
+        action,
         size: opt_u64(e, "size", &path)?.unwrap_or(0),
         stream: opt_u64(e, "stream", &path)?.unwrap_or(0),
         time_us,
         top_frame: e.get("frames").and_then(top_python_frame),
+        device_free,
     })
+}
+
+/// A Python value as `repr` would print it, for settings kept by name.
+fn python_repr(v: &Value) -> String {
+    match v {
+        Value::None => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Int(i) => i.to_string(),
+        Value::BigInt(i) => i.to_string(),
+        Value::Float(f) => format!("{f:?}"),
+        Value::Str(s) => format!("{s:?}"),
+        Value::Bytes(b) => format!("<{} bytes>", b.len()),
+        Value::List(items) | Value::Tuple(items) | Value::Set(items) => {
+            let inner: Vec<String> = items.iter().map(python_repr).collect();
+            format!("[{}]", inner.join(", "))
+        }
+        Value::Dict(items) => {
+            let inner: Vec<String> = items
+                .iter()
+                .map(|(k, v)| format!("{}: {}", python_repr(k), python_repr(v)))
+                .collect();
+            format!("{{{}}}", inner.join(", "))
+        }
+    }
+}
+
+/// `allocator_settings`: PyTorch writes `PYTORCH_CUDA_ALLOC_CONF` (the string the program set),
+/// `max_split_size` (bytes, -1 for unlimited), `garbage_collection_threshold` (a float),
+/// `expandable_segments` (a bool), `roundup_power2_divisions` (a dict from the interval start
+/// in MiB, `"1"`, `"2"`, ..., to its divisions) and pinned-memory keys.
+fn parse_settings(a: &Value) -> Result<AllocatorSettings, SnapshotError> {
+    const PATH: &str = "allocator_settings";
+    let items = a
+        .as_dict()
+        .ok_or_else(|| shape(PATH, "a dict", a.type_name()))?;
+    let mut out = AllocatorSettings::default();
+    for (k, v) in items.iter() {
+        let Some(key) = k.as_str() else {
+            out.other.push((python_repr(k), python_repr(v)));
+            continue;
+        };
+        let path = format!("{PATH}.{key}");
+        match key {
+            "PYTORCH_CUDA_ALLOC_CONF" => {
+                out.conf = match v {
+                    Value::None => None,
+                    Value::Str(s) => Some(s.to_string()),
+                    other => return Err(shape(&path, "a str", &describe(other))),
+                }
+            }
+            "expandable_segments" => {
+                out.expandable_segments = match v {
+                    Value::Bool(b) => Some(*b),
+                    Value::Int(i) => Some(*i != 0),
+                    Value::None => None,
+                    other => return Err(shape(&path, "a bool", &describe(other))),
+                }
+            }
+            "max_split_size" => {
+                let n = v
+                    .as_i128()
+                    .ok_or_else(|| shape(&path, "an int", &describe(v)))?;
+                // SIZE_MAX (unlimited) is written as an int64: -1.
+                out.max_split_size = u64::try_from(n)
+                    .ok()
+                    .filter(|&n| n < u64::MAX && i64::try_from(n).is_ok());
+            }
+            "garbage_collection_threshold" => {
+                out.garbage_collection_threshold = match v {
+                    Value::Float(f) => Some(*f),
+                    Value::Int(i) => Some(*i as f64),
+                    Value::None => None,
+                    other => return Err(shape(&path, "a float", &describe(other))),
+                }
+            }
+            "roundup_power2_divisions" => {
+                let mut pairs = Vec::new();
+                match v {
+                    Value::Dict(d) => {
+                        for (ik, iv) in d.iter() {
+                            let mb = ik
+                                .as_str()
+                                .and_then(|t| t.trim().parse::<u64>().ok())
+                                .or_else(|| ik.as_u64())
+                                .ok_or_else(|| {
+                                    shape(&path, "interval keys in MiB", &describe(ik))
+                                })?;
+                            let div = iv.as_u64().ok_or_else(|| {
+                                shape(&format!("{path}[{mb}]"), "an int", &describe(iv))
+                            })?;
+                            pairs.push((mb, div));
+                        }
+                    }
+                    // Older PyTorch: one number for every size.
+                    Value::Int(_) | Value::BigInt(_) => {
+                        let div = v
+                            .as_u64()
+                            .ok_or_else(|| shape(&path, "a non-negative int", &describe(v)))?;
+                        pairs.push((1, div));
+                    }
+                    Value::None => {}
+                    other => return Err(shape(&path, "a dict", &describe(other))),
+                }
+                pairs.sort_unstable();
+                out.roundup_power2_divisions = pairs;
+            }
+            _ => out.other.push((key.to_string(), python_repr(v))),
+        }
+    }
+    Ok(out)
 }
 
 /// The first frame whose file is a Python source, as `file:line name`.
@@ -605,6 +1012,7 @@ mod tests {
             stream: 0,
             time_us: None,
             top_frame: None,
+            device_free: None,
         }
     }
 
@@ -645,6 +1053,7 @@ mod tests {
                 ev(Action::Alloc, 0x300, 8),
                 ev(Action::FreeRequested, 0x300, 8),
             ]],
+            allocator_settings: None,
         };
         let r = snap.reconstruct(0);
         assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
@@ -682,6 +1091,7 @@ mod tests {
                 ev(Action::FreeRequested, 0x10, 4),
                 ev(Action::Alloc, 0x20, 4),
             ]],
+            allocator_settings: None,
         };
         let r = snap.reconstruct(0);
         assert_eq!(
@@ -724,6 +1134,7 @@ mod tests {
                 ev(Action::SegmentFree, 0, 80),
                 ev(Action::SegmentMap, 0, 30),
             ]],
+            allocator_settings: None,
         };
         let c = snap.reserved_curve(0);
         assert_eq!(c.start, 100);
@@ -763,5 +1174,60 @@ mod tests {
         );
         let e = Snapshot::from_bytes(b"\x80\x04}").unwrap_err();
         assert!(matches!(e, SnapshotError::Pickle(_)), "{e}");
+    }
+
+    #[test]
+    fn oom_events_and_settings_survive_a_pickle_round_trip() {
+        let mut oom = ev(Action::Oom, 7 << 20, 3 << 30);
+        oom.device_free = Some(7 << 20);
+        oom.stream = 5;
+        oom.time_us = Some(-3);
+        oom.top_frame = Some(Arc::from("train.py:12 step"));
+        let snap = Snapshot {
+            segments: vec![Segment {
+                device: 0,
+                address: 1 << 40,
+                total_size: 20 << 20,
+                stream: 0,
+                segment_type: Some("large".into()),
+                allocated_size: None,
+                active_size: None,
+                blocks: vec![block(1 << 40, 20 << 20, BlockState::Inactive)],
+            }],
+            device_traces: vec![vec![ev(Action::SegmentAlloc, 1 << 40, 20 << 20), oom]],
+            allocator_settings: Some(AllocatorSettings {
+                conf: Some("max_split_size_mb:256,foo:bar".into()),
+                expandable_segments: Some(false),
+                max_split_size: Some(256 << 20),
+                roundup_power2_divisions: vec![(1, 0), (2, 4), (1024, 8)],
+                garbage_collection_threshold: Some(0.5),
+                other: vec![("pinned_num_register_threads".into(), "1".into())],
+            }),
+        };
+        let back = Snapshot::from_bytes(&snap.to_pickle()).unwrap();
+        // A number kept by name is written as a string; read back, it is its repr.
+        let mut want = snap.clone();
+        want.allocator_settings.as_mut().unwrap().other[0].1 = "\"1\"".into();
+        assert_eq!(back, want);
+        let ooms: Vec<_> = back.ooms(0).collect();
+        assert_eq!(ooms.len(), 1);
+        assert_eq!(ooms[0].0, 1);
+        assert_eq!(ooms[0].1.device_free, Some(7 << 20));
+        assert_eq!(ooms[0].1.addr, 7 << 20);
+        assert_eq!(back.reserved_curve(0).before(1), 20 << 20);
+        assert_eq!(back.reserved_curve(0).before(0), 0);
+        assert!(!back.allocator_settings.unwrap().is_default());
+
+        // Unlimited max_split_size is written as -1; an oom without device_free reads as None.
+        let bare = Snapshot {
+            device_traces: vec![vec![ev(Action::Oom, 0, 1 << 20)]],
+            allocator_settings: Some(AllocatorSettings::default()),
+            ..Snapshot::default()
+        };
+        let bytes = bare.to_pickle();
+        assert!(bytes.windows(5).any(|w| w == b"J\xff\xff\xff\xff"));
+        let s = Snapshot::from_bytes(&bytes).unwrap();
+        assert_eq!(s, bare);
+        assert_eq!(s.device_traces[0][0].device_free, None);
     }
 }

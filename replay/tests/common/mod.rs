@@ -1,0 +1,2 @@
+//! Helpers shared by the integration tests of this crate.
+pub mod oom_traces;
