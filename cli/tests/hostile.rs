@@ -133,8 +133,12 @@ fn control_characters_from_records_are_escaped_in_tables_not_in_json() {
 fn reader_gone() -> std::process::Stdio {
     use std::os::fd::{FromRawFd, OwnedFd};
     let mut fds = [0; 2];
-    // SAFETY: `pipe` writes two new descriptors into `fds`.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // Close-on-exec: a child that another test thread spawns between `pipe` and `close` must
+    // not inherit the read end, or the pipe keeps a reader and the command never sees EPIPE
+    // (seen: `replay --json` exiting 0 in a release run). The command's own stdout is a dup2
+    // of the write end, which exec keeps.
+    // SAFETY: `pipe2` writes two new descriptors into `fds`.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
     // SAFETY: both descriptors are new and owned here alone; the read end is closed at once.
     unsafe {
         libc::close(fds[0]);
