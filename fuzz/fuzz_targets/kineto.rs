@@ -1,13 +1,8 @@
 //! PyTorch profiler traces (plain or gzipped JSON).
+//! The check is `cistern_fuzz_checks::readers::kineto`, which `cargo test` also runs over the
+//! committed corpus and past crashes.
 #![no_main]
 
-use cistern_trace::kineto;
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(devs) = kineto::from_bytes(data) {
-        for d in devs {
-            assert!(d.sequence.replay().is_ok());
-        }
-    }
-});
+fuzz_target!(|data: &[u8]| cistern_fuzz_checks::readers::kineto(data));

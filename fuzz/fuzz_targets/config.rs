@@ -1,0 +1,8 @@
+//! The configuration strings: CISTERN_CONF, CISTERN_SIM, allocator specs, workload parameters.
+//! The check is `cistern_fuzz_checks::readers::config`, which `cargo test` also runs over the
+//! committed corpus and past crashes.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| cistern_fuzz_checks::readers::config(data));
