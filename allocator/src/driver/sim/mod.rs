@@ -317,7 +317,7 @@ impl SimDriver {
 
     /// Says that `stream`'s stream was destroyed and its handle now names a new stream, as the
     /// real driver may hand a freed `CUstream` to the next `cuStreamCreate`: from now on
-    /// [`Driver::stream_info`] gives the handle another id. (Work already queued on the handle
+    /// [`Driver::stream_info`](super::Driver::stream_info) gives the handle another id. (Work already queued on the handle
     /// stays on it: the simulator's streams are its handles.)
     pub fn recreate_stream(&self, stream: StreamId) {
         *self.stream_generations.lock().entry(stream.0).or_default() += 1;
