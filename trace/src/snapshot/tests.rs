@@ -1,0 +1,230 @@
+//! The unit tests of the module beside this folder.
+use super::*;
+use crate::sequence::{alloc, Op};
+
+fn ev(action: Action, addr: u64, size: u64) -> TraceEvent {
+    TraceEvent {
+        action,
+        addr,
+        size,
+        stream: 0,
+        time_us: None,
+        top_frame: None,
+        device_free: None,
+    }
+}
+
+fn block(address: u64, size: u64, state: BlockState) -> Block {
+    Block {
+        address,
+        size,
+        requested_size: Some(size),
+        state,
+    }
+}
+
+#[test]
+fn reconstruct_window_with_initial_blocks() {
+    // Final state: block at 0x100 (live throughout, never in the window), block at 0x300
+    // (allocated in the window), 0x200 freed in the window without its alloc.
+    let snap = Snapshot {
+        segments: vec![Segment {
+            device: 0,
+            address: 0x100,
+            total_size: 0x1000,
+            stream: 0,
+            segment_type: None,
+            allocated_size: None,
+            active_size: None,
+            blocks: vec![
+                block(0x100, 16, BlockState::ActiveAllocated),
+                block(0x200, 32, BlockState::Inactive),
+                block(0x300, 8, BlockState::ActivePendingFree),
+            ],
+        }],
+        device_traces: vec![vec![
+            ev(Action::FreeRequested, 0x200, 32),
+            ev(Action::FreeCompleted, 0x200, 32),
+            ev(Action::Alloc, 0x200, 4),
+            ev(Action::FreeRequested, 0x200, 4),
+            ev(Action::FreeCompleted, 0x200, 4),
+            ev(Action::Alloc, 0x300, 8),
+            ev(Action::FreeRequested, 0x300, 8),
+        ]],
+        allocator_settings: None,
+    };
+    let r = snap.reconstruct(0);
+    assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+    assert!(r.used_free_completed);
+    assert_eq!(r.initial_from_frees, 1);
+    assert_eq!(r.initial_from_segments, 1);
+    assert_eq!(
+        r.sequence.ops,
+        vec![
+            alloc(0, 16, 0),
+            alloc(1, 32, 0),
+            Op::Free { id: 1 },
+            alloc(2, 4, 0),
+            Op::Free { id: 2 },
+            alloc(3, 8, 0),
+        ]
+    );
+    assert_eq!(
+        r.op_events,
+        vec![None, None, Some(1), Some(2), Some(4), Some(5)]
+    );
+    assert_eq!(r.sequence.peak_live_requested, 48);
+    let stats = r.sequence.replay().unwrap();
+    assert_eq!(stats.live_bytes_at_end(), snap.active_requested_bytes(0));
+}
+
+#[test]
+fn anomalies_are_worked_around() {
+    let snap = Snapshot {
+        segments: vec![],
+        device_traces: vec![vec![
+            ev(Action::Alloc, 0x10, 4),
+            ev(Action::Alloc, 0x10, 4),
+            ev(Action::FreeRequested, 0x10, 4),
+            ev(Action::FreeRequested, 0x10, 4),
+            ev(Action::Alloc, 0x20, 4),
+        ]],
+        allocator_settings: None,
+    };
+    let r = snap.reconstruct(0);
+    assert_eq!(
+        r.anomalies,
+        vec![
+            Anomaly::AllocOverLive {
+                event: 1,
+                addr: 0x10
+            },
+            Anomaly::DoubleFree {
+                event: 3,
+                addr: 0x10
+            },
+            Anomaly::LiveButNotInSegments {
+                addr: 0x20,
+                size: 4
+            },
+        ]
+    );
+    assert!(!r.used_free_completed);
+    assert!(r.sequence.replay().is_ok());
+}
+
+#[test]
+fn reserved_curve_from_segment_events() {
+    let snap = Snapshot {
+        segments: vec![Segment {
+            device: 0,
+            address: 0,
+            total_size: 100,
+            stream: 0,
+            segment_type: None,
+            allocated_size: None,
+            active_size: None,
+            blocks: vec![],
+        }],
+        device_traces: vec![vec![
+            ev(Action::SegmentAlloc, 0, 50),
+            ev(Action::Alloc, 0, 1),
+            ev(Action::SegmentFree, 0, 80),
+            ev(Action::SegmentMap, 0, 30),
+        ]],
+        allocator_settings: None,
+    };
+    let c = snap.reserved_curve(0);
+    assert_eq!(c.start, 100);
+    assert_eq!(c.points, vec![(0, 150), (2, 70), (3, 100)]);
+    assert_eq!(c.peak(), 150);
+    assert!(!c.inconsistent);
+}
+
+#[test]
+fn shape_errors_name_the_place() {
+    // {'segments': [{'address': 'x'}]}
+    let p: &[u8] = b"\x80\x04}(\x8c\x08segments]}(\x8c\x07address\x8c\x01xuau.";
+    let e = Snapshot::from_bytes(p).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "segments[0].address: expected a non-negative int below 2^64, found str \"x\""
+    );
+    // {'segments': 5}
+    let e = Snapshot::from_bytes(b"\x80\x04}\x8c\x08segmentsK\x05s.").unwrap_err();
+    assert_eq!(e.to_string(), "segments: expected a list, found int");
+    let e = Snapshot::from_bytes(b"\x80\x04}.").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "snapshot: expected a `segments` key, found none"
+    );
+    // {'segments': [s, s, s, ...]} with one shared segment dict referenced 1000 times.
+    let mut p = b"\x80\x04}(\x8c\x08segments](}\x94(\x8c\x07address".to_vec();
+    p.extend(b"K\x00\x8c\ntotal_sizeK\x00u");
+    p.extend(std::iter::repeat(&b"h\x00"[..]).take(1000).flatten());
+    p.extend(b"eu.");
+    let v = pickle::from_slice(&p).unwrap();
+    assert_eq!(Snapshot::from_value(&v).unwrap().segments.len(), 1001);
+    let e = Snapshot::from_value_limited(&v, 1000).unwrap_err();
+    assert!(
+        e.to_string().starts_with("segments[1000]: expected fewer"),
+        "{e}"
+    );
+    let e = Snapshot::from_bytes(b"\x80\x04}").unwrap_err();
+    assert!(matches!(e, SnapshotError::Pickle(_)), "{e}");
+}
+
+#[test]
+fn oom_events_and_settings_survive_a_pickle_round_trip() {
+    let mut oom = ev(Action::Oom, 7 << 20, 3 << 30);
+    oom.device_free = Some(7 << 20);
+    oom.stream = 5;
+    oom.time_us = Some(-3);
+    oom.top_frame = Some(Arc::from("train.py:12 step"));
+    let snap = Snapshot {
+        segments: vec![Segment {
+            device: 0,
+            address: 1 << 40,
+            total_size: 20 << 20,
+            stream: 0,
+            segment_type: Some("large".into()),
+            allocated_size: None,
+            active_size: None,
+            blocks: vec![block(1 << 40, 20 << 20, BlockState::Inactive)],
+        }],
+        device_traces: vec![vec![ev(Action::SegmentAlloc, 1 << 40, 20 << 20), oom]],
+        allocator_settings: Some(AllocatorSettings {
+            conf: Some("max_split_size_mb:256,foo:bar".into()),
+            expandable_segments: Some(false),
+            max_split_size: Some(256 << 20),
+            roundup_power2_divisions: vec![(1, 0), (2, 4), (1024, 8)],
+            garbage_collection_threshold: Some(0.5),
+            other: vec![("pinned_num_register_threads".into(), "1".into())],
+        }),
+    };
+    let back = Snapshot::from_bytes(&snap.to_pickle()).unwrap();
+    // A number kept by name is written as a string; read back, it is its repr.
+    let mut want = snap.clone();
+    want.allocator_settings.as_mut().unwrap().other[0].1 = "\"1\"".into();
+    assert_eq!(back, want);
+    let ooms: Vec<_> = back.ooms(0).collect();
+    assert_eq!(ooms.len(), 1);
+    assert_eq!(ooms[0].0, 1);
+    assert_eq!(ooms[0].1.device_free, Some(7 << 20));
+    assert_eq!(ooms[0].1.addr, 7 << 20);
+    assert_eq!(back.reserved_curve(0).before(1), 20 << 20);
+    assert_eq!(back.reserved_curve(0).before(0), 0);
+    assert!(!back.allocator_settings.unwrap().is_default());
+
+    // Unlimited max_split_size is written as -1; an oom without device_free reads as None.
+    let bare = Snapshot {
+        device_traces: vec![vec![ev(Action::Oom, 0, 1 << 20)]],
+        allocator_settings: Some(AllocatorSettings::default()),
+        ..Snapshot::default()
+    };
+    let bytes = bare.to_pickle();
+    assert!(bytes.windows(5).any(|w| w == b"J\xff\xff\xff\xff"));
+    let s = Snapshot::from_bytes(&bytes).unwrap();
+    assert_eq!(s, bare);
+    assert_eq!(s.device_traces[0][0].device_free, None);
+}
