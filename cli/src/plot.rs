@@ -249,6 +249,16 @@ const SWATCH: f64 = 30.0;
 /// A legend label longer than this is elided (full text in its `<title>`).
 const LEGEND_TEXT_MAX: f64 = 300.0;
 
+/// Writes `charts` as one SVG file for `--plot PATH`, and says so on stderr unless `quiet`
+/// (the JSON output keeps stderr for errors).
+pub fn write_file(path: &std::path::Path, charts: &[Chart], quiet: bool) -> Result<(), String> {
+    std::fs::write(path, render(charts)).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+    if !quiet {
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 /// Renders charts stacked vertically into one SVG document.
 pub fn render(charts: &[Chart]) -> String {
     // The widths every chart shares: the y labels' column and the legend's.

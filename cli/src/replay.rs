@@ -111,11 +111,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     }
 
     if let Some(path) = &args.plot {
-        let svg = plot::render(&charts(&reports));
-        std::fs::write(path, svg).map_err(|e| format!("--plot {}: {e}", path.display()))?;
-        if !args.json {
-            eprintln!("wrote {}", path.display());
-        }
+        plot::write_file(path, &charts(&reports), args.json)?;
     }
     if args.json {
         let doc = if reports.len() == 1 {

@@ -82,11 +82,7 @@ pub fn run(args: &WhatifArgs) -> Result<(), String> {
         reports.push(analyze_file(&shown, loaded, &opts)?);
     }
     if let Some(path) = &args.plot {
-        let svg = plot::render(&charts(&reports));
-        std::fs::write(path, svg).map_err(|e| format!("--plot {}: {e}", path.display()))?;
-        if !args.json {
-            eprintln!("wrote {}", path.display());
-        }
+        plot::write_file(path, &charts(&reports), args.json)?;
     }
     if args.json {
         // `{"ooms": [...]}`, each OOM with its file; files without OOM under `at_capacity`.
