@@ -71,6 +71,11 @@ fn publishes_tags_last_oom_and_leaks() {
     let r = only_record(&t.reg());
     assert_eq!(r.pid, std::process::id());
     assert_eq!(r.state, State::Running);
+    // Written on the simulated GPU, and saying so; placed where this process runs.
+    assert_eq!(r.driver.as_deref(), Some("sim"));
+    assert!(r.simulated());
+    assert_eq!(r.ns_pids.last(), Some(&std::process::id()));
+    assert!(r.pid_ns.is_some() && r.cgroup.is_some());
     let d = &r.devices[0];
     let tag = |name: &str| {
         d.top_tags

@@ -48,6 +48,7 @@ pub fn identity(pid: u32, start_time: u64, command: &str) -> Identity {
         uid: registry::euid(),
         cmdline: command.split(' ').map(str::to_string).collect(),
         cmdline_truncated: false,
+        placement: Default::default(),
     }
 }
 
@@ -115,6 +116,7 @@ pub fn publish(
             devices,
             last_oom: None,
             marks,
+            driver: None,
         },
         state,
         leaks,
