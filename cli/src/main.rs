@@ -10,9 +10,11 @@ mod gpu;
 mod leaks;
 mod plot;
 mod ps;
+mod registry_dirs;
 mod replay;
 mod table;
 mod whatif;
+mod xid;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -69,6 +71,10 @@ pub struct PsArgs {
     /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
     #[arg(long, value_name = "DIR")]
     pub registry_dir: Option<PathBuf>,
+    /// Read every user's registry directory this user may read (root: all), each checked
+    /// against the uid in its name; unsafe ones are refused by name.
+    #[arg(long)]
+    pub all_users: bool,
 }
 
 /// Arguments of `cistern leaks`.
@@ -100,6 +106,10 @@ pub struct DoctorArgs {
     /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
     #[arg(long, value_name = "DIR")]
     pub registry_dir: Option<PathBuf>,
+    /// Read every user's registry directory this user may read (root: all), each checked
+    /// against the uid in its name; unsafe ones are refused by name (and need attention).
+    #[arg(long)]
+    pub all_users: bool,
 }
 
 /// Arguments of `cistern convert`.
