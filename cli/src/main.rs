@@ -40,15 +40,17 @@ enum Command {
     /// log (`logging_resource_adaptor` CSV), one output per device.
     Convert(ConvertArgs),
     /// Who holds GPU memory: per GPU and per process, NVML's numbers reconciled with the
-    /// records of processes using cistern (live, cached, overhead, top tags), including dead
-    /// processes whose memory or record remains.
+    /// records of processes using cistern (live, cached, pending, overhead, top tags), including
+    /// dead processes whose memory or record remains, processes in containers (by host pid) and
+    /// on the simulated GPU; then the last OOM reports and the driver's recent Xid errors.
     Ps(PsArgs),
     /// A process's live blocks by tag and call site (with ages and growth since marks), from
     /// its newest record; works for dead processes.
     Leaks(LeaksArgs),
     /// Check for orphaned and zombie GPU contexts, processes holding /dev/nvidia* after their
-    /// group leader died, and stale records. Exit status 0 when healthy, 1 when something needs
-    /// attention, 2 on error. Suggests actions; never kills.
+    /// group leader died, killed processes' stale records, unsafe registry directories and the
+    /// GPU driver's recent Xid errors. A clean exit is never "attention". Exit status 0 when
+    /// healthy, 1 when something needs attention, 2 on error. Suggests actions; never kills.
     Doctor(DoctorArgs),
     /// For each OOM recorded in a PyTorch memory snapshot: the capacity the allocator had, and
     /// whether the request would have fitted with other PyTorch settings
