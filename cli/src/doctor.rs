@@ -10,7 +10,7 @@
 
 use std::collections::HashSet;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use cistern::format_bytes;
@@ -249,10 +249,13 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
                 f.record = p.record.clone();
                 if past_grace && clean {
                     if let Some(path) = &p.record {
-                        f.cleaned = clean_one(path, p.pid);
-                        if f.cleaned {
-                            f.severity = Severity::Info;
-                            f.suggestion = "removed".into();
+                        match clean_one(path, p.container_pid.unwrap_or(p.pid)) {
+                            Ok(()) => {
+                                f.cleaned = true;
+                                f.severity = Severity::Info;
+                                f.suggestion = "removed".into();
+                            }
+                            Err(why) => f.suggestion = format!("{why}; {}", f.suggestion),
                         }
                     }
                 }
@@ -395,20 +398,30 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
 }
 
 /// Removes one stale record after checking again that its process is dead and that the file
-/// still names it.
-fn clean_one(path: &PathBuf, pid: u32) -> bool {
-    let Ok(r) = registry::read_record(path) else {
-        return false;
-    };
+/// still names it; only in a registry directory of this user's (another user's directory can be
+/// swapped under the path by its owner: its records are the owner's to remove). The error says
+/// why it was kept.
+fn clean_one(path: &Path, pid: u32) -> Result<(), String> {
+    let own = path
+        .parent()
+        .is_some_and(|d| registry::check_dir(d).is_ok());
+    if !own {
+        return Err(
+            "kept: not in a registry directory of this user's; its owner's `cistern doctor \
+             --clean-stale` removes it"
+                .into(),
+        );
+    }
+    let r = registry::read_record(path).map_err(|e| format!("kept: the record {e}"))?;
     if r.pid != pid
         || !matches!(
             r.liveness(),
             Liveness::Dead | Liveness::PidReused | Liveness::OtherBoot
         )
     {
-        return false;
+        return Err("kept: the record changed, or its process runs".into());
     }
-    fs::remove_file(path).is_ok()
+    fs::remove_file(path).map_err(|e| format!("kept: removing it failed: {e}"))
 }
 
 /// Renders the document as text.

@@ -647,10 +647,20 @@ fn opt_bytes(v: Option<u64>) -> String {
 pub fn render(r: &PsReport, colour: bool) -> String {
     let mut out = String::new();
     if let Some(e) = &r.nvml.error {
+        let dirs = r
+            .registry_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
         out.push_str(&format!(
             "{}\nshowing cistern's registry alone ({})\n\n",
             printable(e),
-            printable(&r.registry_dir.display().to_string())
+            printable(if dirs.is_empty() {
+                "no registry directory found"
+            } else {
+                &dirs
+            })
         ));
     }
     if !r.gpus.is_empty() {

@@ -398,3 +398,38 @@ fn xid_errors_are_findings_fatal_ones_attention() {
         "{doc}"
     );
 }
+
+/// `--clean-stale` removes records only in a directory of this user's: in one open to others
+/// (or another user's) the path could be swapped by whoever controls the directory.
+#[test]
+fn clean_stale_keeps_records_in_a_directory_that_is_not_this_users() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = TempDir::new("doctor-clean-foreign");
+    let dir = tmp.path().join("registry");
+    let stale = publish(
+        &dir,
+        identity(dead_pid(0), 5, "python killed.py"),
+        vec![],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let nvml = fake_nvml(tmp.path(), json!({"gpus": []}));
+    let (code, doc) = doctor(&dir, &nvml, &["--grace", "0", "--clean-stale"]);
+    assert!(stale.exists(), "{doc}");
+    assert_eq!(code, 1);
+    let f = &doc["findings"][0];
+    assert_eq!(f["kind"], "stale-record");
+    assert!(
+        f["suggestion"]
+            .as_str()
+            .unwrap()
+            .starts_with("kept: not in a registry directory of this user's"),
+        "{f}"
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (code, doc) = doctor(&dir, &nvml, &["--grace", "0", "--clean-stale"]);
+    assert!(!stale.exists(), "{doc}");
+    assert_eq!(code, 0, "{doc}");
+}

@@ -358,6 +358,35 @@ mod tests {
         );
     }
 
+    /// Kubernetes with dockershim and the systemd driver, and rootless Podman on cgroup v2 (its
+    /// `libpod-<id>.scope`, with the `container` subgroup newer Podman adds; `libpod-conmon-`
+    /// is its monitor, not the container): paths from OpenTelemetry's container-id tests.
+    #[test]
+    fn docker_under_kubernetes_and_podman() {
+        let text = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod69349abe_d645_11ea_9c4c_08002709c05c.slice/docker-80d85a3a585f1575028ebe468d83093c301eda20d37d1671ff2a0be50fc0e460.scope\n";
+        assert_eq!(
+            parsed(text),
+            (
+                s("80d85a3a585f1575028ebe468d83093c301eda20d37d1671ff2a0be50fc0e460"),
+                s("69349abe-d645-11ea-9c4c-08002709c05c"),
+                s("docker"),
+                None
+            )
+        );
+        let id = "ee059a097566fdc5ac9141bfcdfbed0c972163da891de076e0849d7b53597aac";
+        let text = format!(
+            "0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{id}.scope/container\n"
+        );
+        assert_eq!(parsed(&text), (s(id), None, s("podman"), None));
+        let conmon = format!(
+            "0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-conmon-{id}.scope\n"
+        );
+        assert_eq!(
+            parsed(&conmon),
+            (None, None, None, s(&format!("libpod-conmon-{id}.scope")))
+        );
+    }
+
     /// Docker's cgroupfs driver (`/docker/<id>` in every v1 hierarchy; Debian, Ubuntu 18.04).
     #[test]
     fn docker_cgroupfs_v1() {
