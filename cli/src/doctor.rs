@@ -3,8 +3,9 @@
 //! after their process group's leader died (data-loader workers of a killed job), stale
 //! records of killed processes, unsafe registry directories (`--all-users`), and the GPU
 //! driver's recent Xid errors (fatal ones need attention). A process that exited cleanly is
-//! information, never attention: a node where every process exited cleanly is healthy. It suggests; it never kills, and removes nothing but stale records, and those only
-//! with `--clean-stale`.
+//! information, never attention: a node where every process exited cleanly is healthy. It
+//! suggests; it never kills, and removes nothing but records: expired ones of exited processes
+//! (`registry_expire`), and stale ones only with `--clean-stale`, in this user's directories.
 //!
 //! Exit status: 0 healthy, 1 something needs attention, 2 error.
 

@@ -98,7 +98,8 @@ pub struct DoctorArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// How long (seconds) a dead process's record may stay before it counts as stale.
+    /// How long (seconds) the record of a process that died without exiting cleanly (killed,
+    /// crashed) may stay before it needs attention; a clean exit never does.
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     pub grace: f64,
     /// Remove stale records: only those of dead processes NVML does not list, last written
