@@ -13,6 +13,9 @@
 
 use std::fmt;
 
+/// The default of `registry_expire`: one hour.
+pub const DEFAULT_REGISTRY_EXPIRE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// The name of the environment variable holding the configuration.
 pub const ENV_VAR: &str = "CISTERN_CONF";
 
@@ -104,6 +107,16 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          user's, or open to group or others. Without /dev/shm the default is \
          $XDG_RUNTIME_DIR/cistern, else /tmp/cistern-<uid>.",
     ),
+    (
+        "registry_expire",
+        "1h",
+        "How long the record of an exited process stays in the registry: after this time (since \
+         its last write) the next process publishing in the directory, or `cistern ps` / \
+         `doctor` run by its owner, removes it. Records of dead processes still holding memory \
+         (NVML lists them, or a killed process's record with reserved bytes) or with leaks stay \
+         until `cistern doctor --clean-stale`. A duration (`90s`, `30m`, `1h`, `7d`; a plain \
+         number is seconds) or `never`.",
+    ),
 ];
 
 /// When growth may block the host on a stream's queued work (the `stream_sync` key).
@@ -147,6 +160,8 @@ pub struct Config {
     pub registry: bool,
     /// The registry directory; `None` is [`crate::registry::default_dir`].
     pub registry_dir: Option<std::path::PathBuf>,
+    /// How long an exited process's record stays before it is removed; `None`: never.
+    pub registry_expire: Option<std::time::Duration>,
     /// What each live block records.
     pub provenance: crate::provenance::Mode,
     /// With `provenance: Stacks`, one captured stack per this many allocations per thread.
@@ -167,6 +182,7 @@ impl Default for Config {
             record: None,
             registry: true,
             registry_dir: None,
+            registry_expire: Some(DEFAULT_REGISTRY_EXPIRE),
             provenance: crate::provenance::Mode::Tags,
             stack_sample_rate: 1024,
         }
@@ -262,6 +278,43 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         return Err(too_large());
     }
     Ok(bytes.round() as u64)
+}
+
+/// Parses a duration such as `90s`, `30m`, `1.5h`, `7d`, `500ms` or `120` (seconds).
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let example = "expected a duration with a unit, e.g. 90s, 30m, 1h or 7d (a plain number is \
+                   seconds)";
+    if t.starts_with('-') {
+        return Err(format!("`{text}` is negative: {example}"));
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let secs_per: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "ms" => 1e-3,
+        "" | "s" | "sec" | "secs" => 1.0,
+        "m" | "min" | "mins" => 60.0,
+        "h" | "hour" | "hours" => 3600.0,
+        "d" | "day" | "days" => 86400.0,
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{text}`: use ms, s, m (minutes), h or d"
+            ))
+        }
+    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration: {example}"))?;
+    let secs = value * secs_per;
+    // At most 100 years: more is surely a typo, and Duration::from_secs_f64 must not panic.
+    if !secs.is_finite() || secs > 100.0 * 365.0 * 86400.0 {
+        return Err(format!(
+            "`{text}` is too long: at most 100 years (use `never` to keep records for ever)"
+        ));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
@@ -413,6 +466,14 @@ impl Config {
                     return Err(err(key, "expected a directory path"));
                 }
                 self.registry_dir = Some(v.into());
+            }
+            "registry_expire" => {
+                let v = value.trim();
+                self.registry_expire = if v.eq_ignore_ascii_case("never") {
+                    None
+                } else {
+                    Some(parse_duration(v).map_err(|m| err(key, format!("{m}, or `never`")))?)
+                };
             }
             _ => {
                 let valid: Vec<&str> = KEYS.iter().map(|k| k.0).collect();
@@ -589,6 +650,51 @@ mod tests {
         assert_eq!(e.key, "provenance");
         let e = Config::parse("stack_sample_rate:-1").unwrap_err();
         assert_eq!(e.key, "stack_sample_rate");
+    }
+
+    #[test]
+    fn registry_expire_takes_durations_and_never() {
+        use std::time::Duration;
+        assert_eq!(
+            Config::default().registry_expire,
+            Some(Duration::from_secs(3600))
+        );
+        for (text, secs) in [
+            ("1h", 3600.0),
+            ("30m", 1800.0),
+            ("90s", 90.0),
+            ("90", 90.0),
+            ("1.5h", 5400.0),
+            ("7d", 7.0 * 86400.0),
+            ("500ms", 0.5),
+            ("0", 0.0),
+        ] {
+            let c = Config::parse(&format!("registry_expire:{text}")).unwrap();
+            assert_eq!(
+                c.registry_expire,
+                Some(Duration::from_secs_f64(secs)),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            Config::parse("registry_expire:never")
+                .unwrap()
+                .registry_expire,
+            None
+        );
+        for (text, says) in [
+            ("-1h", "negative"),
+            ("1y", "unknown unit"),
+            ("soon", "unknown unit"),
+            ("h", "not a duration"),
+            ("1e400s", "unknown unit"),
+            ("99999999999d", "too long"),
+        ] {
+            let e = Config::parse(&format!("registry_expire:{text}")).unwrap_err();
+            assert_eq!(e.key, "registry_expire");
+            assert!(e.message.contains(says), "{text}: {e}");
+            assert!(e.message.contains("never"), "{text}: {e}");
+        }
     }
 
     #[test]

@@ -164,6 +164,7 @@ fn snapshot(live: u64) -> ProcessSnapshot {
         devices: vec![device(0, live, 3)],
         last_oom: None,
         marks: vec![],
+        driver: None,
     }
 }
 
@@ -175,6 +176,7 @@ fn fake_identity(pid: u32, start_time: u64) -> Identity {
         uid: euid(),
         cmdline: vec!["fake".into(), "--arg".into()],
         cmdline_truncated: false,
+        placement: Default::default(),
     }
 }
 
@@ -223,6 +225,7 @@ fn registry_child() {
                 devices: vec![device(0, 300 << 20, 4), device(1, 5 << 20, 1)],
                 last_oom: Some(oom()),
                 marks: vec![],
+                driver: None,
             });
             let _h = Registry::start(&dir, src, Duration::from_millis(20)).unwrap();
             std::thread::sleep(Duration::from_secs(120));
@@ -283,6 +286,7 @@ fn varied(i: u64) -> ProcessSnapshot {
             .collect(),
         last_oom: i.is_multiple_of(3).then(oom),
         marks: vec![],
+        driver: None,
     }
 }
 
@@ -758,6 +762,7 @@ fn a_hundred_records_read_quickly() {
             devices: (0..8).map(|d| device(d, 1 << 30, MAX_TOP)).collect(),
             last_oom: Some(oom()),
             marks: vec![],
+            driver: None,
         };
         reg.publish(&snap, State::Running, vec![leak("x", 1); 50])
             .unwrap();
@@ -799,6 +804,7 @@ fn full_record() -> Vec<u8> {
                 live_bytes_since: 5,
                 live_blocks_since: 1,
             }],
+            driver: None,
         },
         State::Exited,
         vec![leak("a", 1), leak("b", 2)],
@@ -890,4 +896,107 @@ fn a_valid_record_round_trips() {
     let text = String::from_utf8(bytes).unwrap();
     let extended = text.replacen('{', "{\"future_field\":[1,2,3],", 1);
     assert_eq!(parse_record(extended.as_bytes()).unwrap(), r);
+}
+
+/// Writes the record of `id` as if last written `age` ago.
+fn publish_aged(
+    dir: &Path,
+    id: Identity,
+    snap: &ProcessSnapshot,
+    state: State,
+    leaks: Vec<LeakEntry>,
+    age: Duration,
+) -> PathBuf {
+    let mut r = build_record(&id, snap, state, leaks);
+    r.updated_unix_ms -= age.as_millis() as u64;
+    let bytes = encode_record(&mut r);
+    write_atomic(dir, &r.file_name(), &bytes, false).unwrap();
+    dir.join(r.file_name())
+}
+
+#[test]
+fn expired_records_of_exited_processes_are_removed_and_no_others() {
+    let t = TempDir::new("expire");
+    let dir = t.reg();
+    let reg = Registry::with_identity(&dir, fake_identity(1, 1)).unwrap();
+    let hour = Duration::from_secs(3600);
+    let old = 2 * hour;
+    let dead = |n: u32| fake_identity(0x3fff_ff00 + n, 9);
+    let none = ProcessSnapshot::default();
+    let exited_old = publish_aged(&dir, dead(0), &none, State::Exited, vec![], old);
+    let exited_recent = publish_aged(&dir, dead(1), &none, State::Exited, vec![], hour / 6);
+    let with_leaks = publish_aged(&dir, dead(2), &none, State::Exited, vec![leak("x", 1)], old);
+    let killed_holding = publish_aged(&dir, dead(3), &snapshot(5), State::Running, vec![], old);
+    let killed_empty = publish_aged(&dir, dead(4), &none, State::Running, vec![], old);
+    let nvml_lists = publish_aged(&dir, dead(5), &none, State::Exited, vec![], old);
+    let me = std::process::id();
+    let alive = publish_aged(
+        &dir,
+        fake_identity(me, process_start_time(me).unwrap()),
+        &none,
+        State::Exited,
+        vec![],
+        old,
+    );
+    let junk = dir.join("77-77.json");
+    fs::write(&junk, b"not a record").unwrap();
+
+    // An open directory is another user's to clean (or nobody's): nothing is removed there.
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    assert!(expire_records(&dir, hour, now_ms(), &|_| false).is_empty());
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    // `never` removes nothing.
+    assert_eq!(reg.expire(None), 0);
+
+    let nvml_pid = 0x3fff_ff05;
+    let removed = expire_records(&dir, hour, now_ms(), &|r| r.pid == nvml_pid);
+    assert_eq!(removed, {
+        let mut v = vec![exited_old.clone(), killed_empty.clone()];
+        v.sort();
+        v
+    });
+    for kept in [
+        &exited_recent,
+        &with_leaks,
+        &killed_holding,
+        &nvml_lists,
+        &alive,
+        &junk,
+    ] {
+        assert!(kept.exists(), "{} was removed", kept.display());
+    }
+    // The publisher's pass (no NVML) takes the record NVML listed too, once expired.
+    assert_eq!(reg.expire(Some(hour)), 1);
+    assert!(!nvml_lists.exists());
+    assert!(exited_recent.exists());
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[test]
+fn another_users_directory_is_checked_against_the_uid_in_its_name() {
+    let t = TempDir::new("dir-of");
+    let dir = t.reg();
+    Registry::with_identity(&dir, fake_identity(1, 1)).unwrap();
+    let me = euid();
+    assert!(check_dir_of(&dir, me).is_ok());
+    let e = check_dir_of(&dir, me + 1).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("owned by uid {me}")) && e.contains(&format!("uid {}", me + 1)),
+        "{e}"
+    );
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+    let e = check_dir_of(&dir, me).unwrap_err().to_string();
+    assert!(e.contains("0755"), "{e}");
+    let link = t.0.join("link");
+    symlink(&dir, &link).unwrap();
+    assert!(check_dir_of(&link, me)
+        .unwrap_err()
+        .to_string()
+        .contains("symlink"));
 }

@@ -71,6 +71,11 @@ fn publishes_tags_last_oom_and_leaks() {
     let r = only_record(&t.reg());
     assert_eq!(r.pid, std::process::id());
     assert_eq!(r.state, State::Running);
+    // Written on the simulated GPU, and saying so; placed where this process runs.
+    assert_eq!(r.driver.as_deref(), Some("sim"));
+    assert!(r.simulated());
+    assert_eq!(r.ns_pids.last(), Some(&std::process::id()));
+    assert!(r.pid_ns.is_some() && r.cgroup.is_some());
     let d = &r.devices[0];
     let tag = |name: &str| {
         d.top_tags
@@ -190,4 +195,40 @@ fn an_unsafe_directory_is_an_error_not_a_panic() {
     // The pool still works.
     let a = p.alloc_raw(0, 4096, StreamId(0)).unwrap();
     p.free_raw(a, StreamId(0)).unwrap();
+}
+
+/// The publisher removes expired records of exited processes when it starts (`registry_expire`),
+/// and keeps younger ones.
+#[test]
+fn starting_removes_expired_records_of_exited_processes() {
+    use cistern::registry::{build_record, encode_record, write_atomic, Identity, ProcessSnapshot};
+    let t = TempDir::new("expire");
+    let dir = t.reg();
+    fs::create_dir(&dir).unwrap();
+    fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let write = |pid: u32, age_ms: u64| {
+        let id = Identity {
+            pid,
+            start_time: 3,
+            boot_id: cistern::registry::boot_id().unwrap(),
+            uid: cistern::registry::euid(),
+            cmdline: vec!["old".into()],
+            cmdline_truncated: false,
+            placement: Default::default(),
+        };
+        let mut r = build_record(&id, &ProcessSnapshot::default(), State::Exited, vec![]);
+        r.updated_unix_ms -= age_ms;
+        write_atomic(&dir, &r.file_name(), &encode_record(&mut r), false).unwrap();
+        dir.join(r.file_name())
+    };
+    let old = write(0x3fff_ff10, 3 * 3600 * 1000);
+    let young = write(0x3fff_ff11, 60 * 1000);
+    let p = pool(&format!(
+        "registry_dir:{},registry_expire:2h",
+        dir.display()
+    ));
+    let h = p.start_registry().unwrap().expect("registry is on");
+    assert!(!old.exists(), "the expired record stayed");
+    assert!(young.exists());
+    h.finish(vec![]).unwrap();
 }

@@ -1,23 +1,27 @@
 //! `cistern doctor`: health checks for a shared GPU host. Finds orphaned GPU contexts (NVML
 //! pids that no longer exist), zombies holding GPU memory, processes that hold `/dev/nvidia*`
-//! after their process group's leader died (data-loader workers of a killed job), and stale
-//! records. It suggests; it never kills, and removes nothing but stale records, and those only
-//! with `--clean-stale`.
+//! after their process group's leader died (data-loader workers of a killed job), stale
+//! records of killed processes, unsafe registry directories (`--all-users`), and the GPU
+//! driver's recent Xid errors (fatal ones need attention). A process that exited cleanly is
+//! information, never attention: a node where every process exited cleanly is healthy. It
+//! suggests; it never kills, and removes nothing but records: expired ones of exited processes
+//! (`registry_expire`), and stale ones only with `--clean-stale`, in this user's directories.
 //!
 //! Exit status: 0 healthy, 1 something needs attention, 2 error.
 
 use std::collections::HashSet;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use cistern::format_bytes;
-use cistern::registry::{self, Liveness};
+use cistern::registry::{self, Liveness, State};
 use serde::Serialize;
 
 use crate::gpu;
 use crate::ps::{self, PsState, Snapshot};
 use crate::table::{self, printable};
+use crate::xid::{XidReport, XidSeverity};
 use crate::DoctorArgs;
 
 /// How serious a finding is.
@@ -34,7 +38,9 @@ pub enum Severity {
 #[derive(Debug, Serialize)]
 pub struct Finding {
     /// `orphaned-context`, `zombie-context`, `orphaned-holder`, `stale-record`,
-    /// `recently-dead`, `refused-record`, `nvml-unavailable`, `holders-unreadable`.
+    /// `recently-dead`, `exited`, `exited-with-leaks`, `refused-record`,
+    /// `refused-registry-dir`, `registry-dir-unreadable`, `xid`, `xid-unavailable`,
+    /// `nvml-unavailable`, `holders-unreadable`.
     pub kind: &'static str,
     pub severity: Severity,
     pub pid: Option<u32>,
@@ -53,9 +59,17 @@ pub struct Finding {
 pub struct DoctorReport {
     pub healthy: bool,
     pub nvml_available: bool,
+    /// The registry directory read (the first, when several were).
     pub registry_dir: PathBuf,
+    /// Every registry directory read.
+    pub registry_dirs: Vec<PathBuf>,
     pub grace_seconds: f64,
     pub findings: Vec<Finding>,
+    /// Records of exited processes removed as expired (`registry_expire`) by this run.
+    pub expired_records: Vec<PathBuf>,
+    /// The GPU driver's recent Xid errors, when they were looked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xid: Option<XidReport>,
 }
 
 fn finding(kind: &'static str, severity: Severity, message: String, suggestion: &str) -> Finding {
@@ -72,8 +86,9 @@ fn finding(kind: &'static str, severity: Severity, message: String, suggestion: 
     }
 }
 
-/// Examines a snapshot; with `clean`, removes stale records.
-pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool) -> DoctorReport {
+/// Examines a snapshot (and the kernel log's Xid errors, when given); with `clean`, removes
+/// stale records.
+pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>) -> DoctorReport {
     let psr = ps::build(s);
     let mut out = Vec::new();
     if let Err(e) = &s.gpus {
@@ -102,11 +117,27 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool) -> DoctorReport {
         match p.state {
             PsState::DeadButMemoryHeld => {
                 dead_pids.insert(p.pid);
+                // An Xid naming the pid explains the crash: say so here, in one place.
+                let named = xid
+                    .map(|x| {
+                        x.events
+                            .iter()
+                            .filter(|e| e.pid == Some(p.pid))
+                            .map(|e| {
+                                format!(
+                                    "; the driver logged Xid {} for it: {}",
+                                    e.xid,
+                                    e.meaning.unwrap_or(&e.message)
+                                )
+                            })
+                            .collect::<String>()
+                    })
+                    .unwrap_or_default();
                 let mut f = finding(
                     "orphaned-context",
                     Severity::Attention,
                     format!(
-                        "pid {} no longer exists but NVML lists it on {gpu_names} holding {}{}",
+                        "pid {} no longer exists but NVML lists it on {gpu_names} holding {}{}{named}",
                         p.pid,
                         held.map(format_bytes).unwrap_or_else(|| "memory".into()),
                         if p.record.is_some() {
@@ -157,22 +188,54 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool) -> DoctorReport {
                     .now_ms
                     .saturating_sub(p.updated_unix_ms.unwrap_or(s.now_ms));
                 let other_boot = p.liveness == Some(Liveness::OtherBoot);
-                let stale = age_ms >= grace_ms;
+                let past_grace = age_ms >= grace_ms;
+                let record = p
+                    .record
+                    .as_ref()
+                    .and_then(|path| s.records.iter().find(|(q, _, _)| q == path))
+                    .map(|(_, r, _)| r);
+                let exited = p.record_state == Some(State::Exited);
+                let leaked = record.is_some_and(|r| !r.leaks.is_empty() || r.leaks_truncated);
+                // A clean exit is the normal end of a process: information, never attention.
+                let (kind, severity, suggestion) = if exited && !leaked {
+                    (
+                        "exited",
+                        Severity::Info,
+                        "nothing to do: the record is removed once `registry_expire` (default \
+                         1 h) has passed",
+                    )
+                } else if exited {
+                    (
+                        "exited-with-leaks",
+                        Severity::Info,
+                        "`cistern leaks <pid>` shows the blocks it never freed (the driver freed \
+                         them with the process); `cistern doctor --clean-stale` removes the record",
+                    )
+                } else if past_grace {
+                    (
+                        "stale-record",
+                        Severity::Attention,
+                        "it was killed or crashed: `cistern leaks <pid>` shows what it held; \
+                         `cistern doctor --clean-stale` removes the record",
+                    )
+                } else {
+                    (
+                        "recently-dead",
+                        Severity::Info,
+                        "within the grace period: nothing to do yet",
+                    )
+                };
+                let what = if exited {
+                    "exited cleanly".to_string()
+                } else {
+                    p.state.name().to_string()
+                };
                 let mut f = finding(
-                    if stale {
-                        "stale-record"
-                    } else {
-                        "recently-dead"
-                    },
-                    if stale {
-                        Severity::Attention
-                    } else {
-                        Severity::Info
-                    },
+                    kind,
+                    severity,
                     format!(
-                        "record of pid {} ({}{}), last written {:.0} s ago: {}",
+                        "record of pid {} ({what}{}), last written {:.0} s ago: {}",
                         p.pid,
-                        p.state.name(),
                         if other_boot {
                             ", from an earlier boot"
                         } else {
@@ -181,21 +244,19 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool) -> DoctorReport {
                         age_ms as f64 / 1e3,
                         p.command
                     ),
-                    if stale {
-                        "`cistern leaks <pid>` shows what it held; `cistern doctor --clean-stale` \
-                         removes the record"
-                    } else {
-                        "within the grace period: nothing to do yet"
-                    },
+                    suggestion,
                 );
                 f.pid = Some(p.pid);
                 f.record = p.record.clone();
-                if stale && clean {
+                if past_grace && clean {
                     if let Some(path) = &p.record {
-                        f.cleaned = clean_one(path, p.pid);
-                        if f.cleaned {
-                            f.severity = Severity::Info;
-                            f.suggestion = "removed".into();
+                        match clean_one(path, p.container_pid.unwrap_or(p.pid)) {
+                            Ok(()) => {
+                                f.cleaned = true;
+                                f.severity = Severity::Info;
+                                f.suggestion = "removed".into();
+                            }
+                            Err(why) => f.suggestion = format!("{why}; {}", f.suggestion),
                         }
                     }
                 }
@@ -250,30 +311,118 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool) -> DoctorReport {
         f.record = Some(path.clone());
         out.push(f);
     }
+    for d in &s.dirs.refused {
+        let mut f = finding(
+            "refused-registry-dir",
+            Severity::Attention,
+            format!(
+                "registry directory {} {} (not read)",
+                d.path.display(),
+                d.reason
+            ),
+            "a registry directory must be its user's own (mode 0700, no symlink): records in \
+             one that is not could have been planted by anyone; find out who made it",
+        );
+        f.record = Some(d.path.clone());
+        out.push(f);
+    }
+    for d in &s.dirs.unreadable {
+        out.push(finding(
+            "registry-dir-unreadable",
+            Severity::Info,
+            format!("registry directory {} {}", d.path.display(), d.reason),
+            "run as root to check every user's processes",
+        ));
+    }
+    if let Some(x) = xid {
+        if let Some(why) = &x.unavailable {
+            out.push(finding(
+                "xid-unavailable",
+                Severity::Info,
+                format!("the GPU driver's Xid errors were not checked: {why}"),
+                "run as root to check the kernel log",
+            ));
+        }
+        for e in &x.events {
+            let fatal = e.severity == XidSeverity::Fatal;
+            let gpu = match (e.gpu_index, &e.pci) {
+                (Some(i), Some(p)) => format!("GPU {i} ({p})"),
+                (Some(i), None) => format!("GPU {i}"),
+                (None, Some(p)) => format!("the GPU at PCI {p}"),
+                (None, None) => "a GPU".into(),
+            };
+            let mut f = finding(
+                "xid",
+                if fatal {
+                    Severity::Attention
+                } else {
+                    Severity::Info
+                },
+                format!(
+                    "{gpu}: Xid {}{}{}: {} (driver: {})",
+                    e.xid,
+                    e.age_s
+                        .map(|a| format!(" {:.0} min ago", a / 60.0))
+                        .unwrap_or_default(),
+                    match (e.pid, &e.process_name) {
+                        (Some(pid), Some(n)) => format!(", pid {pid} ({n})"),
+                        (Some(pid), None) => format!(", pid {pid}"),
+                        _ => String::new(),
+                    },
+                    e.meaning.unwrap_or("see NVIDIA's Xid catalog"),
+                    e.message
+                ),
+                if fatal {
+                    "drain the GPU's jobs, then reset it (`nvidia-smi -r -i <index>` with nothing \
+                     running) or reboot; memory held since the error is freed then; if it \
+                     recurs, have the GPU checked (docs.nvidia.com/deploy/xid-errors)"
+                } else {
+                    "most often the process's own error: check its log; the same code across \
+                     unrelated jobs on one GPU points at the hardware"
+                },
+            );
+            f.pid = e.pid;
+            f.gpu = e.gpu_uuid.clone().or_else(|| e.pci.clone());
+            out.push(f);
+        }
+    }
     DoctorReport {
         healthy: !out.iter().any(|f| f.severity == Severity::Attention),
         nvml_available: s.gpus.is_ok(),
         registry_dir: s.dir.clone(),
+        registry_dirs: s.dirs.paths(),
         grace_seconds: grace_ms as f64 / 1e3,
         findings: out,
+        expired_records: s.expired.clone(),
+        xid: xid.cloned(),
     }
 }
 
 /// Removes one stale record after checking again that its process is dead and that the file
-/// still names it.
-fn clean_one(path: &PathBuf, pid: u32) -> bool {
-    let Ok(r) = registry::read_record(path) else {
-        return false;
-    };
+/// still names it; only in a registry directory of this user's (another user's directory can be
+/// swapped under the path by its owner: its records are the owner's to remove). The error says
+/// why it was kept.
+fn clean_one(path: &Path, pid: u32) -> Result<(), String> {
+    let own = path
+        .parent()
+        .is_some_and(|d| registry::check_dir(d).is_ok());
+    if !own {
+        return Err(
+            "kept: not in a registry directory of this user's; its owner's `cistern doctor \
+             --clean-stale` removes it"
+                .into(),
+        );
+    }
+    let r = registry::read_record(path).map_err(|e| format!("kept: the record {e}"))?;
     if r.pid != pid
         || !matches!(
             r.liveness(),
             Liveness::Dead | Liveness::PidReused | Liveness::OtherBoot
         )
     {
-        return false;
+        return Err("kept: the record changed, or its process runs".into());
     }
-    fs::remove_file(path).is_ok()
+    fs::remove_file(path).map_err(|e| format!("kept: removing it failed: {e}"))
 }
 
 /// Renders the document as text.
@@ -310,9 +459,16 @@ pub fn run(args: &DoctorArgs) -> Result<ExitCode, String> {
         return Err(format!("--grace {}: not a duration in seconds", args.grace));
     }
     let view = gpu::from_env()?;
-    let dir = ps::registry_dir(args.registry_dir.as_deref())?;
-    let snap = Snapshot::take(view.as_ref(), &dir)?;
-    let report = examine(&snap, (args.grace * 1e3) as u64, args.clean_stale);
+    let dirs = crate::registry_dirs::registry_dirs(args.registry_dir.as_deref(), args.all_users)?;
+    let mut snap = Snapshot::take_dirs(view.as_ref(), &dirs)?;
+    snap.expire(ps::registry_expire());
+    let xid = crate::xid::recent(&ps::gpu_infos(&snap), ps::XID_WINDOW);
+    let report = examine(
+        &snap,
+        (args.grace * 1e3) as u64,
+        args.clean_stale,
+        Some(&xid),
+    );
     if args.json {
         println!(
             "{}",

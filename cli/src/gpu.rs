@@ -9,6 +9,7 @@
 //! ```json
 //! {"gpus": [{"index": 0, "uuid": "GPU-…", "name": "…", "total": 0, "used": 0, "free": 0,
 //!            "reserved": 0, "compute_mode": "default", "mps": false, "mig": null,
+//!            "pci_bus_id": "00000000:3B:00.0",
 //!            "processes": [{"pid": 1, "used_bytes": 0, "kind": "compute"}]}]}
 //! ```
 //!
@@ -49,6 +50,9 @@ pub struct GpuInfo {
     /// MIG instances when MIG is on (their names and UUIDs), `None` when off or unsupported.
     #[serde(default)]
     pub mig: Option<String>,
+    /// The PCI bus id (`00000000:3B:00.0`), when known: how kernel-log Xid lines name the GPU.
+    #[serde(default)]
+    pub pci_bus_id: Option<String>,
 }
 
 fn unknown() -> String {
@@ -178,6 +182,7 @@ impl GpuView for NvmlView {
                 compute_mode,
                 mps,
                 mig,
+                pci_bus_id: d.pci_info().ok().map(|p| p.bus_id),
             });
         }
         Ok(out)

@@ -7,7 +7,7 @@
 //! not cover is one `(other)` group, so the groups always sum to the record's live bytes.
 
 use cistern::format_bytes;
-use cistern::registry::{Liveness, MarkRecord, Record, State};
+use cistern::registry::{Liveness, MarkRecord, OomRecord, Record, State};
 use serde::Serialize;
 
 use crate::ps::{registry_dir, Snapshot};
@@ -53,6 +53,8 @@ pub struct LeaksReport {
     pub top_sites: Vec<Group>,
     /// Marks and what was allocated since each and is still live.
     pub marks: Vec<MarkRecord>,
+    /// The process's last out-of-memory report, when it had one.
+    pub last_oom: Option<OomRecord>,
 }
 
 /// Builds the document from one record.
@@ -154,6 +156,7 @@ pub fn build(r: &Record, liveness: Liveness) -> LeaksReport {
         leaks_truncated: r.leaks_truncated,
         top_sites,
         marks,
+        last_oom: r.last_oom.clone(),
     }
 }
 
@@ -249,6 +252,12 @@ pub fn render(r: &LeaksReport, colour: bool) -> String {
             ));
         }
     }
+    if let Some(o) = &r.last_oom {
+        out.push_str(&format!(
+            "\nlast out-of-memory report: {}\n",
+            crate::ps::oom_line(o)
+        ));
+    }
     if !r.marks.is_empty() {
         out.push_str("\ngrowth since marks (allocated since, still live):\n");
         for m in &r.marks {
@@ -271,10 +280,11 @@ pub fn run(args: &LeaksArgs) -> Result<(), String> {
     let dir = registry_dir(args.registry_dir.as_deref())?;
     // The GPUs play no part here.
     let snap = Snapshot::take(&crate::gpu::FakeView::default(), &dir)?;
+    // The pid as the process saw it, or as this reader sees it (a process in a container).
     let newest = snap
         .records
         .iter()
-        .filter(|(_, r, _)| r.pid == args.pid)
+        .filter(|(p, r, _)| r.pid == args.pid || snap.pid_of(p) == Some(args.pid))
         .max_by_key(|(_, r, l)| {
             // The process that has the pid now first, then the newest record.
             let current = matches!(l, Liveness::Alive | Liveness::Zombie);

@@ -10,9 +10,11 @@ mod gpu;
 mod leaks;
 mod plot;
 mod ps;
+mod registry_dirs;
 mod replay;
 mod table;
 mod whatif;
+mod xid;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,15 +40,17 @@ enum Command {
     /// log (`logging_resource_adaptor` CSV), one output per device.
     Convert(ConvertArgs),
     /// Who holds GPU memory: per GPU and per process, NVML's numbers reconciled with the
-    /// records of processes using cistern (live, cached, overhead, top tags), including dead
-    /// processes whose memory or record remains.
+    /// records of processes using cistern (live, cached, pending, overhead, top tags), including
+    /// dead processes whose memory or record remains, processes in containers (by host pid) and
+    /// on the simulated GPU; then the last OOM reports and the driver's recent Xid errors.
     Ps(PsArgs),
     /// A process's live blocks by tag and call site (with ages and growth since marks), from
     /// its newest record; works for dead processes.
     Leaks(LeaksArgs),
     /// Check for orphaned and zombie GPU contexts, processes holding /dev/nvidia* after their
-    /// group leader died, and stale records. Exit status 0 when healthy, 1 when something needs
-    /// attention, 2 on error. Suggests actions; never kills.
+    /// group leader died, killed processes' stale records, unsafe registry directories and the
+    /// GPU driver's recent Xid errors. A clean exit is never "attention". Exit status 0 when
+    /// healthy, 1 when something needs attention, 2 on error. Suggests actions; never kills.
     Doctor(DoctorArgs),
     /// For each OOM recorded in a PyTorch memory snapshot: the capacity the allocator had, and
     /// whether the request would have fitted with other PyTorch settings
@@ -69,6 +73,10 @@ pub struct PsArgs {
     /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
     #[arg(long, value_name = "DIR")]
     pub registry_dir: Option<PathBuf>,
+    /// Read every user's registry directory this user may read (root: all), each checked
+    /// against the uid in its name; unsafe ones are refused by name.
+    #[arg(long)]
+    pub all_users: bool,
 }
 
 /// Arguments of `cistern leaks`.
@@ -90,7 +98,8 @@ pub struct DoctorArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// How long (seconds) a dead process's record may stay before it counts as stale.
+    /// How long (seconds) the record of a process that died without exiting cleanly (killed,
+    /// crashed) may stay before it needs attention; a clean exit never does.
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     pub grace: f64,
     /// Remove stale records: only those of dead processes NVML does not list, last written
@@ -100,6 +109,10 @@ pub struct DoctorArgs {
     /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
     #[arg(long, value_name = "DIR")]
     pub registry_dir: Option<PathBuf>,
+    /// Read every user's registry directory this user may read (root: all), each checked
+    /// against the uid in its name; unsafe ones are refused by name (and need attention).
+    #[arg(long)]
+    pub all_users: bool,
 }
 
 /// Arguments of `cistern convert`.

@@ -4,18 +4,24 @@
 //! Per GPU: used = Σ processes + driver reserved + unattributed. Per process: NVML's used
 //! memory = cistern's reserved (live + cached + pending) + overhead (context, kernels,
 //! libraries, other allocators). Every record and every NVML process is shown, whatever its
-//! state; nothing is dropped silently.
+//! state; nothing is dropped silently (records of exited processes expire: `registry_expire`).
+//! Processes on the simulated GPU are marked; a process in a container is shown by the pid the
+//! reader sees (the host's), with its container; the last OOM report of each process and the
+//! driver's recent Xid errors follow the table. `--all-users` reads every user's registry
+//! ([`crate::registry_dirs`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cistern::format_bytes;
-use cistern::registry::{self, AttributionRecord, Liveness, Record, State};
+use cistern::registry::{self, AttributionRecord, Liveness, OomRecord, Record, State};
 use serde::Serialize;
 
 use crate::gpu::{self, GpuInfo, GpuProcess, GpuView, ProcKind};
+use crate::registry_dirs::{Dirs, SkippedDir};
 use crate::table::{self, printable, Align, Table};
+use crate::xid::XidReport;
 use crate::PsArgs;
 
 /// How many tags a process row names.
@@ -23,14 +29,22 @@ const TOP_TAGS: usize = 3;
 
 /// Everything the commands read once: the GPUs with their processes, and the registry.
 pub struct Snapshot {
-    /// The registry directory read.
+    /// The registry directory read first (the only one, unless node-wide).
     pub dir: PathBuf,
+    /// Every directory read, and those refused or unreadable.
+    pub dirs: Dirs,
     /// Each GPU and the processes NVML lists on it, or why NVML could not be used.
     pub gpus: Result<Vec<(GpuInfo, Vec<GpuProcess>)>, String>,
     /// Readable records with their process's liveness.
     pub records: Vec<(PathBuf, Record, Liveness)>,
     /// Record files that were refused, and why.
     pub refused: Vec<(PathBuf, String)>,
+    /// The pid, in this reader's pid namespace, of each record's process that is visible here
+    /// (by record path): the host pid of a process in a container, when the reader is on the
+    /// host. NVML lists processes by this pid.
+    pub pids: HashMap<PathBuf, u32>,
+    /// Records removed as expired ([`Snapshot::expire`]).
+    pub expired: Vec<PathBuf>,
     /// When the snapshot was taken (Unix ms).
     pub now_ms: u64,
 }
@@ -51,6 +65,14 @@ pub fn registry_dir(arg: Option<&Path>) -> Result<PathBuf, String> {
     }
 }
 
+/// How long exited processes' records stay (`CISTERN_CONF`'s `registry_expire`, default one
+/// hour). An invalid `CISTERN_CONF` removes nothing (the commands that need it say so).
+pub fn registry_expire() -> Option<Duration> {
+    cistern::Config::from_env()
+        .ok()
+        .and_then(|c| c.registry_expire)
+}
+
 pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -59,8 +81,18 @@ pub fn now_ms() -> u64 {
 }
 
 impl Snapshot {
-    /// Reads the GPUs and the registry.
+    /// Reads the GPUs and one registry directory (see [`Snapshot::take_dirs`]).
     pub fn take(view: &dyn GpuView, dir: &Path) -> Result<Snapshot, String> {
+        Snapshot::take_dirs(view, &Dirs::one(dir.to_path_buf()))
+    }
+
+    /// Reads the GPUs and every directory of `dirs` ([`crate::registry_dirs::registry_dirs`]).
+    ///
+    /// A directory named by the caller (no uid: `--registry-dir`, `CISTERN_CONF`) that is a
+    /// symlink or cannot be listed is an error; one the library would refuse to publish in
+    /// (another user's, or open to others) is read with a warning. A directory found node-wide
+    /// was checked already; if reading it fails now, it joins `dirs.refused`.
+    pub fn take_dirs(view: &dyn GpuView, dirs: &Dirs) -> Result<Snapshot, String> {
         let gpus = view.gpus().map(|gs| {
             gs.into_iter()
                 .map(|g| {
@@ -69,36 +101,94 @@ impl Snapshot {
                 })
                 .collect()
         });
-        let files = registry::read_all(dir).map_err(|e| e.to_string())?;
-        // A directory the library would refuse to publish in (another user's, or open to
-        // others) is still read, so that its records can be examined, but never silently: what
-        // is in it may have been planted.
-        if !files.is_empty() {
-            if let Err(e) = registry::check_dir(dir) {
-                eprintln!(
-                    "cistern: warning: {}; its records may have been written by another user",
-                    crate::table::printable(&e.to_string())
-                );
+        let mut dirs = dirs.clone();
+        let mut files = Vec::new();
+        let mut failed = Vec::new();
+        for d in &dirs.dirs {
+            match registry::read_all(&d.path) {
+                Ok(f) => {
+                    // What is in a directory the library would refuse may have been planted.
+                    if d.uid.is_none() && !f.is_empty() {
+                        if let Err(e) = registry::check_dir(&d.path) {
+                            eprintln!(
+                                "cistern: warning: {}; its records may have been written by \
+                                 another user",
+                                crate::table::printable(&e.to_string())
+                            );
+                        }
+                    }
+                    files.extend(f);
+                }
+                Err(e) if d.uid.is_none() => return Err(e.to_string()),
+                Err(e) => failed.push(SkippedDir {
+                    path: d.path.clone(),
+                    uid: d.uid,
+                    reason: e.to_string(),
+                }),
             }
         }
+        dirs.dirs
+            .retain(|d| !failed.iter().any(|f| f.path == d.path));
+        dirs.refused.extend(failed);
         let mut records = Vec::new();
         let mut refused = Vec::new();
+        let mut pids = HashMap::new();
+        let mut resolver = registry::PidResolver::new();
         for (path, r) in files {
             match r {
                 Ok(rec) => {
-                    let l = rec.liveness();
+                    let (l, pid) = rec.liveness_with(&mut resolver);
+                    if let Some(pid) = pid {
+                        pids.insert(path.clone(), pid);
+                    }
                     records.push((path, rec, l));
                 }
                 Err(e) => refused.push((path, e.to_string())),
             }
         }
         Ok(Snapshot {
-            dir: dir.to_path_buf(),
+            dir: dirs
+                .dirs
+                .first()
+                .map(|d| d.path.clone())
+                .unwrap_or_default(),
+            dirs,
             gpus,
             records,
             refused,
+            pids,
+            expired: Vec::new(),
             now_ms: now_ms(),
         })
+    }
+
+    /// The pid of a record's process in this reader's namespace, when it is visible here.
+    pub fn pid_of(&self, record: &Path) -> Option<u32> {
+        self.pids.get(record).copied()
+    }
+
+    /// Removes the expired records of exited processes (`registry_expire`, see
+    /// [`registry::expire_records`]) from the directories this user owns, except those of
+    /// processes NVML lists (they hold memory), and drops them from the snapshot. `None`
+    /// removes nothing.
+    pub fn expire(&mut self, max_age: Option<Duration>) {
+        let Some(age) = max_age else {
+            return;
+        };
+        let nvml: HashSet<u32> = self.nvml_processes().keys().map(|k| k.1).collect();
+        let held: HashSet<(u32, u64)> = self
+            .records
+            .iter()
+            .filter(|(p, r, _)| nvml.contains(&self.pid_of(p).unwrap_or(r.pid)))
+            .map(|(_, r, _)| (r.pid, r.start_time))
+            .collect();
+        let holds = |r: &Record| held.contains(&(r.pid, r.start_time)) || nvml.contains(&r.pid);
+        let mut removed = Vec::new();
+        for d in &self.dirs.dirs {
+            removed.extend(registry::expire_records(&d.path, age, self.now_ms, &holds));
+        }
+        self.records.retain(|(p, _, _)| !removed.contains(p));
+        self.expired.extend(removed);
     }
 
     /// NVML's processes merged per (GPU UUID, pid): a process with compute and graphics
@@ -137,14 +227,25 @@ impl Snapshot {
 pub struct PsReport {
     /// Whether NVML answered, and why not.
     pub nvml: NvmlStatus,
-    /// The registry directory read.
+    /// The registry directory read (the first, when several were).
     pub registry_dir: PathBuf,
+    /// Every registry directory read.
+    pub registry_dirs: Vec<PathBuf>,
+    /// Directories found (`--all-users`) but refused: wrong owner, open mode, a symlink.
+    pub refused_registry_dirs: Vec<SkippedDir>,
+    /// Directories found but not readable by this user.
+    pub unreadable_registry_dirs: Vec<SkippedDir>,
     /// Per GPU.
     pub gpus: Vec<GpuRow>,
     /// Per process (one row per record, and one per NVML process with no record).
     pub processes: Vec<ProcRow>,
     /// Record files that could not be read.
     pub refused_records: Vec<Refused>,
+    /// Records of exited processes removed as expired (`registry_expire`) by this run.
+    pub expired_records: Vec<PathBuf>,
+    /// The GPU driver's recent Xid errors (from the kernel log), when they were looked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xid: Option<XidReport>,
 }
 
 #[derive(Debug, Serialize)]
@@ -175,10 +276,12 @@ pub struct GpuRow {
     pub driver_reserved: u64,
     /// used - processes - driver_reserved (negative when NVML's numbers disagree).
     pub unattributed: i64,
-    /// Of `processes`, what cistern's live records hold from the driver.
+    /// Of `processes`, what cistern's live records hold from the driver (simulated processes
+    /// not counted).
     pub cistern_reserved: u64,
     pub cistern_live: u64,
     pub cistern_cached: u64,
+    pub cistern_pending: u64,
     pub compute_mode: String,
     pub mps: bool,
     pub mig: Option<String>,
@@ -229,7 +332,14 @@ impl PsState {
 /// One process.
 #[derive(Debug, Serialize)]
 pub struct ProcRow {
+    /// The pid in this reader's namespace (the host's, for a process in a container seen from
+    /// the host): the one NVML, `kill` and `nvidia-smi` use.
     pub pid: u32,
+    /// The pid the process saw itself, when it differs (it runs in another pid namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_pid: Option<u32>,
+    /// Whether the record was written on the simulated GPU (its devices hold no memory).
+    pub simulated: bool,
     pub state: PsState,
     /// The recorded process's liveness (none without a record).
     pub liveness: Option<Liveness>,
@@ -243,9 +353,19 @@ pub struct ProcRow {
     pub record: Option<PathBuf>,
     /// NVML's total for this pid over all GPUs.
     pub nvml_used: Option<u64>,
-    /// Cistern's reserved bytes over all devices.
+    /// Cistern's reserved bytes over all devices: live + cached + pending.
     pub reserved: u64,
     pub live: u64,
+    pub cached: u64,
+    /// Freed bytes waiting on other streams' work.
+    pub pending: u64,
+    /// The cgroup, container, pod and runtime the record names.
+    pub cgroup: Option<String>,
+    pub container_id: Option<String>,
+    pub pod_uid: Option<String>,
+    pub runtime: Option<String>,
+    /// The process's last out-of-memory report, from its record.
+    pub last_oom: Option<OomRecord>,
     pub gpus: Vec<ProcGpu>,
 }
 
@@ -290,13 +410,16 @@ pub fn build(s: &Snapshot) -> PsReport {
     // The newest record of a pid claims NVML's entries for it; older ones (pid reused, or
     // stale duplicates) do not.
     let mut records: Vec<&(PathBuf, Record, Liveness)> = s.records.iter().collect();
-    records.sort_by_key(|(_, r, _)| (r.pid, std::cmp::Reverse(r.updated_unix_ms)));
+    let vpid = |path: &Path, r: &Record| s.pid_of(path).unwrap_or(r.pid);
+    records.sort_by_key(|(p, r, _)| (vpid(p, r), std::cmp::Reverse(r.updated_unix_ms)));
     for (path, r, l) in records {
-        let may_claim = nvml_owns(*l);
+        let pid = vpid(path, r);
+        // A simulated process's devices are not NVML's GPUs, whatever their UUIDs look like.
+        let may_claim = nvml_owns(*l) && !r.simulated();
         let mut devs = Vec::new();
         let mut held = false;
         for d in &r.devices {
-            let key = d.uuid.clone().map(|u| (u, r.pid));
+            let key = d.uuid.clone().map(|u| (u, pid));
             let entry = key
                 .as_ref()
                 .filter(|k| may_claim && !claimed.contains(*k))
@@ -322,11 +445,11 @@ pub fn build(s: &Snapshot) -> PsReport {
         }
         // NVML may list the process on GPUs its record does not name (a context with no pool).
         if may_claim {
-            for ((uuid, pid), (used, kind)) in &nvml {
-                if *pid != r.pid || claimed.contains(&(uuid.clone(), *pid)) {
+            for ((uuid, npid), (used, kind)) in &nvml {
+                if *npid != pid || claimed.contains(&(uuid.clone(), *npid)) {
                     continue;
                 }
-                claimed.insert((uuid.clone(), *pid));
+                claimed.insert((uuid.clone(), *npid));
                 held = true;
                 devs.push(ProcGpu {
                     uuid: Some(uuid.clone()),
@@ -350,8 +473,11 @@ pub fn build(s: &Snapshot) -> PsReport {
             Liveness::Dead | Liveness::OtherBoot => PsState::DeadRecordOnly,
             Liveness::PidReused => PsState::PidReused,
         };
+        let sum = |f: fn(&ProcGpu) -> u64| devs.iter().map(f).fold(0, u64::saturating_add);
         rows.push(ProcRow {
-            pid: r.pid,
+            pid,
+            container_pid: (pid != r.pid).then_some(r.pid),
+            simulated: r.simulated(),
             state,
             liveness: Some(*l),
             record_state: Some(r.state),
@@ -361,8 +487,15 @@ pub fn build(s: &Snapshot) -> PsReport {
             updated_unix_ms: Some(r.updated_unix_ms),
             record: Some(path.clone()),
             nvml_used: sum_opt(devs.iter().map(|d| d.nvml_used)),
-            reserved: devs.iter().map(|d| d.reserved).fold(0, u64::saturating_add),
-            live: devs.iter().map(|d| d.live).fold(0, u64::saturating_add),
+            reserved: sum(|d| d.reserved),
+            live: sum(|d| d.live),
+            cached: sum(|d| d.cached),
+            pending: sum(|d| d.pending),
+            cgroup: r.cgroup.clone(),
+            container_id: r.container_id.clone(),
+            pod_uid: r.pod_uid.clone(),
+            runtime: r.runtime.clone(),
+            last_oom: r.last_oom.clone(),
             gpus: devs,
         });
     }
@@ -397,6 +530,8 @@ pub fn build(s: &Snapshot) -> PsReport {
         };
         rows.push(ProcRow {
             pid,
+            container_pid: None,
+            simulated: false,
             state,
             liveness: None,
             record_state: None,
@@ -408,6 +543,13 @@ pub fn build(s: &Snapshot) -> PsReport {
             nvml_used: sum_opt(devs.iter().map(|d| d.nvml_used)),
             reserved: 0,
             live: 0,
+            cached: 0,
+            pending: 0,
+            cgroup: None,
+            container_id: None,
+            pod_uid: None,
+            runtime: None,
+            last_oom: None,
             gpus: devs,
         });
     }
@@ -426,14 +568,16 @@ pub fn build(s: &Snapshot) -> PsReport {
             let mine = rows
                 .iter()
                 .filter(|r| r.state == PsState::Running || r.state == PsState::Zombie)
+                .filter(|r| !r.simulated)
                 .flat_map(|r| r.gpus.iter())
                 .filter(|d| d.uuid.as_deref() == Some(g.uuid.as_str()));
             // Records are untrusted input: sums saturate rather than overflow.
-            let (mut cr, mut cl, mut cc) = (0u64, 0u64, 0u64);
+            let (mut cr, mut cl, mut cc, mut cp) = (0u64, 0u64, 0u64, 0u64);
             for d in mine {
                 cr = cr.saturating_add(d.reserved);
                 cl = cl.saturating_add(d.live);
                 cc = cc.saturating_add(d.cached);
+                cp = cp.saturating_add(d.pending);
             }
             GpuRow {
                 index: g.index,
@@ -448,6 +592,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                 cistern_reserved: cr,
                 cistern_live: cl,
                 cistern_cached: cc,
+                cistern_pending: cp,
                 compute_mode: g.compute_mode.clone(),
                 mps: g.mps,
                 mig: g.mig.clone(),
@@ -461,6 +606,9 @@ pub fn build(s: &Snapshot) -> PsReport {
             error: s.gpus.as_ref().err().cloned(),
         },
         registry_dir: s.dir.clone(),
+        registry_dirs: s.dirs.paths(),
+        refused_registry_dirs: s.dirs.refused.clone(),
+        unreadable_registry_dirs: s.dirs.unreadable.clone(),
         gpus: gpu_rows,
         processes: rows,
         refused_records: s
@@ -471,6 +619,8 @@ pub fn build(s: &Snapshot) -> PsReport {
                 error: e.clone(),
             })
             .collect(),
+        expired_records: s.expired.clone(),
+        xid: None,
     }
 }
 
@@ -497,10 +647,20 @@ fn opt_bytes(v: Option<u64>) -> String {
 pub fn render(r: &PsReport, colour: bool) -> String {
     let mut out = String::new();
     if let Some(e) = &r.nvml.error {
+        let dirs = r
+            .registry_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
         out.push_str(&format!(
             "{}\nshowing cistern's registry alone ({})\n\n",
             printable(e),
-            printable(&r.registry_dir.display().to_string())
+            printable(if dirs.is_empty() {
+                "no registry directory found"
+            } else {
+                &dirs
+            })
         ));
     }
     if !r.gpus.is_empty() {
@@ -546,22 +706,24 @@ pub fn render(r: &PsReport, colour: bool) -> String {
             ("reserved", Align::Right),
             ("live", Align::Right),
             ("cached", Align::Right),
+            ("pending", Align::Right),
             ("overhead", Align::Right),
             ("top tags", Align::Left),
             ("command", Align::Left),
         ]);
         for p in &r.processes {
             let state = (p.state.name().to_string(), p.state.colour());
-            let command: String = p.command.chars().take(60).collect();
+            let command = command_cell(p);
             if p.gpus.is_empty() {
                 t.row_coloured(vec![
                     (p.pid.to_string(), None),
                     state,
-                    ("-".into(), None),
+                    ((if p.simulated { "sim" } else { "-" }).into(), None),
                     (opt_bytes(p.nvml_used), None),
                     (format_bytes(p.reserved), None),
                     (format_bytes(p.live), None),
-                    ("-".into(), None),
+                    (format_bytes(p.cached), None),
+                    (format_bytes(p.pending), None),
                     ("-".into(), None),
                     (String::new(), None),
                     (command, None),
@@ -570,6 +732,7 @@ pub fn render(r: &PsReport, colour: bool) -> String {
             }
             for (i, d) in p.gpus.iter().enumerate() {
                 let gpu = match (d.gpu_index, &d.uuid) {
+                    _ if p.simulated => format!("sim{}", d.device.unwrap_or(0)),
                     (Some(i), _) => i.to_string(),
                     (None, Some(u)) => u.chars().take(12).collect(),
                     (None, None) => d.device.map(|d| format!("dev{d}?")).unwrap_or_default(),
@@ -607,6 +770,7 @@ pub fn render(r: &PsReport, colour: bool) -> String {
                     (format_bytes(d.reserved), None),
                     (format_bytes(d.live), None),
                     (format_bytes(d.cached), None),
+                    (format_bytes(d.pending), None),
                     (
                         d.overhead.map(signed_bytes).unwrap_or_else(|| "-".into()),
                         None,
@@ -625,6 +789,9 @@ pub fn render(r: &PsReport, colour: bool) -> String {
         }
         out.push_str(&t.render(colour));
     }
+    if r.processes.iter().any(|p| p.simulated) {
+        out.push_str("gpu simN: the process ran on cistern's simulated GPU (no device memory)\n");
+    }
     for f in &r.refused_records {
         out.push_str(&format!(
             "record {} refused: {}\n",
@@ -632,7 +799,133 @@ pub fn render(r: &PsReport, colour: bool) -> String {
             printable(&f.error)
         ));
     }
+    for d in &r.refused_registry_dirs {
+        out.push_str(&format!(
+            "registry directory {} refused (not read): {}\n",
+            printable(&d.path.display().to_string()),
+            printable(&d.reason)
+        ));
+    }
+    for d in &r.unreadable_registry_dirs {
+        out.push_str(&format!(
+            "registry directory {} not read: {}\n",
+            printable(&d.path.display().to_string()),
+            printable(&d.reason)
+        ));
+    }
+    let ooms: Vec<&ProcRow> = r
+        .processes
+        .iter()
+        .filter(|p| p.last_oom.is_some())
+        .collect();
+    if !ooms.is_empty() {
+        out.push_str("\nlast out-of-memory reports:\n");
+        for p in ooms {
+            if let Some(o) = &p.last_oom {
+                out.push_str(&format!("  pid {}: {}\n", p.pid, oom_line(o)));
+            }
+        }
+    }
+    if let Some(x) = &r.xid {
+        if !x.events.is_empty() {
+            out.push('\n');
+            out.push_str(&xid_section(x));
+        }
+    }
     out
+}
+
+/// The command cell: the command, after the container (short id) and the pid inside it.
+fn command_cell(p: &ProcRow) -> String {
+    let mut prefix = String::new();
+    if let Some(c) = &p.container_id {
+        let short: String = c.chars().take(12).collect();
+        prefix = match p.container_pid {
+            Some(inner) => format!("[ctr {short} pid {inner}] "),
+            None => format!("[ctr {short}] "),
+        };
+    } else if let Some(inner) = p.container_pid {
+        prefix = format!("[pid {inner} inside] ");
+    }
+    format!("{prefix}{}", p.command).chars().take(72).collect()
+}
+
+/// One OOM report in a line: what was asked, what the process held (live + cached + pending),
+/// what the device had, and why it failed.
+pub fn oom_line(o: &OomRecord) -> String {
+    format!(
+        "device {} stream {}: requested {} (rounded {}) holding {} reserved = {} live + {} \
+         cached + {} pending, largest free range {}; device {} free of {}, limit {}: {}",
+        o.device,
+        o.stream,
+        format_bytes(o.requested),
+        format_bytes(o.rounded),
+        format_bytes(o.reserved),
+        format_bytes(o.live),
+        format_bytes(o.cached),
+        format_bytes(o.pending),
+        format_bytes(o.largest_free),
+        format_bytes(o.device_free),
+        format_bytes(o.device_total),
+        format_bytes(o.limit),
+        printable(&o.reason)
+    )
+}
+
+fn ago(s: Option<f64>) -> String {
+    match s {
+        None => "at an unknown time".into(),
+        Some(s) if s < 120.0 => format!("{s:.0} s ago"),
+        Some(s) if s < 7200.0 => format!("{:.0} min ago", s / 60.0),
+        Some(s) => format!("{:.1} h ago", s / 3600.0),
+    }
+}
+
+/// The "recent Xid errors" section.
+pub fn xid_section(x: &XidReport) -> String {
+    let mut out = format!(
+        "recent Xid errors (the GPU driver's, from {}, last {:.0} h):\n",
+        x.source.as_deref().unwrap_or("the kernel log"),
+        x.window_s / 3600.0
+    );
+    for e in &x.events {
+        let gpu = match (e.gpu_index, &e.pci) {
+            (Some(i), Some(p)) => format!("GPU {i} ({p})"),
+            (Some(i), None) => format!("GPU {i}"),
+            (None, Some(p)) => format!("PCI {p}"),
+            (None, None) => "a GPU".into(),
+        };
+        let who = match (e.pid, &e.process_name) {
+            (Some(pid), Some(n)) => format!(", pid {pid} ({})", printable(n)),
+            (Some(pid), None) => format!(", pid {pid}"),
+            _ => String::new(),
+        };
+        let sev = match e.severity {
+            crate::xid::XidSeverity::Fatal => "fatal",
+            crate::xid::XidSeverity::Application => "application",
+        };
+        out.push_str(&format!(
+            "  {gpu}: Xid {} ({sev}) {}{who}: {}\n",
+            e.xid,
+            ago(e.age_s),
+            printable(e.meaning.unwrap_or(&e.message))
+        ));
+    }
+    if x.left_out > 0 {
+        out.push_str(&format!("  ({} older ones left out)\n", x.left_out));
+    }
+    out
+}
+
+/// How far back `ps` and `doctor` look for Xid errors.
+pub const XID_WINDOW: Duration = Duration::from_secs(24 * 3600);
+
+/// The GPUs of a snapshot (for naming Xid errors' devices).
+pub fn gpu_infos(s: &Snapshot) -> Vec<GpuInfo> {
+    s.gpus
+        .as_ref()
+        .map(|g| g.iter().map(|(i, _)| i.clone()).collect())
+        .unwrap_or_default()
 }
 
 /// The shortest and longest watch-mode interval `-i` takes, in seconds.
@@ -657,12 +950,15 @@ fn watch_interval(secs: Option<f64>) -> Result<Option<Duration>, String> {
 pub fn run(args: &PsArgs) -> Result<(), String> {
     let watch = watch_interval(args.interval)?;
     let view = gpu::from_env()?;
-    let dir = registry_dir(args.registry_dir.as_deref())?;
+    let dirs = crate::registry_dirs::registry_dirs(args.registry_dir.as_deref(), args.all_users)?;
+    let expire = registry_expire();
     let colour = table::use_colour();
     let mut n = 0u64;
     loop {
-        let snap = Snapshot::take(view.as_ref(), &dir)?;
-        let report = build(&snap);
+        let mut snap = Snapshot::take_dirs(view.as_ref(), &dirs)?;
+        snap.expire(expire);
+        let mut report = build(&snap);
+        report.xid = Some(crate::xid::recent(&gpu_infos(&snap), XID_WINDOW));
         if args.json {
             let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
             if watch.is_some() {

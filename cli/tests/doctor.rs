@@ -1,8 +1,9 @@
-//! `cistern doctor` end to end: exit status, grace period, `--clean-stale`.
+//! `cistern doctor` end to end: exit status, grace period, `--clean-stale`, quiet when every
+//! process exited cleanly, records expiring, the driver's Xid errors.
 
 mod common;
 
-use cistern::registry::State;
+use cistern::registry::{LeakEntry, ProcessSnapshot, State};
 use common::*;
 use serde_json::json;
 
@@ -156,4 +157,279 @@ fn doctor_exits_2_on_an_unusable_fake() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// The target of issue 13: three scripts that exited cleanly long ago leave a healthy node. The
+/// old doctor called each `attention [stale-record]` and exited 1.
+#[test]
+fn a_node_where_every_process_exited_cleanly_is_healthy() {
+    let tmp = TempDir::new("doctor-exited");
+    let dir = tmp.path().join("registry");
+    for n in 0..3 {
+        publish_aged(
+            &dir,
+            identity(dead_pid(n), 40 + n as u64, &format!("python script{n}.py")),
+            ProcessSnapshot {
+                devices: vec![device(0, "GPU-aaaa", 0, 0, &[])],
+                ..ProcessSnapshot::default()
+            },
+            State::Exited,
+            vec![],
+            10 * 60 * 1000,
+        );
+    }
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 0, "free": 80 * GIB,
+                         "processes": []}]}),
+    );
+    let (code, doc) = doctor(&dir, &nvml, &[]);
+    assert_eq!(code, 0, "{doc}");
+    assert_eq!(doc["healthy"], true);
+    assert!(kinds(&doc).is_empty(), "{doc}");
+    let exited = doc["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "exited" && f["severity"] == "info")
+        .count();
+    assert_eq!(exited, 3, "{doc}");
+    let out = cistern(Some(&nvml))
+        .args(["doctor", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        !text.contains("attention") && text.ends_with("healthy\n"),
+        "{text}"
+    );
+}
+
+/// Records of exited processes expire (`registry_expire`) and the reader removes them, except
+/// those holding memory (NVML lists the pid; a killed process's record with reserved bytes) or
+/// with leaks, which stay until `--clean-stale`.
+#[test]
+fn expired_records_are_removed_by_the_reader_except_those_holding_memory_or_leaks() {
+    let tmp = TempDir::new("doctor-expire");
+    let dir = tmp.path().join("registry");
+    let hour = 3600 * 1000;
+    let empty = || ProcessSnapshot::default();
+    let old_exit = publish_aged(
+        &dir,
+        identity(dead_pid(0), 1, "old"),
+        empty(),
+        State::Exited,
+        vec![],
+        2 * hour,
+    );
+    let young_exit = publish_aged(
+        &dir,
+        identity(dead_pid(1), 2, "young"),
+        empty(),
+        State::Exited,
+        vec![],
+        hour / 2,
+    );
+    let leaked = publish_aged(
+        &dir,
+        identity(dead_pid(2), 3, "leaky"),
+        empty(),
+        State::Exited,
+        vec![LeakEntry {
+            tag: "t".into(),
+            site: None,
+            device: 0,
+            bytes: MIB,
+            blocks: 1,
+            oldest_age_ms: None,
+        }],
+        2 * hour,
+    );
+    let killed = publish_aged(
+        &dir,
+        identity(dead_pid(3), 4, "killed"),
+        ProcessSnapshot {
+            devices: vec![device(0, "GPU-aaaa", GIB, MIB, &[])],
+            ..ProcessSnapshot::default()
+        },
+        State::Running,
+        vec![],
+        2 * hour,
+    );
+    let listed_pid = dead_pid(4);
+    let listed = publish_aged(
+        &dir,
+        identity(listed_pid, 5, "listed"),
+        empty(),
+        State::Exited,
+        vec![],
+        2 * hour,
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-zzzz", "total": 80 * GIB, "used": GIB, "free": 79 * GIB,
+                         "processes": [{"pid": listed_pid, "used_bytes": GIB, "kind": "compute"}]}]}),
+    );
+    // `never` keeps everything.
+    let out = cistern(Some(&nvml))
+        .env("CISTERN_CONF", "registry_expire:never")
+        .args(["doctor", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        old_exit.exists(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // The default, one hour.
+    let (_, doc) = doctor(&dir, &nvml, &[]);
+    let expired: Vec<&str> = doc["expired_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert_eq!(expired, [old_exit.to_str().unwrap()], "{doc}");
+    assert!(!old_exit.exists());
+    for kept in [&young_exit, &leaked, &killed, &listed] {
+        assert!(kept.exists(), "{} was removed: {doc}", kept.display());
+    }
+    // `ps` expires too, by the configured time.
+    let out = cistern(Some(&nvml))
+        .env("CISTERN_CONF", "registry_expire:10m")
+        .args(["ps", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert_eq!(doc["expired_records"].as_array().unwrap().len(), 1, "{doc}");
+    assert!(!young_exit.exists());
+    assert!(leaked.exists() && killed.exists() && listed.exists());
+    // What stays is removed by --clean-stale.
+    let (_, doc) = doctor(&dir, &nvml, &["--clean-stale"]);
+    assert!(!leaked.exists() && !killed.exists(), "{doc}");
+}
+
+/// The driver's Xid errors from recorded kernel-log lines: a fatal one needs attention and
+/// names NVML's GPU by its bus id; an application's error is information; a dead process
+/// holding memory is explained by the Xid that names its pid.
+#[test]
+fn xid_errors_are_findings_fatal_ones_attention() {
+    let tmp = TempDir::new("doctor-xid");
+    let dir = tmp.path().join("registry");
+    std::fs::create_dir_all(tmp.path()).unwrap();
+    let held = dead_pid(0);
+    let kmsg = tmp.path().join("kmsg");
+    std::fs::write(
+        &kmsg,
+        format!(
+            "6,100,1000000,-;usb 1-1: new high-speed USB device\n\
+             4,101,2000000,-;NVRM: Xid (PCI:0000:3b:00): 13, pid={held}, name=python, Graphics Exception: ESR 0x405840\n\
+             3,102,3000000,-;NVRM: Xid (PCI:0000:86:00): 79, pid=1234, name=python, GPU has fallen off the bus.\n"
+        ),
+    )
+    .unwrap();
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [
+            {"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": GIB, "free": 79 * GIB,
+             "pci_bus_id": "00000000:3B:00.0",
+             "processes": [{"pid": held, "used_bytes": GIB, "kind": "compute"}]},
+            {"index": 1, "uuid": "GPU-bbbb", "total": 80 * GIB, "used": 0, "free": 80 * GIB,
+             "pci_bus_id": "00000000:86:00.0", "processes": []}]}),
+    );
+    let out = cistern(Some(&nvml))
+        .env("CISTERN_FAKE_KMSG", &kmsg)
+        .args(["doctor", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert_eq!(out.status.code(), Some(1), "{doc}");
+    let xids: Vec<(&str, &str, u64)> = doc["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "xid")
+        .map(|f| {
+            (
+                f["severity"].as_str().unwrap(),
+                f["gpu"].as_str().unwrap(),
+                f["pid"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        xids,
+        [
+            ("info", "GPU-aaaa", held as u64),
+            ("attention", "GPU-bbbb", 1234)
+        ]
+    );
+    let orphan = doc["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "orphaned-context")
+        .unwrap();
+    assert!(
+        orphan["message"].as_str().unwrap().contains("Xid 13"),
+        "{orphan}"
+    );
+    assert_eq!(doc["xid"]["events"].as_array().unwrap().len(), 2);
+    assert_eq!(doc["xid"]["events"][1]["gpu_index"], 1);
+    // Unreadable: said, not fatal.
+    let out = cistern(Some(&nvml))
+        .env("CISTERN_FAKE_KMSG", tmp.path().join("missing"))
+        .args(["doctor", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert!(
+        doc["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "xid-unavailable" && f["severity"] == "info"),
+        "{doc}"
+    );
+}
+
+/// `--clean-stale` removes records only in a directory of this user's: in one open to others
+/// (or another user's) the path could be swapped by whoever controls the directory.
+#[test]
+fn clean_stale_keeps_records_in_a_directory_that_is_not_this_users() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = TempDir::new("doctor-clean-foreign");
+    let dir = tmp.path().join("registry");
+    let stale = publish(
+        &dir,
+        identity(dead_pid(0), 5, "python killed.py"),
+        vec![],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let nvml = fake_nvml(tmp.path(), json!({"gpus": []}));
+    let (code, doc) = doctor(&dir, &nvml, &["--grace", "0", "--clean-stale"]);
+    assert!(stale.exists(), "{doc}");
+    assert_eq!(code, 1);
+    let f = &doc["findings"][0];
+    assert_eq!(f["kind"], "stale-record");
+    assert!(
+        f["suggestion"]
+            .as_str()
+            .unwrap()
+            .starts_with("kept: not in a registry directory of this user's"),
+        "{f}"
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (code, doc) = doctor(&dir, &nvml, &["--grace", "0", "--clean-stale"]);
+    assert!(!stale.exists(), "{doc}");
+    assert_eq!(code, 0, "{doc}");
 }

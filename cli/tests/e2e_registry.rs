@@ -197,6 +197,9 @@ fn three_processes_one_killed_one_exited() {
     assert!(w.to_string().contains("weights"), "{w}");
     let e = process(&ps, exited_pid).unwrap();
     assert_eq!(e["record_state"], "exited", "{e}");
+    // Real records say where they ran and on which driver (the CUDA backend, not the simulator).
+    assert_eq!(w["simulated"], false, "{w}");
+    assert!(w["cgroup"].is_string(), "no cgroup in a real record: {w}");
 
     // SIGKILL one: it stays listed, as dead, with its last state.
     weights.child.kill().unwrap();

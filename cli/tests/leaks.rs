@@ -2,7 +2,7 @@
 
 mod common;
 
-use cistern::registry::{LeakEntry, MarkRecord, State};
+use cistern::registry::{LeakEntry, MarkRecord, ProcessSnapshot, State};
 use common::*;
 
 #[test]
@@ -137,4 +137,50 @@ fn leaks_of_an_unknown_pid_is_an_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no record of pid 4"));
+}
+
+/// The record's last OOM report, shown nowhere before: `leaks` prints it and puts it in JSON.
+#[test]
+fn leaks_shows_the_last_oom_report() {
+    let tmp = TempDir::new("leaks-oom");
+    let dir = tmp.path().join("registry");
+    let pid = dead_pid(0);
+    publish_aged(
+        &dir,
+        identity(pid, 99, "python oom.py"),
+        ProcessSnapshot {
+            devices: vec![device(
+                0,
+                "GPU-aaaa",
+                GIB,
+                5 * MIB,
+                &[("model", 5 * MIB, 1)],
+            )],
+            last_oom: Some(oom(3 * GIB)),
+            ..ProcessSnapshot::default()
+        },
+        State::Running,
+        vec![],
+        0,
+    );
+    let out = cistern(None)
+        .args(["leaks", &pid.to_string(), "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert_eq!(doc["last_oom"]["requested"], 3 * GIB);
+    assert_eq!(doc["last_oom"]["pending"], GIB);
+    let out = cistern(None)
+        .args(["leaks", &pid.to_string(), "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("last out-of-memory report: device 0 stream 7: requested 3.0 GiB")
+            && text.contains("1.0 GiB pending")
+            && text.contains("the device is full"),
+        "{text}"
+    );
 }

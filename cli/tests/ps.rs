@@ -5,7 +5,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use cistern::registry::{self, LeakEntry, MarkRecord, State};
+use cistern::registry::{self, LeakEntry, MarkRecord, ProcessSnapshot, State};
 use common::*;
 use serde_json::{json, Value};
 
@@ -436,5 +436,257 @@ fn a_watch_interval_out_of_range_is_refused_naming_the_fix() {
             "-i {value}: {err}"
         );
         assert!(out.stdout.is_empty(), "-i {value}: drew before refusing");
+    }
+}
+
+/// A row adds up (reserved = live + cached + pending, each a column), a simulated process is
+/// marked and claims no GPU, and the last OOM report is shown, in text and JSON.
+#[test]
+fn ps_shows_pending_simulated_processes_and_the_last_oom() {
+    let tmp = TempDir::new("ps-oom");
+    let dir = tmp.path().join("registry");
+    let (me, start) = me();
+    let mut d = device(0, "GPU-aaaa", GIB + 306 * MIB, 5 * MIB, &[]);
+    d.cached = 301 * MIB;
+    d.pending = GIB;
+    publish_aged(
+        &dir,
+        identity(me, start, "python train.py"),
+        ProcessSnapshot {
+            devices: vec![d],
+            last_oom: Some(oom(2 * GIB)),
+            ..ProcessSnapshot::default()
+        },
+        State::Running,
+        vec![],
+        0,
+    );
+    let sim = Command::new("sleep")
+        .arg("60")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let sim = Guard(sim);
+    let sim_pid = sim.0.id();
+    publish_aged(
+        &dir,
+        identity(
+            sim_pid,
+            registry::process_start_time(sim_pid).unwrap(),
+            "replay sim",
+        ),
+        ProcessSnapshot {
+            // A simulated device's UUID looks like a GPU's, and may even equal one.
+            devices: vec![device(0, "GPU-aaaa", 8 * MIB, 8 * MIB, &[])],
+            driver: Some("sim".into()),
+            ..ProcessSnapshot::default()
+        },
+        State::Running,
+        vec![],
+        0,
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 2 * GIB, "free": 78 * GIB,
+                         "processes": [{"pid": me, "used_bytes": 2 * GIB, "kind": "compute"}]}]}),
+    );
+    let out = cistern(Some(&nvml))
+        .args(["ps", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    let mine = rows(&doc, me)[0];
+    assert_eq!(mine["simulated"], false);
+    let g = &mine["gpus"][0];
+    assert_eq!(
+        g["reserved"].as_u64().unwrap(),
+        g["live"].as_u64().unwrap()
+            + g["cached"].as_u64().unwrap()
+            + g["pending"].as_u64().unwrap()
+    );
+    assert_eq!(mine["pending"], GIB);
+    assert_eq!(mine["last_oom"]["requested"], 2 * GIB);
+    assert_eq!(mine["last_oom"]["reason"], "the device is full");
+    let s = rows(&doc, sim_pid)[0];
+    assert_eq!(s["simulated"], true);
+    assert_eq!(
+        s["gpus"][0]["nvml_used"],
+        Value::Null,
+        "a simulated process claimed NVML's GPU"
+    );
+    assert_eq!(doc["gpus"][0]["cistern_reserved"], GIB + 306 * MIB);
+    assert_eq!(doc["gpus"][0]["cistern_pending"], GIB);
+
+    let out = cistern(Some(&nvml))
+        .args(["ps", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("pending"), "{text}");
+    assert!(
+        text.contains("sim0") && text.contains("simulated GPU"),
+        "{text}"
+    );
+    assert!(text.contains("last out-of-memory reports:"), "{text}");
+    assert!(
+        text.contains(&format!("pid {me}: device 0 stream 7: requested 2.0 GiB")),
+        "{text}"
+    );
+    assert!(text.contains("the device is full"), "{text}");
+}
+
+/// Kills and reaps a child on drop.
+struct Guard(std::process::Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `ps` shows recent Xid errors from the kernel log (here recorded lines), in text and JSON.
+#[test]
+fn ps_shows_recent_xid_errors() {
+    let s = scenario();
+    let kmsg = s.dir.with_file_name("kmsg");
+    std::fs::write(
+        &kmsg,
+        "[ 5.0] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.\n",
+    )
+    .unwrap();
+    let out = cistern(Some(&s.nvml))
+        .env("CISTERN_FAKE_KMSG", &kmsg)
+        .args(["ps", "--registry-dir"])
+        .arg(&s.dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("recent Xid errors"), "{text}");
+    assert!(
+        text.contains("PCI 0000:3b:00: Xid 79 (fatal)") && text.contains("pid 1234 (python)"),
+        "{text}"
+    );
+    let out = cistern(Some(&s.nvml))
+        .env("CISTERN_FAKE_KMSG", &kmsg)
+        .args(["ps", "--json", "--registry-dir"])
+        .arg(&s.dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    assert_eq!(doc["xid"]["events"][0]["xid"], 79);
+    assert_eq!(doc["xid"]["events"][0]["severity"], "fatal");
+    // Without Xid errors, no section.
+    let out = cistern(Some(&s.nvml))
+        .args(["ps", "--registry-dir"])
+        .arg(&s.dir)
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8(out.stdout).unwrap().contains("Xid"));
+}
+
+/// A process in another pid namespace (a container with its own /proc) records the pid it sees
+/// (1 here); a reader on the host finds it by its namespace and start time, shows it running
+/// under its host pid, and joins NVML's entry for that pid. The old reader took pid 1 for the
+/// recorded process: pid-reused (or dead), and NVML's entry unclaimed.
+#[test]
+fn a_process_in_another_pid_namespace_is_found_by_its_host_pid() {
+    let child = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "sleep", "60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let Ok(child) = child else {
+        println!("no unshare here: skipping");
+        return;
+    };
+    let _guard = Guard(child);
+    let my_ns = std::fs::read_link("/proc/self/ns/pid").unwrap();
+    // The sleep: a process whose NSpid ends in 1, in a namespace other than ours.
+    let mut found = None;
+    for _ in 0..200 {
+        found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let ns = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            (registry::parse_nspid(&status).last() == Some(&1)
+                && ns != my_ns
+                && cmd.starts_with(b"sleep\0"))
+            .then_some(pid)
+        });
+        if found.is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let Some(host_pid) = found else {
+        println!("unshare --pid did not run here (no privilege for pid namespaces): skipping");
+        return;
+    };
+    let tmp = TempDir::new("ps-pidns");
+    let dir = tmp.path().join("registry");
+    let mut id = identity(
+        1,
+        registry::process_start_time(host_pid).unwrap(),
+        "python in a container",
+    );
+    // What the process itself saw: its own /proc shows one pid, and its cgroup its container.
+    id.placement = registry::parse_cgroup(
+        "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod6553a60b_2b97_442a_b6da_a5704d81dd98.slice/cri-containerd-413715dc061efe71c16ef989f2f2ff5cf999a7dc905bb7078eda82cbb38210ec.scope\n",
+    );
+    id.placement.ns_pids = vec![1];
+    id.placement.pid_ns = registry::pid_ns_of(&host_pid.to_string());
+    publish_aged(
+        &dir,
+        id,
+        ProcessSnapshot {
+            devices: vec![device(0, "GPU-aaaa", GIB, MIB, &[])],
+            ..ProcessSnapshot::default()
+        },
+        State::Running,
+        vec![],
+        0,
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": GIB, "free": 79 * GIB,
+                         "processes": [{"pid": host_pid, "used_bytes": GIB + MIB, "kind": "compute"}]}]}),
+    );
+    let out = cistern(Some(&nvml))
+        .args(["ps", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    let r = rows(&doc, host_pid);
+    assert_eq!(r.len(), 1, "{doc}");
+    assert_eq!(r[0]["state"], "running", "{doc}");
+    assert_eq!(r[0]["container_pid"], 1);
+    assert_eq!(r[0]["gpus"][0]["nvml_used"], GIB + MIB);
+    assert_eq!(
+        r[0]["container_id"],
+        "413715dc061efe71c16ef989f2f2ff5cf999a7dc905bb7078eda82cbb38210ec"
+    );
+    assert_eq!(r[0]["pod_uid"], "6553a60b-2b97-442a-b6da-a5704d81dd98");
+    assert_eq!(r[0]["runtime"], "containerd");
+    assert_eq!(doc["processes"].as_array().unwrap().len(), 1, "{doc}");
+    let out = cistern(Some(&nvml))
+        .args(["ps", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("[ctr 413715dc061e pid 1]"), "{text}");
+    // `leaks` takes either pid.
+    for pid in [host_pid, 1] {
+        let out = cistern(None)
+            .args(["leaks", &pid.to_string(), "--json", "--registry-dir"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert_eq!(json(&out)["liveness"], "alive", "leaks {pid}");
     }
 }

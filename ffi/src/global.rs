@@ -126,7 +126,11 @@ fn publish(pool: &'static AnyPool) {
     let Some(dir) = registry::dir_for(config) else {
         return;
     };
-    match Registry::start(dir, Arc::new(Published(pool)), registry::DEFAULT_INTERVAL) {
+    let started = Registry::open(dir).and_then(|r| {
+        r.expire(config.registry_expire);
+        r.spawn(Arc::new(Published(pool)), registry::DEFAULT_INTERVAL)
+    });
+    match started {
         Ok(handle) => {
             registry::install_exit_hook(handle);
         }

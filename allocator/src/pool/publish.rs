@@ -18,7 +18,8 @@ impl<D: Driver> Pool<D> {
     /// configuration's `registry` setting is on (the default): opens the directory
     /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
     /// record, starts the background thread that republishes it at most once a second when it
-    /// changed, and installs the `atexit` hook that writes the final record (state `exited`,
+    /// changed (removing the expired records of exited processes first: `registry_expire`), and
+    /// installs the `atexit` hook that writes the final record (state `exited`,
     /// with the blocks still live) when the process exits normally
     /// ([`crate::registry::install_exit_hook`]).
     ///
@@ -32,7 +33,9 @@ impl<D: Driver> Pool<D> {
             return Ok(None);
         };
         let source: Arc<dyn RecordSource + Send + Sync> = self.clone();
-        let handle = Registry::start(dir, source, registry::DEFAULT_INTERVAL)?;
+        let registry = Registry::open(dir)?;
+        registry.expire(self.config.registry_expire);
+        let handle = registry.spawn(source, registry::DEFAULT_INTERVAL)?;
         registry::install_exit_hook(handle.clone());
         Ok(Some(handle))
     }
@@ -235,6 +238,7 @@ impl<D: Driver> RecordSource for Pool<D> {
             devices,
             last_oom,
             marks: Vec::new(),
+            driver: Some(self.driver().name().to_string()),
         }
     }
 

@@ -1,5 +1,6 @@
 //! The registry directory: where it is, creating and checking it (owner, mode, no symlinks),
-//! atomic record writes, and sweeping temporary files left by writers that died mid-write.
+//! atomic record writes, sweeping temporary files left by writers that died mid-write, and
+//! removing expired records of exited processes.
 
 use std::ffi::OsStr;
 use std::fs::{self, OpenOptions};
@@ -7,10 +8,12 @@ use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::process::{euid, pid_exists};
-use super::record::parse_file_name;
+use super::container::PidResolver;
+use super::process::{euid, pid_exists, Liveness};
+use super::read::read_record;
+use super::record::{parse_file_name, Record, State};
 use super::{io_err, RegistryError};
 
 /// The default registry directory for this user: `/dev/shm/cistern-<uid>` when `/dev/shm` is a
@@ -66,6 +69,23 @@ pub fn ensure_dir(dir: &Path) -> Result<(), RegistryError> {
 
 /// Checks an existing registry directory (see [`ensure_dir`]).
 pub fn check_dir(dir: &Path) -> Result<(), RegistryError> {
+    let me = euid();
+    check_owned(dir, me, &format!("this user (uid {me})"))
+}
+
+/// Checks another user's registry directory as [`check_dir`] checks one's own: not a symlink,
+/// a directory, owned by `uid` (the uid its name says it belongs to: `cistern-<uid>`), and
+/// closed to group and others. A reader refuses a directory that fails, by name, rather than
+/// trust records anyone could have planted.
+pub fn check_dir_of(dir: &Path, uid: u32) -> Result<(), RegistryError> {
+    check_owned(
+        dir,
+        uid,
+        &format!("uid {uid}, whose directory its name says it is"),
+    )
+}
+
+fn check_owned(dir: &Path, want: u32, whom: &str) -> Result<(), RegistryError> {
     let unsafe_dir = |reason: String| RegistryError::UnsafeDir {
         path: dir.to_path_buf(),
         reason,
@@ -81,10 +101,9 @@ pub fn check_dir(dir: &Path) -> Result<(), RegistryError> {
     if !md.is_dir() {
         return Err(unsafe_dir(format!("is not a directory: {fix}")));
     }
-    let me = euid();
-    if md.uid() != me {
+    if md.uid() != want {
         return Err(unsafe_dir(format!(
-            "is owned by uid {}, not by this user (uid {me}): {fix}",
+            "is owned by uid {}, not by {whom}: {fix}",
             md.uid()
         )));
     }
@@ -155,6 +174,63 @@ pub fn sweep_temporaries(dir: &Path) -> usize {
             removed += 1;
         }
     }
+    removed
+}
+
+/// Whether a dead process's record may be removed once expired: it is an `exited` record with
+/// no leaks, or a `running` one (its process was killed) that held no memory. Records holding
+/// memory or with leaks stay until `cistern doctor --clean-stale`.
+pub fn expirable(r: &Record) -> bool {
+    r.leaks.is_empty() && !r.leaks_truncated && (r.state == State::Exited || r.reserved() == 0)
+}
+
+/// Removes the records in `dir` of dead processes last written `max_age` or longer before
+/// `now_unix_ms` that are [`expirable`] and for which `holds_memory` (a reader's NVML) says
+/// no; returns the paths removed. Only in a directory of this user's ([`check_dir`]), only
+/// files this user owns, and only records that parse: anything else is left for a person to
+/// look at. Best effort: errors remove nothing.
+pub fn expire_records(
+    dir: &Path,
+    max_age: Duration,
+    now_unix_ms: u64,
+    holds_memory: &dyn Fn(&Record) -> bool,
+) -> Vec<PathBuf> {
+    if check_dir(dir).is_err() {
+        return Vec::new();
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let me = euid();
+    let max_ms = max_age.as_millis().min(u64::MAX as u128) as u64;
+    let mut pids = PidResolver::new();
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        if parse_file_name(&e.file_name()).is_none() {
+            continue;
+        }
+        let path = e.path();
+        let Ok(md) = fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !md.is_file() || md.uid() != me {
+            continue;
+        }
+        let Ok(r) = read_record(&path) else {
+            continue;
+        };
+        if now_unix_ms.saturating_sub(r.updated_unix_ms) < max_ms || !expirable(&r) {
+            continue;
+        }
+        let dead = matches!(
+            r.liveness_with(&mut pids).0,
+            Liveness::Dead | Liveness::PidReused | Liveness::OtherBoot
+        );
+        if dead && !holds_memory(&r) && fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed.sort();
     removed
 }
 

@@ -36,7 +36,9 @@
 //! # Files
 //!
 //! `record.rs` owns the v1 schema (its own types, never the allocator's in-memory ones), parsing
-//! and encoding; `process.rs` identity and liveness from `/proc`; `dir.rs` the directory, atomic
+//! and encoding; `process.rs` identity and liveness from `/proc`; `container.rs` where a
+//! process runs (cgroup, container, pod, pid namespaces) and finding it from another
+//! namespace; `dir.rs` the directory, atomic
 //! writes and sweeping; `publisher.rs` the thread, its handle and the exit hook; `read.rs`
 //! reading records back. Nothing here names the allocator's types: the allocator implements
 //! [`RecordSource`] for itself.
@@ -45,13 +47,20 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
+mod container;
 mod dir;
 mod process;
 mod publisher;
 mod read;
 mod record;
 
-pub use dir::{check_dir, default_dir, dir_for, ensure_dir, sweep_temporaries, write_atomic};
+pub use container::{
+    parse_cgroup, parse_nspid, pid_ns_of, PidResolver, Placement, MAX_CGROUP_BYTES,
+};
+pub use dir::{
+    check_dir, check_dir_of, default_dir, dir_for, ensure_dir, expirable, expire_records,
+    sweep_temporaries, write_atomic,
+};
 pub use process::{
     boot_id, euid, is_alive, parse_stat, process_start_time, split_cmdline, Identity, Liveness,
 };

@@ -6,6 +6,7 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
+use super::container::Placement;
 use super::record::MAX_CMDLINE_BYTES;
 use super::RegistryError;
 
@@ -95,6 +96,8 @@ pub struct Identity {
     pub cmdline: Vec<String>,
     /// Whether it was cut.
     pub cmdline_truncated: bool,
+    /// Where it runs: cgroup, container, pod, pids in each pid namespace.
+    pub placement: Placement,
 }
 
 /// Splits a `/proc/<pid>/cmdline` blob into arguments, at most `limit` bytes in all; returns
@@ -139,6 +142,7 @@ impl Identity {
             uid: euid(),
             cmdline,
             cmdline_truncated,
+            placement: Placement::current(),
         })
     }
 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::dir::{ensure_dir, sweep_temporaries, write_atomic};
+use super::dir::{ensure_dir, expire_records, sweep_temporaries, write_atomic};
 use super::process::Identity;
 use super::record::{
     encode_record, file_name, DeviceRecord, LeakEntry, MarkRecord, OomRecord, Record, State,
@@ -34,6 +34,8 @@ pub struct ProcessSnapshot {
     pub last_oom: Option<OomRecord>,
     /// Marks, when provenance is on.
     pub marks: Vec<MarkRecord>,
+    /// The driver's short name (`cuda`, `sim`: [`crate::driver::Driver::name`]).
+    pub driver: Option<String>,
 }
 
 /// Where the registry gets its snapshots: implemented by the allocator (and by fakes in tests).
@@ -87,6 +89,14 @@ pub fn build_record(
         leaks,
         leaks_truncated,
         marks: snapshot.marks.clone(),
+        driver: snapshot.driver.clone(),
+        cgroup: identity.placement.cgroup.clone(),
+        container_id: identity.placement.container_id.clone(),
+        pod_uid: identity.placement.pod_uid.clone(),
+        runtime: identity.placement.runtime.clone(),
+        systemd_unit: identity.placement.systemd_unit.clone(),
+        ns_pids: identity.placement.ns_pids.clone(),
+        pid_ns: identity.placement.pid_ns,
     }
 }
 
@@ -123,6 +133,16 @@ impl Registry {
     /// is in memory, and a record only has to survive the process, not the machine).
     pub fn set_fsync(&mut self, fsync: bool) {
         self.fsync = fsync;
+    }
+
+    /// Removes the expired records of exited processes in the directory (see
+    /// [`expire_records`]; a publisher has no NVML, so a record is taken to hold memory only
+    /// when it says so); `None` removes nothing. Returns how many were removed.
+    pub fn expire(&self, max_age: Option<Duration>) -> usize {
+        match max_age {
+            Some(age) => expire_records(&self.dir, age, now_unix_ms(), &|_| false).len(),
+            None => 0,
+        }
     }
 
     /// The directory.

@@ -8,6 +8,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::container::{PidResolver, Placement};
 use super::process::{boot_id, is_alive, Liveness};
 
 /// The record format's version; readers refuse other versions with
@@ -211,6 +212,36 @@ pub struct Record {
     /// Marks, when provenance is on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub marks: Vec<MarkRecord>,
+    /// The driver the process's allocator ran on: `cuda`, or `sim` for the simulated GPU (whose
+    /// devices have GPU-like UUIDs but hold no device memory). `None` in records written before
+    /// the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    /// The process's cgroup path (see [`Placement::cgroup`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// The container id parsed from the cgroup path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    /// The Kubernetes pod UID parsed from the cgroup path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// The container runtime named by the cgroup path (`containerd`, `cri-o`, `docker`,
+    /// `podman`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// The systemd unit of a process in no container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub systemd_unit: Option<String>,
+    /// The process's pid in each pid namespace its `/proc` shows, outermost first (`NSpid:`);
+    /// the last is [`Record::pid`]. One entry (or none) when the process cannot see an outer
+    /// namespace.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ns_pids: Vec<u32>,
+    /// The inode of the process's pid namespace: a reader in another namespace finds the
+    /// process by it ([`PidResolver`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
 }
 
 impl Record {
@@ -221,11 +252,53 @@ impl Record {
 
     /// Whether the process that wrote this record is alive, dead, a zombie, or its pid reused;
     /// records from another boot are [`Liveness::OtherBoot`].
+    ///
+    /// A record written in another pid namespace (a container) is looked up by its namespace
+    /// and start time (see [`Record::liveness_with`]); this scans `/proc` each call: readers of
+    /// many records share one [`PidResolver`].
     pub fn liveness(&self) -> Liveness {
-        match boot_id() {
-            Ok(b) if b != self.boot_id => Liveness::OtherBoot,
-            _ => is_alive(self.pid, self.start_time),
+        self.liveness_with(&mut PidResolver::new()).0
+    }
+
+    /// Whether the process is alive, and its pid in the reader's pid namespace (the host pid of
+    /// a process in a container, when the reader is on the host): `None` when it is not
+    /// visible there.
+    pub fn liveness_with(&self, pids: &mut PidResolver) -> (Liveness, Option<u32>) {
+        if matches!(boot_id(), Ok(b) if b != self.boot_id) {
+            return (Liveness::OtherBoot, None);
         }
+        let host_guess = (self.ns_pids.len() > 1).then(|| self.ns_pids[0]);
+        match pids.resolve(self.pid, self.start_time, self.pid_ns, host_guess) {
+            Some(pid) => (is_alive(pid, self.start_time), Some(pid)),
+            // In another namespace and not found: dead, or out of this reader's sight.
+            None => (Liveness::Dead, None),
+        }
+    }
+
+    /// Whether the record was written on the simulated GPU.
+    pub fn simulated(&self) -> bool {
+        self.driver.as_deref() == Some("sim")
+    }
+
+    /// Where the process ran, as recorded.
+    pub fn placement(&self) -> Placement {
+        Placement {
+            cgroup: self.cgroup.clone(),
+            container_id: self.container_id.clone(),
+            pod_uid: self.pod_uid.clone(),
+            runtime: self.runtime.clone(),
+            systemd_unit: self.systemd_unit.clone(),
+            ns_pids: self.ns_pids.clone(),
+            pid_ns: self.pid_ns,
+        }
+    }
+
+    /// Bytes the record says the process still held from the driver (Σ reserved).
+    pub fn reserved(&self) -> u64 {
+        self.devices
+            .iter()
+            .map(|d| d.reserved)
+            .fold(0, u64::saturating_add)
     }
 }
 
@@ -369,6 +442,28 @@ mod tests {
         assert_eq!(oom.other_processes[0].pid, 77);
         assert_eq!(oom.top_sites[0].name, "model.py:7 build");
         assert_eq!(r.marks[1].label, None);
+    }
+
+    #[test]
+    fn new_fields_are_optional_and_round_trip() {
+        // A v1 record from before the fields: none of them, and none written back.
+        let r = parse_record(V1_FULL.trim_end().as_bytes()).unwrap();
+        assert_eq!(r.driver, None);
+        assert_eq!(r.placement(), Placement::default());
+        assert!(!r.simulated());
+        let mut r2 = r.clone();
+        r2.driver = Some("sim".into());
+        r2.cgroup = Some("/kubepods.slice/x.scope".into());
+        r2.container_id = Some("ab".repeat(32));
+        r2.pod_uid = Some("6553a60b-2b97-442a-b6da-a5704d81dd98".into());
+        r2.runtime = Some("containerd".into());
+        r2.ns_pids = vec![4242, 1];
+        r2.pid_ns = Some(4026532000);
+        let bytes = encode_record(&mut r2.clone());
+        let back = parse_record(&bytes).unwrap();
+        assert_eq!(back, r2);
+        assert!(back.simulated());
+        assert_eq!(back.placement().host_pid(), Some(4242));
     }
 
     #[test]

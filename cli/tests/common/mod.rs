@@ -48,6 +48,7 @@ pub fn identity(pid: u32, start_time: u64, command: &str) -> Identity {
         uid: registry::euid(),
         cmdline: command.split(' ').map(str::to_string).collect(),
         cmdline_truncated: false,
+        placement: Default::default(),
     }
 }
 
@@ -115,6 +116,7 @@ pub fn publish(
             devices,
             last_oom: None,
             marks,
+            driver: None,
         },
         state,
         leaks,
@@ -131,9 +133,53 @@ pub fn fake_nvml(dir: &Path, doc: serde_json::Value) -> PathBuf {
     p
 }
 
+/// Writes a record of `id` from a whole snapshot, as if last written `age_ms` ago.
+pub fn publish_aged(
+    dir: &Path,
+    id: Identity,
+    snapshot: ProcessSnapshot,
+    state: State,
+    leaks: Vec<LeakEntry>,
+    age_ms: u64,
+) -> PathBuf {
+    let r = Registry::with_identity(dir, id.clone()).unwrap();
+    let mut rec = registry::build_record(&id, &snapshot, state, leaks);
+    rec.updated_unix_ms -= age_ms;
+    let bytes = registry::encode_record(&mut rec);
+    registry::write_atomic(dir, &rec.file_name(), &bytes, false).unwrap();
+    r.record_path()
+}
+
+/// An OOM report as a process would publish it.
+pub fn oom(requested: u64) -> registry::OomRecord {
+    registry::OomRecord {
+        device: 0,
+        stream: 7,
+        requested,
+        rounded: requested,
+        limit: 80 * GIB,
+        device_free: GIB,
+        device_total: 80 * GIB,
+        reserved: GIB + 306 * MIB,
+        live: 5 * MIB,
+        pending: GIB,
+        cached: 301 * MIB,
+        largest_free: 300 * MIB,
+        top_tags: vec![],
+        top_sites: vec![],
+        other_processes: vec![],
+        reason: "the device is full".into(),
+    }
+}
+
+/// The `cistern` binary, with no colour, no `CISTERN_CONF`, the fake NVML when given, and an
+/// empty kernel log (`CISTERN_FAKE_KMSG=/dev/null`: the host's Xid errors play no part).
 pub fn cistern(nvml: Option<&Path>) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
-    c.env("NO_COLOR", "1").env_remove("CISTERN_CONF");
+    c.env("NO_COLOR", "1")
+        .env_remove("CISTERN_CONF")
+        .env_remove("CISTERN_FAKE_REGISTRY_ROOT")
+        .env("CISTERN_FAKE_KMSG", "/dev/null");
     match nvml {
         Some(p) => c.env("CISTERN_FAKE_NVML", p),
         None => c.env_remove("CISTERN_FAKE_NVML"),
