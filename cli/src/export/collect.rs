@@ -1,17 +1,19 @@
-//! One scrape's samples: the registry directories and NVML read through `ps`'s snapshot and
-//! report (so `export` and `ps` classify and add up processes the same way), turned into the
+//! One scrape's samples: the registry directories and NVML read into `ps`'s snapshot, and
+//! `ps`'s report built from it (so `export` and `ps` classify and add up processes the same way), turned into the
 //! families of [`super::metrics::METRICS`], with bounded labels (commands and tags cut to a
 //! length, the top N tags per process and GPU and the rest summed as `tag="other"`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Instant;
 
-use cistern::registry::{AttributionRecord, DeviceRecord, Record, State};
+use cistern::registry::{self, AttributionRecord, DeviceRecord, Record, State};
 
 use super::metrics::{Exposition, Labels, Value};
-use crate::gpu::{GpuInfo, GpuProcess, GpuView};
+use crate::gpu::GpuView;
 use crate::ps::{self, ProcRow, PsState, Snapshot};
+use crate::table::printable;
 
 /// A `command` label is cut to this many characters (a process's whole command line would make
 /// every series as long as its arguments).
@@ -88,21 +90,71 @@ pub fn fold_tags(tags: &[AttributionRecord], live: u64, n: usize) -> Vec<(String
     sorted
 }
 
-/// A GPU view with no GPUs, to read further registry directories without asking NVML again.
-struct NoGpus;
+/// Messages about registry directories, each printed once until it changes (a scrape every few
+/// seconds must not repeat the same warning for ever).
+#[derive(Debug, Default)]
+pub struct Warnings(Mutex<HashMap<PathBuf, String>>);
 
-impl GpuView for NoGpus {
-    fn gpus(&self) -> Result<Vec<GpuInfo>, String> {
-        Ok(Vec::new())
-    }
-    fn processes(&self, _gpu: &GpuInfo) -> Vec<GpuProcess> {
-        Vec::new()
+impl Warnings {
+    /// Prints `msg` about `dir` unless it is what was printed last (and says whether it
+    /// printed); `None` clears it.
+    fn note(&self, dir: &Path, msg: Option<String>) -> bool {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match msg {
+            Some(m) if seen.get(dir) != Some(&m) => {
+                eprintln!(
+                    "cistern export: warning: registry directory {}: {}",
+                    printable(&dir.display().to_string()),
+                    printable(&m)
+                );
+                seen.insert(dir.to_path_buf(), m);
+                true
+            }
+            Some(_) => false,
+            None => {
+                seen.remove(dir);
+                false
+            }
+        }
     }
 }
 
-/// NVML once, and the records of every directory: one snapshot, and the directories that could
-/// not be read with why.
-pub fn snapshot(view: &dyn GpuView, dirs: &[PathBuf]) -> (Snapshot, Vec<(PathBuf, String)>) {
+/// Why the records of `dir` may not be their owner's: a directory that is not owned by the
+/// user its name says (`cistern-<uid>`, else the exporter's own), or that is open to others.
+/// `None` when it looks as the library makes it, or is missing.
+pub fn dir_doubt(dir: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::symlink_metadata(dir).ok()?;
+    let named = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("cistern-"))
+        .and_then(|u| u.parse::<u32>().ok());
+    let expected = named.unwrap_or_else(registry::euid);
+    if md.uid() != expected {
+        return Some(format!(
+            "is owned by uid {}, not uid {expected}: its records may have been written by              another user (remove it, or export another directory with --registry-dir)",
+            md.uid()
+        ));
+    }
+    let mode = md.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Some(format!(
+            "has mode {mode:04o}, open to group or others: its records may have been planted              (`chmod 700 {}` fixes it)",
+            dir.display()
+        ));
+    }
+    None
+}
+
+/// NVML once, and the records of every directory, with each record's liveness: one snapshot
+/// (as `ps` takes for one directory), and the directories that could not be read, with why.
+/// Doubts about a directory are printed once (see [`Warnings`]); its records are still read.
+pub fn snapshot(
+    view: &dyn GpuView,
+    dirs: &[PathBuf],
+    warnings: &Warnings,
+) -> (Snapshot, Vec<(PathBuf, String)>) {
     let gpus = view.gpus().map(|gs| {
         gs.into_iter()
             .map(|g| {
@@ -115,12 +167,23 @@ pub fn snapshot(view: &dyn GpuView, dirs: &[PathBuf]) -> (Snapshot, Vec<(PathBuf
     let mut refused = Vec::new();
     let mut failed = Vec::new();
     for dir in dirs {
-        match Snapshot::take(&NoGpus, dir) {
-            Ok(s) => {
-                records.extend(s.records);
-                refused.extend(s.refused);
+        match registry::read_all(dir) {
+            Ok(files) => {
+                warnings.note(dir, dir_doubt(dir).filter(|_| !files.is_empty()));
+                for (path, r) in files {
+                    match r {
+                        Ok(rec) => {
+                            let l = rec.liveness();
+                            records.push((path, rec, l));
+                        }
+                        Err(e) => refused.push((path, e.to_string())),
+                    }
+                }
             }
-            Err(e) => failed.push((dir.clone(), e)),
+            Err(e) => {
+                warnings.note(dir, Some(format!("cannot be read: {e}")));
+                failed.push((dir.clone(), e.to_string()));
+            }
         }
     }
     let snap = Snapshot {
@@ -173,16 +236,14 @@ fn with(base: &Labels, k: &'static str, v: String) -> Labels {
 
 /// Reads the registry directories and NVML and builds one scrape's samples (the exporter's own
 /// health included, except the scrape counter, which the server adds).
-pub fn collect(view: &dyn GpuView, dirs: &[PathBuf], opts: &Options) -> Exposition {
+pub fn collect(
+    view: &dyn GpuView,
+    dirs: &[PathBuf],
+    opts: &Options,
+    warnings: &Warnings,
+) -> Exposition {
     let started = Instant::now();
-    let (snap, failed) = snapshot(view, dirs);
-    for (dir, e) in &failed {
-        eprintln!(
-            "cistern export: registry directory {}: {}",
-            crate::table::printable(&dir.display().to_string()),
-            crate::table::printable(e)
-        );
-    }
+    let (snap, failed) = snapshot(view, dirs, warnings);
     let report = ps::build(&snap);
     let by_path: HashMap<&Path, &Record> = snap
         .records
@@ -427,6 +488,17 @@ mod tests {
     }
 
     #[test]
+    fn a_warning_is_printed_once_until_it_changes() {
+        let w = Warnings::default();
+        let d = Path::new("/x");
+        assert!(w.note(d, Some("a".into())));
+        assert!(!w.note(d, Some("a".into())));
+        assert!(w.note(d, Some("b".into())));
+        assert!(!w.note(d, None));
+        assert!(w.note(d, Some("b".into())), "cleared, then back");
+    }
+
+    #[test]
     fn bounded_cuts_characters_not_bytes() {
         assert_eq!(bounded("héllo", 2), "hé");
         assert_eq!(bounded("ab", 10), "ab");
@@ -533,7 +605,7 @@ mod tests {
                 hostname: "node-a".into(),
             };
             let missing = d.join("missing-subdir-is-empty");
-            let x = collect(&view, &[d.clone(), missing], &opts);
+            let x = collect(&view, &[d.clone(), missing], &opts, &Warnings::default());
             let mine = me.to_string();
             let p = [("pid", mine.as_str())];
             assert_eq!(
@@ -646,6 +718,48 @@ mod tests {
         }
 
         #[test]
+        fn doubtful_and_unreadable_directories() {
+            use std::os::unix::fs::PermissionsExt;
+            let d = dir("doubt");
+            assert_eq!(dir_doubt(&d), None, "private and this user's");
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+            assert!(dir_doubt(&d).unwrap().contains("mode 0755"));
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+            // Named for another uid than its owner's.
+            let other = d.join(format!("cistern-{}", registry::euid() + 1));
+            std::fs::create_dir(&other).unwrap();
+            std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(
+                dir_doubt(&other).unwrap().contains("not uid"),
+                "{:?}",
+                dir_doubt(&other)
+            );
+            // A registry that is a symlink is refused: reported down, the scrape goes on.
+            let link = d.join("link");
+            std::os::unix::fs::symlink(&other, &link).unwrap();
+            let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": []})).unwrap();
+            let opts = Options {
+                top_tags: 10,
+                hostname: String::new(),
+            };
+            let x = collect(
+                &view,
+                &[link.clone(), d.clone()],
+                &opts,
+                &Warnings::default(),
+            );
+            let up = |p: &Path| {
+                x.get(
+                    "cistern_exporter_registry_dir_up",
+                    &[("dir", &p.display().to_string())],
+                )
+            };
+            assert_eq!(up(&link), Some(Value::Int(0)));
+            assert_eq!(up(&d), Some(Value::Int(1)));
+            let _ = std::fs::remove_dir_all(&d);
+        }
+
+        #[test]
         fn nvml_down_still_exports_the_registry() {
             let d = dir("nonvml");
             publish(&d, dead_pid(2), 7, "x", &[("t", MIB)], State::Running);
@@ -659,6 +773,7 @@ mod tests {
                     top_tags: 10,
                     hostname: String::new(),
                 },
+                &Warnings::default(),
             );
             assert_eq!(x.get("cistern_exporter_nvml_up", &[]), Some(Value::Int(0)));
             assert_eq!(x.get("cistern_exporter_records", &[]), Some(Value::Int(1)));

@@ -168,6 +168,7 @@ pub struct Exporter {
     view: Box<dyn GpuView>,
     dirs: Vec<PathBuf>,
     opts: Options,
+    warnings: collect::Warnings,
     scrapes: AtomicU64,
 }
 
@@ -177,6 +178,7 @@ impl Exporter {
             view,
             dirs,
             opts,
+            warnings: collect::Warnings::default(),
             scrapes: AtomicU64::new(0),
         }
     }
@@ -184,7 +186,7 @@ impl Exporter {
     /// One scrape, encoded.
     pub fn scrape(&self, format: Format) -> String {
         let n = self.scrapes.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut x = collect::collect(self.view.as_ref(), &self.dirs, &self.opts);
+        let mut x = collect::collect(self.view.as_ref(), &self.dirs, &self.opts, &self.warnings);
         x.add("cistern_exporter_scrapes_total", vec![], Value::Count(n));
         metrics::encode(&x, format)
     }
