@@ -288,6 +288,12 @@ fn prometheus_scrapes_three_processes() {
     };
     assert_eq!(state(running_pid).as_deref(), Some("running"), "{r:?}");
     assert_eq!(state(exited_pid).as_deref(), Some("exited"), "{r:?}");
+    // The exited process's memory went with it: its record's bytes are not summed as held.
+    let q = format!(r#"cistern_process_live_bytes{{pid="{exited_pid}"}}"#);
+    assert_eq!(
+        query(&prom_addr, &q).unwrap(),
+        Vec::<serde_json::Value>::new()
+    );
     let r = query(&prom_addr, "cistern_gpu_memory_dead_held_bytes").unwrap();
     assert_eq!(value(&r[0]), (48 * MIB) as f64, "{r:?}");
     drop(running);

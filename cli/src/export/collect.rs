@@ -57,6 +57,16 @@ pub fn state_name(state: PsState, record_state: Option<State>) -> &'static str {
     }
 }
 
+/// Whether a process in this state may still hold the memory its record names (running, a
+/// zombie, or dead while NVML lists its memory); the byte counts of its record are exported
+/// only then.
+pub fn may_hold_memory(state: PsState) -> bool {
+    matches!(
+        state,
+        PsState::Running | PsState::Zombie | PsState::DeadButMemoryHeld
+    )
+}
+
 /// Cuts `s` to at most `max` characters.
 pub fn bounded(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
@@ -310,6 +320,11 @@ pub fn collect(
                 Some(&r.devices[i])
             });
             let Some(d) = dev else { continue };
+            if !may_hold_memory(row.state) {
+                // Its memory is gone with it: the last numbers of its record would add to
+                // every sum as if still held. Its state says it is there.
+                continue;
+            }
             x.bytes("cistern_process_reserved_bytes", l.clone(), d.reserved);
             x.bytes("cistern_process_live_bytes", l.clone(), d.live);
             x.bytes("cistern_process_cached_bytes", l.clone(), d.cached);
@@ -459,6 +474,16 @@ mod tests {
         assert_eq!(f[0].0, "y");
         // A record whose tags add up to more than its live bytes: no negative "other".
         assert_eq!(fold_tags(&[tag("a", 9)], 5, 1), vec![("a".into(), 9)]);
+    }
+
+    #[test]
+    fn only_processes_that_may_hold_memory_export_bytes() {
+        assert!(may_hold_memory(PsState::Running));
+        assert!(may_hold_memory(PsState::Zombie));
+        assert!(may_hold_memory(PsState::DeadButMemoryHeld));
+        assert!(!may_hold_memory(PsState::DeadRecordOnly));
+        assert!(!may_hold_memory(PsState::PidReused));
+        assert!(!may_hold_memory(PsState::NoRecord));
     }
 
     #[test]
@@ -762,7 +787,9 @@ mod tests {
         #[test]
         fn nvml_down_still_exports_the_registry() {
             let d = dir("nonvml");
-            publish(&d, dead_pid(2), 7, "x", &[("t", MIB)], State::Running);
+            let me = std::process::id();
+            let start = registry::process_start_time(me).unwrap();
+            publish(&d, me, start, "x", &[("t", MIB)], State::Running);
             let view: FakeView =
                 serde_json::from_value(serde_json::json!({"error": "NVML not available: test"}))
                     .unwrap();

@@ -61,7 +61,9 @@ macro_rules! desc {
 
 /// Every family the exporter emits, in the order it emits them.
 pub const METRICS: &[Desc] = &[
-    // Per process and GPU, from its record (what its allocator sees).
+    // Per process and GPU, from its record (what its allocator sees), for processes that may
+    // still hold that memory: running, zombies, dead while NVML lists their memory. A process
+    // whose memory went with it is in cistern_process_state only.
     desc!("cistern_process_reserved_bytes", Gauge, PROC_GPU,
         "Bytes the process's allocator holds from the driver on the GPU (live + cached + pending), from its record."),
     desc!("cistern_process_live_bytes", Gauge, PROC_GPU,
