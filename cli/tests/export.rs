@@ -3,7 +3,7 @@
 //! records on a free loopback port, with a fake NVML that still lists the killed pid with
 //! memory; a real Prometheus server scrapes it every second, and PromQL through its HTTP API
 //! must find the running process's tag and the dead process holding memory. The exposition must
-//! pass `promtool check metrics`.
+//! pass `promtool check metrics`, and every query of the Grafana dashboard must run.
 //!
 //! Without Prometheus installed the test says why and passes, unless
 //! `CISTERN_REQUIRE_PROMETHEUS=1` (CI), where it fails; `scripts/ensure-prometheus.sh`
@@ -296,7 +296,42 @@ fn prometheus_scrapes_three_processes() {
     );
     let r = query(&prom_addr, "cistern_gpu_memory_dead_held_bytes").unwrap();
     assert_eq!(value(&r[0]), (48 * MIB) as f64, "{r:?}");
+
+    // Every query of the Grafana dashboard is valid PromQL that Prometheus runs on these
+    // metrics, and the panel of dead processes finds the killed one.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dash: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("deploy/grafana/cistern.json")).unwrap())
+            .unwrap();
+    let mut exprs = Vec::new();
+    panel_exprs(&dash, "", &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    for (title, expr) in &exprs {
+        let q = expr.replace("$node", ".*");
+        let r = query(&prom_addr, &q).unwrap_or_else(|e| panic!("panel {title:?}: {q}: {e}"));
+        if title == "Dead processes holding memory" {
+            assert_eq!(r.len(), 1, "{q}: {r:?}");
+            assert_eq!(r[0]["metric"]["pid"], killed_pid.to_string(), "{r:?}");
+        }
+    }
     drop(running);
+}
+
+/// The `expr` of every panel target, with the panel's title.
+fn panel_exprs(v: &serde_json::Value, title: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            let title = m.get("title").and_then(|t| t.as_str()).unwrap_or(title);
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("expr", serde_json::Value::String(e)) => out.push((title.into(), e.clone())),
+                    _ => panel_exprs(v, title, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|v| panel_exprs(v, title, out)),
+        _ => {}
+    }
 }
 
 #[test]
