@@ -735,7 +735,29 @@ mod tests {
             );
             assert_eq!(x.get("cistern_exporter_nvml_up", &[]), Some(Value::Int(1)));
             assert_eq!(x.samples("cistern_exporter_registry_dir_up").len(), 2);
-            // Every family emitted is in the table, and the text parses as one sample a line.
+            // Every label of every sample is one its family declares (what --list-metrics
+            // says, and what scripts/check-deploy.sh checks the dashboard against).
+            for f in x.families() {
+                let declared: Vec<&str> = f
+                    .desc
+                    .labels
+                    .split(',')
+                    .map(|l| l.trim().trim_end_matches('?'))
+                    .collect();
+                for (labels, _) in &f.samples {
+                    for (k, _) in labels {
+                        assert!(
+                            declared.contains(k),
+                            "{}: label {k} not declared",
+                            f.desc.name
+                        );
+                    }
+                }
+            }
+            assert!(
+                x.families().len() >= 25,
+                "most families are filled in this scrape"
+            );
             let text =
                 crate::export::metrics::encode(&x, crate::export::metrics::Format::Prometheus);
             assert!(text.contains(r#"command="train \"q\"""#), "{text}");
