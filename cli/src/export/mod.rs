@@ -246,8 +246,11 @@ fn respond(exporter: &Exporter, req: tiny_http::Request) {
             .with_header(header("Allow", "GET, HEAD"))
             .with_header(header("Content-Type", "text/plain; charset=utf-8")),
     };
-    // A scraper that hung up before the answer: nothing to do.
-    let _ = req.respond(resp);
+    // The answer is written on a thread of its own, so that a client that reads slowly (or
+    // not at all) cannot hold up the next scrape; one that hung up needs nothing more.
+    std::thread::spawn(move || {
+        let _ = req.respond(resp);
+    });
 }
 
 fn print_metric_list() {
