@@ -6,6 +6,7 @@
 
 mod convert;
 mod doctor;
+mod export;
 mod gpu;
 mod leaks;
 mod plot;
@@ -56,6 +57,10 @@ enum Command {
     /// whether the request would have fitted with other PyTorch settings
     /// (PYTORCH_CUDA_ALLOC_CONF) or with cistern, and with how much to spare.
     Whatif(whatif::WhatifArgs),
+    /// Serve Prometheus metrics (text format, or OpenMetrics on negotiation) of what `ps`
+    /// shows: memory by process, tag and GPU, process states (dead ones holding memory
+    /// included), unattributed memory per GPU, with labels that join dcgm-exporter's.
+    Export(export::ExportArgs),
 }
 
 /// Arguments of `cistern ps`.
@@ -190,6 +195,7 @@ fn main() -> ExitCode {
         Command::Leaks(args) => leaks::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Doctor(args) => doctor::run(&args),
         Command::Whatif(args) => whatif::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Export(args) => export::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

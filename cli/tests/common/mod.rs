@@ -11,6 +11,8 @@ use cistern::registry::{
     Registry, State,
 };
 
+pub mod holders;
+
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 

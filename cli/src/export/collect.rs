@@ -1,0 +1,834 @@
+//! One scrape's samples: the registry directories and NVML read into `ps`'s snapshot, and
+//! `ps`'s report built from it (so `export` and `ps` classify and add up processes the same way), turned into the
+//! families of [`super::metrics::METRICS`], with bounded labels (commands and tags cut to a
+//! length, the top N tags per process and GPU and the rest summed as `tag="other"`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use cistern::registry::{self, AttributionRecord, DeviceRecord, Record, State};
+
+use super::metrics::{Exposition, Labels, Value};
+use crate::gpu::GpuView;
+use crate::ps::{self, ProcRow, PsState, Snapshot};
+use crate::table::printable;
+
+/// A `command` label is cut to this many characters (a process's whole command line would make
+/// every series as long as its arguments).
+pub const MAX_COMMAND_CHARS: usize = 120;
+/// A `tag` label is cut to this many characters.
+pub const MAX_TAG_CHARS: usize = 128;
+/// The tag under which bytes beyond the top N tags are summed.
+pub const OTHER_TAG: &str = "other";
+
+/// What a scrape needs besides the registry and NVML.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// How many tags per process and GPU are named; the rest are summed as `tag="other"`.
+    pub top_tags: usize,
+    /// The `Hostname` label of GPU metrics (dcgm-exporter's: the node's name).
+    pub hostname: String,
+}
+
+/// Where a process runs, for Kubernetes. Records do not carry it yet (issue 13, item 3 adds the
+/// cgroup path and the container and pod ids parsed from it); until they do, every field is
+/// `None` and the labels are left out. This is the one place that fills them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Workload {
+    pub container: Option<String>,
+    pub pod: Option<String>,
+    pub namespace: Option<String>,
+}
+
+/// The workload of a record's process: nothing yet (see [`Workload`]).
+pub fn workload(_record: Option<&Record>) -> Workload {
+    Workload::default()
+}
+
+/// The exporter's state for one scrape, in the words of the `state` label.
+pub fn state_name(state: PsState, record_state: Option<State>) -> &'static str {
+    match (state, record_state) {
+        // Dead with only its record left: a clean exit wrote a final `exited` record; a record
+        // still saying `running` is the last word of a process that was killed or crashed.
+        (PsState::DeadRecordOnly, Some(State::Exited)) => "exited",
+        (s, _) => s.name(),
+    }
+}
+
+/// Whether a process in this state may still hold the memory its record names (running, a
+/// zombie, or dead while NVML lists its memory); the byte counts of its record are exported
+/// only then.
+pub fn may_hold_memory(state: PsState) -> bool {
+    matches!(
+        state,
+        PsState::Running | PsState::Zombie | PsState::DeadButMemoryHeld
+    )
+}
+
+/// Cuts `s` to at most `max` characters.
+pub fn bounded(s: &str, max: usize) -> String {
+    s.chars().take(max).collect()
+}
+
+/// The top `n` tags of a device by live bytes, and the rest of `live` as [`OTHER_TAG`]. Tags
+/// are merged by name after being cut to [`MAX_TAG_CHARS`] (records are untrusted input, and
+/// two names may cut to one); a tag that is itself named `other` is summed into the rest. With
+/// no published tags (provenance off), nothing: the bytes are not attributed.
+pub fn fold_tags(tags: &[AttributionRecord], live: u64, n: usize) -> Vec<(String, u64)> {
+    if tags.is_empty() {
+        return Vec::new();
+    }
+    let mut merged: HashMap<String, u64> = HashMap::new();
+    for t in tags {
+        let name = bounded(&t.name, MAX_TAG_CHARS);
+        if name == OTHER_TAG {
+            continue;
+        }
+        let e = merged.entry(name).or_insert(0);
+        *e = e.saturating_add(t.bytes);
+    }
+    let mut sorted: Vec<(String, u64)> = merged.into_iter().collect();
+    sorted.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    sorted.truncate(n);
+    let named = sorted.iter().fold(0u64, |s, (_, b)| s.saturating_add(*b));
+    let rest = live.saturating_sub(named);
+    if rest > 0 {
+        sorted.push((OTHER_TAG.to_string(), rest));
+    }
+    sorted
+}
+
+/// Messages about registry directories, each printed once until it changes (a scrape every few
+/// seconds must not repeat the same warning for ever).
+#[derive(Debug, Default)]
+pub struct Warnings(Mutex<HashMap<PathBuf, String>>);
+
+impl Warnings {
+    /// Prints `msg` about `dir` unless it is what was printed last (and says whether it
+    /// printed); `None` clears it.
+    fn note(&self, dir: &Path, msg: Option<String>) -> bool {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match msg {
+            Some(m) if seen.get(dir) != Some(&m) => {
+                eprintln!(
+                    "cistern export: warning: registry directory {}: {}",
+                    printable(&dir.display().to_string()),
+                    printable(&m)
+                );
+                seen.insert(dir.to_path_buf(), m);
+                true
+            }
+            Some(_) => false,
+            None => {
+                seen.remove(dir);
+                false
+            }
+        }
+    }
+}
+
+/// Why the records of `dir` may not be their owner's: a directory that is not owned by the
+/// user its name says (`cistern-<uid>`, else the exporter's own), or that is open to others.
+/// `None` when it looks as the library makes it, or is missing.
+pub fn dir_doubt(dir: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::symlink_metadata(dir).ok()?;
+    let named = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("cistern-"))
+        .and_then(|u| u.parse::<u32>().ok());
+    let expected = named.unwrap_or_else(registry::euid);
+    if md.uid() != expected {
+        return Some(format!(
+            "is owned by uid {}, not uid {expected}: its records may have been written by              another user (remove it, or export another directory with --registry-dir)",
+            md.uid()
+        ));
+    }
+    let mode = md.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Some(format!(
+            "has mode {mode:04o}, open to group or others: its records may have been planted              (`chmod 700 {}` fixes it)",
+            dir.display()
+        ));
+    }
+    None
+}
+
+/// NVML once, and the records of every directory, with each record's liveness: one snapshot
+/// (as `ps` takes for one directory), and the directories that could not be read, with why.
+/// Doubts about a directory are printed once (see [`Warnings`]); its records are still read.
+pub fn snapshot(
+    view: &dyn GpuView,
+    dirs: &[PathBuf],
+    warnings: &Warnings,
+) -> (Snapshot, Vec<(PathBuf, String)>) {
+    let gpus = view.gpus().map(|gs| {
+        gs.into_iter()
+            .map(|g| {
+                let p = view.processes(&g);
+                (g, p)
+            })
+            .collect()
+    });
+    let mut records = Vec::new();
+    let mut refused = Vec::new();
+    let mut failed = Vec::new();
+    for dir in dirs {
+        match registry::read_all(dir) {
+            Ok(files) => {
+                warnings.note(dir, dir_doubt(dir).filter(|_| !files.is_empty()));
+                for (path, r) in files {
+                    match r {
+                        Ok(rec) => {
+                            let l = rec.liveness();
+                            records.push((path, rec, l));
+                        }
+                        Err(e) => refused.push((path, e.to_string())),
+                    }
+                }
+            }
+            Err(e) => {
+                warnings.note(dir, Some(format!("cannot be read: {e}")));
+                failed.push((dir.clone(), e.to_string()));
+            }
+        }
+    }
+    let snap = Snapshot {
+        dir: dirs.first().cloned().unwrap_or_default(),
+        gpus,
+        records,
+        refused,
+        now_ms: ps::now_ms(),
+    };
+    (snap, failed)
+}
+
+fn process_labels(row: &ProcRow, record: Option<&Record>) -> Labels {
+    let mut l: Labels = vec![
+        ("pid", row.pid.to_string()),
+        ("command", bounded(&row.command, MAX_COMMAND_CHARS)),
+    ];
+    if let Some(uid) = row.uid {
+        l.push(("uid", uid.to_string()));
+    }
+    let w = workload(record);
+    for (k, v) in [
+        ("container", w.container),
+        ("pod", w.pod),
+        ("namespace", w.namespace),
+    ] {
+        if let Some(v) = v.filter(|v| !v.is_empty()) {
+            l.push((k, v));
+        }
+    }
+    l
+}
+
+fn with_gpu(base: &Labels, gpu_index: Option<u32>, uuid: Option<&str>) -> Labels {
+    let mut l = base.clone();
+    if let Some(i) = gpu_index {
+        l.push(("gpu", i.to_string()));
+    }
+    if let Some(u) = uuid {
+        l.push(("UUID", u.to_string()));
+    }
+    l
+}
+
+fn with(base: &Labels, k: &'static str, v: String) -> Labels {
+    let mut l = base.clone();
+    l.push((k, v));
+    l
+}
+
+/// Reads the registry directories and NVML and builds one scrape's samples (the exporter's own
+/// health included, except the scrape counter, which the server adds).
+pub fn collect(
+    view: &dyn GpuView,
+    dirs: &[PathBuf],
+    opts: &Options,
+    warnings: &Warnings,
+) -> Exposition {
+    let started = Instant::now();
+    let (snap, failed) = snapshot(view, dirs, warnings);
+    let report = ps::build(&snap);
+    let by_path: HashMap<&Path, &Record> = snap
+        .records
+        .iter()
+        .map(|(p, r, _)| (p.as_path(), r))
+        .collect();
+    let mut x = Exposition::default();
+
+    // Rows come sorted by state (running first), then pid, newest record first: the first row
+    // of a pid is the one whose series are kept (the exposition refuses a second label set).
+    let mut dead_held: BTreeMap<&str, u64> = BTreeMap::new();
+    for row in &report.processes {
+        let record = row.record.as_deref().and_then(|p| by_path.get(p).copied());
+        let proc = process_labels(row, record);
+        x.add(
+            "cistern_process_state",
+            with(
+                &proc,
+                "state",
+                state_name(row.state, row.record_state).into(),
+            ),
+            Value::Int(1),
+        );
+        if let Some(r) = record {
+            x.add(
+                "cistern_process_oom_reported",
+                proc.clone(),
+                Value::Int(r.last_oom.is_some() as i64),
+            );
+            if let Some(oom) = &r.last_oom {
+                x.bytes(
+                    "cistern_process_last_oom_requested_bytes",
+                    proc.clone(),
+                    oom.requested,
+                );
+            }
+            x.add(
+                "cistern_process_record_updated_timestamp_seconds",
+                proc.clone(),
+                Value::Float(r.updated_unix_ms as f64 / 1000.0),
+            );
+        }
+        let mut used_devices: Vec<bool> = vec![false; record.map_or(0, |r| r.devices.len())];
+        for g in &row.gpus {
+            let l = with_gpu(&proc, g.gpu_index, g.uuid.as_deref());
+            if let Some(b) = g.nvml_used {
+                x.bytes("cistern_process_gpu_used_bytes", l.clone(), b);
+                if row.state == PsState::DeadButMemoryHeld {
+                    if let Some(u) = g.uuid.as_deref() {
+                        let e = dead_held.entry(u).or_insert(0);
+                        *e = e.saturating_add(b);
+                    }
+                }
+            }
+            if let Some(o) = g.overhead {
+                x.add("cistern_process_overhead_bytes", l.clone(), Value::Int(o));
+            }
+            // The record's own device for this row (by ordinal and UUID, each used once).
+            let dev: Option<&DeviceRecord> = record.and_then(|r| {
+                let i = r.devices.iter().enumerate().position(|(i, d)| {
+                    !used_devices[i] && Some(d.index) == g.device && d.uuid == g.uuid
+                })?;
+                used_devices[i] = true;
+                Some(&r.devices[i])
+            });
+            let Some(d) = dev else { continue };
+            if !may_hold_memory(row.state) {
+                // Its memory is gone with it: the last numbers of its record would add to
+                // every sum as if still held. Its state says it is there.
+                continue;
+            }
+            x.bytes("cistern_process_reserved_bytes", l.clone(), d.reserved);
+            x.bytes("cistern_process_live_bytes", l.clone(), d.live);
+            x.bytes("cistern_process_cached_bytes", l.clone(), d.cached);
+            x.bytes("cistern_process_pending_bytes", l.clone(), d.pending);
+            x.bytes(
+                "cistern_process_peak_reserved_bytes",
+                l.clone(),
+                d.peak_reserved,
+            );
+            x.bytes("cistern_process_peak_live_bytes", l.clone(), d.peak_live);
+            x.bytes("cistern_process_limit_bytes", l.clone(), d.limit);
+            for (tag, b) in fold_tags(&d.top_tags, d.live, opts.top_tags) {
+                x.bytes("cistern_process_tag_live_bytes", with(&l, "tag", tag), b);
+            }
+        }
+    }
+
+    for g in &report.gpus {
+        let l: Labels = vec![
+            ("gpu", g.index.to_string()),
+            ("UUID", g.uuid.clone()),
+            ("device", format!("nvidia{}", g.index)),
+            ("Hostname", opts.hostname.clone()),
+        ];
+        x.add(
+            "cistern_gpu_info",
+            with(&l, "model_name", g.name.clone()),
+            Value::Int(1),
+        );
+        x.bytes("cistern_gpu_memory_total_bytes", l.clone(), g.total);
+        x.bytes("cistern_gpu_memory_used_bytes", l.clone(), g.used);
+        x.bytes(
+            "cistern_gpu_memory_driver_reserved_bytes",
+            l.clone(),
+            g.driver_reserved,
+        );
+        x.bytes("cistern_gpu_memory_processes_bytes", l.clone(), g.processes);
+        x.add(
+            "cistern_gpu_memory_unattributed_bytes",
+            l.clone(),
+            Value::Int(g.unattributed),
+        );
+        x.bytes(
+            "cistern_gpu_memory_dead_held_bytes",
+            l.clone(),
+            dead_held.get(g.uuid.as_str()).copied().unwrap_or(0),
+        );
+        x.bytes(
+            "cistern_gpu_cistern_reserved_bytes",
+            l.clone(),
+            g.cistern_reserved,
+        );
+        x.bytes("cistern_gpu_cistern_live_bytes", l.clone(), g.cistern_live);
+        x.bytes("cistern_gpu_cistern_cached_bytes", l, g.cistern_cached);
+    }
+
+    x.add(
+        "cistern_exporter_build_info",
+        vec![("version", env!("CARGO_PKG_VERSION").to_string())],
+        Value::Int(1),
+    );
+    x.add(
+        "cistern_exporter_nvml_up",
+        vec![],
+        Value::Int(report.nvml.available as i64),
+    );
+    for dir in dirs {
+        let up = !failed.iter().any(|(d, _)| d == dir);
+        x.add(
+            "cistern_exporter_registry_dir_up",
+            vec![("dir", dir.display().to_string())],
+            Value::Int(up as i64),
+        );
+    }
+    x.add(
+        "cistern_exporter_records",
+        vec![],
+        Value::Int(snap.records.len() as i64),
+    );
+    x.add(
+        "cistern_exporter_records_refused",
+        vec![],
+        Value::Int(snap.refused.len() as i64),
+    );
+    let dropped = x.dropped as i64;
+    x.add(
+        "cistern_exporter_series_dropped",
+        vec![],
+        Value::Int(dropped),
+    );
+    x.add(
+        "cistern_exporter_scrape_duration_seconds",
+        vec![],
+        Value::Float(started.elapsed().as_secs_f64()),
+    );
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::FakeView;
+
+    fn tag(name: &str, bytes: u64) -> AttributionRecord {
+        AttributionRecord {
+            name: name.into(),
+            bytes,
+            blocks: 1,
+        }
+    }
+
+    #[test]
+    fn top_tags_and_the_rest_as_other() {
+        let tags = [tag("a", 50), tag("b", 30), tag("c", 10), tag("d", 5)];
+        // Live covers more than the published tags (tags beyond the record's top 32): "other"
+        // holds everything not named, so the tags of a device sum to its live bytes.
+        let f = fold_tags(&tags, 100, 2);
+        assert_eq!(
+            f,
+            vec![("a".into(), 50), ("b".into(), 30), ("other".into(), 20)]
+        );
+        assert_eq!(f.iter().map(|t| t.1).sum::<u64>(), 100);
+        // All fit: no "other" when nothing is left over.
+        assert_eq!(fold_tags(&tags, 95, 10).len(), 4);
+        // N = 0: everything is "other".
+        assert_eq!(fold_tags(&tags, 95, 0), vec![("other".into(), 95)]);
+        // No published tags: nothing is attributed.
+        assert!(fold_tags(&[], 95, 10).is_empty());
+    }
+
+    #[test]
+    fn tags_merge_after_cutting_and_other_is_never_named_twice() {
+        let long = "x".repeat(MAX_TAG_CHARS + 5);
+        let long2 = format!("{}y", "x".repeat(MAX_TAG_CHARS + 1));
+        let tags = [tag(&long, 10), tag(&long2, 5), tag("other", 7), tag("b", 1)];
+        let f = fold_tags(&tags, 23, 10);
+        assert_eq!(
+            f,
+            vec![
+                ("x".repeat(MAX_TAG_CHARS), 15),
+                ("b".into(), 1),
+                ("other".into(), 7)
+            ]
+        );
+        // Ties are broken by name, so the order does not depend on the hash map.
+        let f = fold_tags(&[tag("z", 1), tag("y", 1)], 2, 1);
+        assert_eq!(f[0].0, "y");
+        // A record whose tags add up to more than its live bytes: no negative "other".
+        assert_eq!(fold_tags(&[tag("a", 9)], 5, 1), vec![("a".into(), 9)]);
+    }
+
+    #[test]
+    fn only_processes_that_may_hold_memory_export_bytes() {
+        assert!(may_hold_memory(PsState::Running));
+        assert!(may_hold_memory(PsState::Zombie));
+        assert!(may_hold_memory(PsState::DeadButMemoryHeld));
+        assert!(!may_hold_memory(PsState::DeadRecordOnly));
+        assert!(!may_hold_memory(PsState::PidReused));
+        assert!(!may_hold_memory(PsState::NoRecord));
+    }
+
+    #[test]
+    fn state_names() {
+        assert_eq!(
+            state_name(PsState::Running, Some(State::Running)),
+            "running"
+        );
+        assert_eq!(
+            state_name(PsState::DeadRecordOnly, Some(State::Exited)),
+            "exited"
+        );
+        assert_eq!(
+            state_name(PsState::DeadRecordOnly, Some(State::Running)),
+            "dead-record-only"
+        );
+        assert_eq!(
+            state_name(PsState::DeadButMemoryHeld, Some(State::Running)),
+            "dead-but-memory-held"
+        );
+        assert_eq!(state_name(PsState::Zombie, None), "zombie");
+        assert_eq!(state_name(PsState::NoRecord, None), "no-record");
+        assert_eq!(
+            state_name(PsState::PidReused, Some(State::Exited)),
+            "pid-reused"
+        );
+    }
+
+    #[test]
+    fn a_warning_is_printed_once_until_it_changes() {
+        let w = Warnings::default();
+        let d = Path::new("/x");
+        assert!(w.note(d, Some("a".into())));
+        assert!(!w.note(d, Some("a".into())));
+        assert!(w.note(d, Some("b".into())));
+        assert!(!w.note(d, None));
+        assert!(w.note(d, Some("b".into())), "cleared, then back");
+    }
+
+    #[test]
+    fn bounded_cuts_characters_not_bytes() {
+        assert_eq!(bounded("héllo", 2), "hé");
+        assert_eq!(bounded("ab", 10), "ab");
+    }
+
+    /// A registry with records of this test process (alive), and of dead pids, one exited and
+    /// one killed while NVML still lists its memory.
+    mod scrape {
+        use super::*;
+        use cistern::registry::{self, Identity, ProcessSnapshot, Registry};
+
+        const MIB: u64 = 1 << 20;
+
+        fn dir(name: &str) -> PathBuf {
+            let d = std::env::temp_dir()
+                .join(format!("cistern-export-unit-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+            d
+        }
+
+        fn dead_pid(n: usize) -> u32 {
+            (1..4_000_000u32)
+                .rev()
+                .filter(|p| !Path::new(&format!("/proc/{p}")).exists())
+                .nth(n)
+                .unwrap()
+        }
+
+        fn publish(
+            dir: &Path,
+            pid: u32,
+            start: u64,
+            cmd: &str,
+            tags: &[(&str, u64)],
+            state: State,
+        ) {
+            let id = Identity {
+                pid,
+                start_time: start,
+                boot_id: registry::boot_id().unwrap(),
+                uid: registry::euid(),
+                cmdline: vec![cmd.into()],
+                cmdline_truncated: false,
+            };
+            let live: u64 = tags.iter().map(|t| t.1).sum();
+            let dev = DeviceRecord {
+                index: 0,
+                uuid: Some("GPU-fake-0".into()),
+                name: "Fake".into(),
+                total_memory: 80 << 30,
+                limit: 80 << 30,
+                reserved: live + 4 * MIB,
+                live,
+                cached: 4 * MIB,
+                pending: 0,
+                peak_reserved: live + 8 * MIB,
+                peak_live: live,
+                top_tags: tags.iter().map(|(n, b)| tag(n, *b)).collect(),
+                top_sites: Vec::new(),
+            };
+            let r = Registry::with_identity(dir, id).unwrap();
+            r.publish(
+                &ProcessSnapshot {
+                    devices: vec![dev],
+                    last_oom: None,
+                    marks: Vec::new(),
+                },
+                state,
+                Vec::new(),
+            )
+            .unwrap();
+        }
+
+        #[test]
+        fn processes_gpus_and_health() {
+            let d = dir("scrape");
+            let me = std::process::id();
+            let my_start = registry::process_start_time(me).unwrap();
+            let (killed, exited) = (dead_pid(0), dead_pid(1));
+            publish(
+                &d,
+                me,
+                my_start,
+                "train \"q\"",
+                &[("weights", 40 * MIB), ("acts", 8 * MIB)],
+                State::Running,
+            );
+            publish(&d, killed, 5, "killed", &[("kv", 16 * MIB)], State::Running);
+            publish(&d, exited, 6, "loader", &[("io", MIB)], State::Exited);
+            std::fs::write(d.join("9-9.json"), b"not json").unwrap();
+            let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": [{
+            "index": 0, "uuid": "GPU-fake-0", "name": "Fake GPU", "total": 80u64 << 30,
+            "used": 0, "free": (80u64 << 30) - (200 * MIB), "reserved": 0,
+            "processes": [
+                {"pid": me, "used_bytes": 100 * MIB, "kind": "compute"},
+                {"pid": killed, "used_bytes": 30 * MIB, "kind": "compute"}
+            ]}]}))
+            .unwrap();
+            let opts = Options {
+                top_tags: 1,
+                hostname: "node-a".into(),
+            };
+            let missing = d.join("missing-subdir-is-empty");
+            let x = collect(&view, &[d.clone(), missing], &opts, &Warnings::default());
+            let mine = me.to_string();
+            let p = [("pid", mine.as_str())];
+            assert_eq!(
+                x.get(
+                    "cistern_process_state",
+                    &[("pid", &mine), ("state", "running")]
+                ),
+                Some(Value::Int(1))
+            );
+            assert_eq!(
+                x.samples("cistern_process_state")
+                    .iter()
+                    .filter(|(l, _)| l.iter().any(|(k, v)| *k == "pid" && *v == mine))
+                    .count(),
+                1
+            );
+            assert_eq!(
+                x.get("cistern_process_live_bytes", &p),
+                Some(Value::Int((48 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get("cistern_process_overhead_bytes", &p),
+                Some(Value::Int((100 * MIB - 52 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get("cistern_process_peak_reserved_bytes", &p),
+                Some(Value::Int((56 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get(
+                    "cistern_process_tag_live_bytes",
+                    &[
+                        ("pid", &mine),
+                        ("tag", "weights"),
+                        ("UUID", "GPU-fake-0"),
+                        ("gpu", "0")
+                    ]
+                ),
+                Some(Value::Int((40 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get(
+                    "cistern_process_tag_live_bytes",
+                    &[("pid", &mine), ("tag", "other")]
+                ),
+                Some(Value::Int((8 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get(
+                    "cistern_process_tag_live_bytes",
+                    &[("pid", &mine), ("tag", "acts")]
+                ),
+                None,
+                "beyond --top-tags 1"
+            );
+            let k = killed.to_string();
+            assert_eq!(
+                x.get(
+                    "cistern_process_state",
+                    &[("pid", &k), ("state", "dead-but-memory-held")]
+                ),
+                Some(Value::Int(1))
+            );
+            assert_eq!(
+                x.get("cistern_process_gpu_used_bytes", &[("pid", &k)]),
+                Some(Value::Int((30 * MIB) as i64))
+            );
+            let e = exited.to_string();
+            assert_eq!(
+                x.get("cistern_process_state", &[("pid", &e), ("state", "exited")]),
+                Some(Value::Int(1))
+            );
+            let g = [
+                ("UUID", "GPU-fake-0"),
+                ("gpu", "0"),
+                ("device", "nvidia0"),
+                ("Hostname", "node-a"),
+            ];
+            assert_eq!(
+                x.get(
+                    "cistern_gpu_info",
+                    &[("UUID", "GPU-fake-0"), ("model_name", "Fake GPU")]
+                ),
+                Some(Value::Int(1))
+            );
+            assert_eq!(
+                x.get("cistern_gpu_memory_used_bytes", &g),
+                Some(Value::Int((200 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get("cistern_gpu_memory_unattributed_bytes", &g),
+                Some(Value::Int((70 * MIB) as i64))
+            );
+            assert_eq!(
+                x.get("cistern_gpu_memory_dead_held_bytes", &g),
+                Some(Value::Int((30 * MIB) as i64))
+            );
+            assert_eq!(x.get("cistern_exporter_records", &[]), Some(Value::Int(3)));
+            assert_eq!(
+                x.get("cistern_exporter_records_refused", &[]),
+                Some(Value::Int(1))
+            );
+            assert_eq!(x.get("cistern_exporter_nvml_up", &[]), Some(Value::Int(1)));
+            assert_eq!(x.samples("cistern_exporter_registry_dir_up").len(), 2);
+            // Every label of every sample is one its family declares (what --list-metrics
+            // says, and what scripts/check-deploy.sh checks the dashboard against).
+            for f in x.families() {
+                let declared: Vec<&str> = f
+                    .desc
+                    .labels
+                    .split(',')
+                    .map(|l| l.trim().trim_end_matches('?'))
+                    .collect();
+                for (labels, _) in &f.samples {
+                    for (k, _) in labels {
+                        assert!(
+                            declared.contains(k),
+                            "{}: label {k} not declared",
+                            f.desc.name
+                        );
+                    }
+                }
+            }
+            assert!(
+                x.families().len() >= 25,
+                "most families are filled in this scrape"
+            );
+            let text =
+                crate::export::metrics::encode(&x, crate::export::metrics::Format::Prometheus);
+            assert!(text.contains(r#"command="train \"q\"""#), "{text}");
+            let _ = std::fs::remove_dir_all(&d);
+        }
+
+        #[test]
+        fn doubtful_and_unreadable_directories() {
+            use std::os::unix::fs::PermissionsExt;
+            let d = dir("doubt");
+            assert_eq!(dir_doubt(&d), None, "private and this user's");
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+            assert!(dir_doubt(&d).unwrap().contains("mode 0755"));
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+            // Named for another uid than its owner's.
+            let other = d.join(format!("cistern-{}", registry::euid() + 1));
+            std::fs::create_dir(&other).unwrap();
+            std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(
+                dir_doubt(&other).unwrap().contains("not uid"),
+                "{:?}",
+                dir_doubt(&other)
+            );
+            // A registry that is a symlink is refused: reported down, the scrape goes on.
+            let link = d.join("link");
+            std::os::unix::fs::symlink(&other, &link).unwrap();
+            let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": []})).unwrap();
+            let opts = Options {
+                top_tags: 10,
+                hostname: String::new(),
+            };
+            let x = collect(
+                &view,
+                &[link.clone(), d.clone()],
+                &opts,
+                &Warnings::default(),
+            );
+            let up = |p: &Path| {
+                x.get(
+                    "cistern_exporter_registry_dir_up",
+                    &[("dir", &p.display().to_string())],
+                )
+            };
+            assert_eq!(up(&link), Some(Value::Int(0)));
+            assert_eq!(up(&d), Some(Value::Int(1)));
+            let _ = std::fs::remove_dir_all(&d);
+        }
+
+        #[test]
+        fn nvml_down_still_exports_the_registry() {
+            let d = dir("nonvml");
+            let me = std::process::id();
+            let start = registry::process_start_time(me).unwrap();
+            publish(&d, me, start, "x", &[("t", MIB)], State::Running);
+            let view: FakeView =
+                serde_json::from_value(serde_json::json!({"error": "NVML not available: test"}))
+                    .unwrap();
+            let x = collect(
+                &view,
+                std::slice::from_ref(&d),
+                &Options {
+                    top_tags: 10,
+                    hostname: String::new(),
+                },
+                &Warnings::default(),
+            );
+            assert_eq!(x.get("cistern_exporter_nvml_up", &[]), Some(Value::Int(0)));
+            assert_eq!(x.get("cistern_exporter_records", &[]), Some(Value::Int(1)));
+            assert_eq!(x.samples("cistern_process_live_bytes").len(), 1);
+            assert!(x.samples("cistern_gpu_memory_used_bytes").is_empty());
+            let _ = std::fs::remove_dir_all(&d);
+        }
+    }
+}
