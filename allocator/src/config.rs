@@ -111,11 +111,12 @@ pub const KEYS: &[(&str, &str, &str)] = &[
         "registry_expire",
         "1h",
         "How long the record of an exited process stays in the registry: after this time (since \
-         its last write) the next process publishing in the directory, or `cistern ps` / \
-         `doctor` run by its owner, removes it. Records of dead processes still holding memory \
-         (NVML lists them, or a killed process's record with reserved bytes) or with leaks stay \
-         until `cistern doctor --clean-stale`. A duration (`90s`, `30m`, `1h`, `7d`; a plain \
-         number is seconds) or `never`.",
+         its last write) `cistern ps` / `doctor` run by its owner remove it, and so does the \
+         next process publishing in the directory (in the background, and only records of \
+         clean exits: it has no NVML). Records of dead processes still holding memory (NVML \
+         lists them, or a killed process's record with reserved bytes) or with leaks stay until \
+         `cistern doctor --clean-stale`. A duration (`90s`, `30m`, `1h`, `7d`; a plain number \
+         is seconds) or `never`.",
     ),
 ];
 

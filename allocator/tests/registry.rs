@@ -965,9 +965,12 @@ fn expired_records_of_exited_processes_are_removed_and_no_others() {
     ] {
         assert!(kept.exists(), "{} was removed", kept.display());
     }
-    // The publisher's pass (no NVML) takes the record NVML listed too, once expired.
+    // The publisher's pass (no NVML) takes the clean exit NVML listed, once expired, but no
+    // killed process's record: the driver may still hold its context whatever it says.
+    let killed_empty_again = publish_aged(&dir, dead(4), &none, State::Running, vec![], old);
     assert_eq!(reg.expire(Some(hour)), 1);
     assert!(!nvml_lists.exists());
+    assert!(killed_empty_again.exists());
     assert!(exited_recent.exists());
 }
 
@@ -999,4 +1002,29 @@ fn another_users_directory_is_checked_against_the_uid_in_its_name() {
         .unwrap_err()
         .to_string()
         .contains("symlink"));
+}
+
+/// A directory filled with more records than a reader reads (a user slowing down root's `ps`):
+/// the first ones are read, the rest left out unread in one entry that says how many.
+#[test]
+fn a_reader_reads_a_bounded_number_of_records() {
+    use cistern::registry::{read_all, RecordError, MAX_RECORDS_PER_DIR};
+    let t = TempDir::new("many");
+    let dir = t.reg();
+    fs::create_dir(&dir).unwrap();
+    let extra = 7;
+    for i in 0..MAX_RECORDS_PER_DIR + extra {
+        fs::write(dir.join(format!("{}-1.json", 100_000 + i)), b"{}").unwrap();
+    }
+    let all = read_all(&dir).unwrap();
+    assert_eq!(all.len(), MAX_RECORDS_PER_DIR + 1);
+    let (path, last) = all.last().unwrap();
+    assert_eq!(path, &dir);
+    match last {
+        Err(e @ RecordError::TooMany { left_out }) => {
+            assert_eq!(*left_out, extra);
+            assert!(e.to_string().contains("left out unread"), "{e}");
+        }
+        other => panic!("expected TooMany, got {other:?}"),
+    }
 }

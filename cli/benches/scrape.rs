@@ -18,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use cistern::registry::{
-    self, AttributionRecord, DeviceRecord, Identity, ProcessSnapshot, Registry, State,
+    self, AttributionRecord, DeviceRecord, Identity, Placement, ProcessSnapshot, Registry, State,
 };
 
 const RECORDS: u32 = 100;
@@ -44,6 +44,14 @@ fn publish(dir: &Path, pid: u32) {
         uid: registry::euid(),
         cmdline: vec!["python".into(), "train.py".into(), format!("--rank={pid}")],
         cmdline_truncated: false,
+        // In a pod, as on a Kubernetes node: the container and pod labels are part of the cost.
+        placement: Placement {
+            cgroup: Some(format!("/kubepods.slice/cri-containerd-{pid:064x}.scope")),
+            container_id: Some(format!("{pid:064x}")),
+            pod_uid: Some(format!("1c6b3f2a-0000-4000-8000-{pid:012x}")),
+            runtime: Some("containerd".into()),
+            ..Placement::default()
+        },
     };
     let dev = DeviceRecord {
         index: 0,
@@ -65,6 +73,7 @@ fn publish(dir: &Path, pid: u32) {
         .publish(
             &ProcessSnapshot {
                 devices: vec![dev],
+                driver: Some("cuda".into()),
                 last_oom: None,
                 marks: Vec::new(),
             },

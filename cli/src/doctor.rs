@@ -182,6 +182,27 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
                 f.record = p.record.clone();
                 out.push(f);
             }
+            PsState::NotVisible => {
+                let mut f = finding(
+                    "not-visible",
+                    Severity::Info,
+                    format!(
+                        "record of pid {} (in pid namespace {}, {}) names a process this reader \
+                         cannot see: it may be running; its record is neither expired nor \
+                         cleaned from here",
+                        p.pid,
+                        record_of(s, p)
+                            .and_then(|r| r.pid_ns)
+                            .map(|n| n.to_string())
+                            .unwrap_or_else(|| "?".into()),
+                        p.command
+                    ),
+                    "run `cistern doctor` on the host (or in a pod with hostPID) to see it",
+                );
+                f.pid = Some(p.pid);
+                f.record = p.record.clone();
+                out.push(f);
+            }
             PsState::DeadRecordOnly | PsState::PidReused => {
                 dead_pids.insert(p.pid);
                 let age_ms = s
@@ -423,6 +444,15 @@ fn clean_one(path: &Path, pid: u32) -> Result<(), String> {
         return Err("kept: the record changed, or its process runs".into());
     }
     fs::remove_file(path).map_err(|e| format!("kept: removing it failed: {e}"))
+}
+
+/// The record a `ps` row was built from.
+fn record_of<'a>(s: &'a Snapshot, p: &ps::ProcRow) -> Option<&'a registry::Record> {
+    let path = p.record.as_ref()?;
+    s.records
+        .iter()
+        .find(|(q, _, _)| q == path)
+        .map(|(_, r, _)| r)
 }
 
 /// Renders the document as text.

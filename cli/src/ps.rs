@@ -80,6 +80,81 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// What [`Snapshot::gather`] found besides the snapshot.
+pub struct Gathered {
+    /// The GPUs and the records.
+    pub snapshot: Snapshot,
+    /// Directories that could not be read (also in the snapshot's `dirs.refused`).
+    pub failed: Vec<SkippedDir>,
+    /// Directories named by the caller that were read although the library would refuse them,
+    /// and why (their records may have been written by another user).
+    pub doubts: Vec<(PathBuf, String)>,
+}
+
+/// Why a record found node-wide in user `dir_uid`'s directory cannot be that user's: the
+/// file is another user's, the record claims another uid, or the live process it names runs
+/// as another user (anyone can read a process's pid and start time in `/proc`, and a record
+/// naming someone else's process would take its NVML memory and hide its real record).
+/// `None` when it is consistent.
+fn impostor(
+    path: &Path,
+    r: &Record,
+    l: Liveness,
+    pid: Option<u32>,
+    dir_uid: u32,
+) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let file_uid = std::fs::symlink_metadata(path).ok()?.uid();
+    if file_uid != dir_uid {
+        return Some(format!(
+            "written by uid {file_uid} into the directory of uid {dir_uid}: refused"
+        ));
+    }
+    if r.uid != dir_uid {
+        return Some(format!(
+            "claims uid {} in the directory of uid {dir_uid}: refused",
+            r.uid
+        ));
+    }
+    if matches!(l, Liveness::Alive | Liveness::Zombie) {
+        if let Some(owner) = pid.and_then(|p| std::fs::metadata(format!("/proc/{p}")).ok()) {
+            if owner.uid() != dir_uid && owner.uid() != 0 {
+                return Some(format!(
+                    "names pid {} of uid {}, not of uid {dir_uid}: refused",
+                    pid.unwrap_or(r.pid),
+                    owner.uid()
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Why the records of a directory named by the caller may not be their owner's: it is not
+/// owned by the user its name gives (`cistern-<uid>`: root reading another user's directory
+/// checks it against that user, [`registry::check_dir_of`]) or, for any other name, by the
+/// caller ([`registry::check_dir`]); or it is open to group or others. `None` when it looks as
+/// the library makes it.
+pub fn doubt(dir: &Path) -> Option<String> {
+    let named = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("cistern-"))
+        .and_then(|u| u.parse::<u32>().ok());
+    let checked = match named {
+        Some(uid) => registry::check_dir_of(dir, uid),
+        None => registry::check_dir(dir),
+    };
+    checked.err().map(|e| {
+        let e = e.to_string();
+        // The error names the directory first; the caller names it too.
+        let why = e
+            .strip_prefix(&format!("registry directory {}: ", dir.display()))
+            .unwrap_or(&e);
+        format!("{why}; its records may have been written by another user")
+    })
+}
+
 impl Snapshot {
     /// Reads the GPUs and one registry directory (see [`Snapshot::take_dirs`]).
     pub fn take(view: &dyn GpuView, dir: &Path) -> Result<Snapshot, String> {
@@ -93,6 +168,26 @@ impl Snapshot {
     /// (another user's, or open to others) is read with a warning. A directory found node-wide
     /// was checked already; if reading it fails now, it joins `dirs.refused`.
     pub fn take_dirs(view: &dyn GpuView, dirs: &Dirs) -> Result<Snapshot, String> {
+        let g = Snapshot::gather(view, dirs);
+        if let Some(f) = g.failed.iter().find(|f| f.uid.is_none()) {
+            return Err(f.reason.clone());
+        }
+        for (dir, why) in &g.doubts {
+            eprintln!(
+                "cistern: warning: registry directory {}: {}",
+                printable(&dir.display().to_string()),
+                printable(why)
+            );
+        }
+        Ok(g.snapshot)
+    }
+
+    /// Reads the GPUs and every directory of `dirs`, printing nothing and failing on nothing:
+    /// the snapshot, with the directories that could not be read moved to `dirs.refused` (and
+    /// listed in [`Gathered::failed`]), and the doubts about directories that were read anyway
+    /// ([`doubt`]). The one-shot commands ([`Snapshot::take_dirs`]) and the exporter (which
+    /// must not repeat a warning on every scrape) decide what to do with them.
+    pub fn gather(view: &dyn GpuView, dirs: &Dirs) -> Gathered {
         let gpus = view.gpus().map(|gs| {
             gs.into_iter()
                 .map(|g| {
@@ -104,22 +199,18 @@ impl Snapshot {
         let mut dirs = dirs.clone();
         let mut files = Vec::new();
         let mut failed = Vec::new();
+        let mut doubts = Vec::new();
         for d in &dirs.dirs {
             match registry::read_all(&d.path) {
                 Ok(f) => {
                     // What is in a directory the library would refuse may have been planted.
                     if d.uid.is_none() && !f.is_empty() {
-                        if let Err(e) = registry::check_dir(&d.path) {
-                            eprintln!(
-                                "cistern: warning: {}; its records may have been written by \
-                                 another user",
-                                crate::table::printable(&e.to_string())
-                            );
+                        if let Some(why) = doubt(&d.path) {
+                            doubts.push((d.path.clone(), why));
                         }
                     }
-                    files.extend(f);
+                    files.extend(f.into_iter().map(|(p, r)| (p, r, d.uid)));
                 }
-                Err(e) if d.uid.is_none() => return Err(e.to_string()),
                 Err(e) => failed.push(SkippedDir {
                     path: d.path.clone(),
                     uid: d.uid,
@@ -129,15 +220,19 @@ impl Snapshot {
         }
         dirs.dirs
             .retain(|d| !failed.iter().any(|f| f.path == d.path));
-        dirs.refused.extend(failed);
+        dirs.refused.extend(failed.iter().cloned());
         let mut records = Vec::new();
         let mut refused = Vec::new();
         let mut pids = HashMap::new();
         let mut resolver = registry::PidResolver::new();
-        for (path, r) in files {
+        for (path, r, dir_uid) in files {
             match r {
                 Ok(rec) => {
                     let (l, pid) = rec.liveness_with(&mut resolver);
+                    if let Some(why) = dir_uid.and_then(|u| impostor(&path, &rec, l, pid, u)) {
+                        refused.push((path, why));
+                        continue;
+                    }
                     if let Some(pid) = pid {
                         pids.insert(path.clone(), pid);
                     }
@@ -146,20 +241,24 @@ impl Snapshot {
                 Err(e) => refused.push((path, e.to_string())),
             }
         }
-        Ok(Snapshot {
-            dir: dirs
-                .dirs
-                .first()
-                .map(|d| d.path.clone())
-                .unwrap_or_default(),
-            dirs,
-            gpus,
-            records,
-            refused,
-            pids,
-            expired: Vec::new(),
-            now_ms: now_ms(),
-        })
+        Gathered {
+            snapshot: Snapshot {
+                dir: dirs
+                    .dirs
+                    .first()
+                    .map(|d| d.path.clone())
+                    .unwrap_or_default(),
+                dirs,
+                gpus,
+                records,
+                refused,
+                pids,
+                expired: Vec::new(),
+                now_ms: now_ms(),
+            },
+            failed,
+            doubts,
+        }
     }
 
     /// The pid of a record's process in this reader's namespace, when it is visible here.
@@ -305,6 +404,10 @@ pub enum PsState {
     /// NVML lists it, but it publishes no record (it does not use cistern, or its registry is
     /// elsewhere).
     NoRecord,
+    /// Its record is from a pid namespace this reader cannot see (another container's, read
+    /// without the host's pid namespace): it may be running. Run on the host (or with
+    /// `hostPID`) to know.
+    NotVisible,
 }
 
 impl PsState {
@@ -316,6 +419,7 @@ impl PsState {
             PsState::DeadRecordOnly => "dead-record-only",
             PsState::PidReused => "pid-reused",
             PsState::NoRecord => "no-record",
+            PsState::NotVisible => "not-visible",
         }
     }
 
@@ -324,7 +428,7 @@ impl PsState {
             PsState::Running => Some(table::GREEN),
             PsState::DeadButMemoryHeld | PsState::Zombie => Some(table::RED),
             PsState::DeadRecordOnly | PsState::PidReused => Some(table::YELLOW),
-            PsState::NoRecord => None,
+            PsState::NoRecord | PsState::NotVisible => None,
         }
     }
 }
@@ -415,7 +519,10 @@ pub fn build(s: &Snapshot) -> PsReport {
     for (path, r, l) in records {
         let pid = vpid(path, r);
         // A simulated process's devices are not NVML's GPUs, whatever their UUIDs look like.
-        let may_claim = nvml_owns(*l) && !r.simulated();
+        // A record whose pid could not be put in this reader's namespace (a dead container
+        // process, read on the host) names a pid of its own namespace: NVML's pids are the
+        // host's, and the same number there is another process.
+        let may_claim = nvml_owns(*l) && !r.simulated() && s.pid_of(path).is_some();
         let mut devs = Vec::new();
         let mut held = false;
         for d in &r.devices {
@@ -472,6 +579,7 @@ pub fn build(s: &Snapshot) -> PsReport {
             Liveness::Dead if held => PsState::DeadButMemoryHeld,
             Liveness::Dead | Liveness::OtherBoot => PsState::DeadRecordOnly,
             Liveness::PidReused => PsState::PidReused,
+            Liveness::Unseen => PsState::NotVisible,
         };
         let sum = |f: fn(&ProcGpu) -> u64| devs.iter().map(f).fold(0, u64::saturating_add);
         rows.push(ProcRow {

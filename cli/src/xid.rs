@@ -45,6 +45,16 @@ pub enum XidSeverity {
     Application,
 }
 
+impl XidSeverity {
+    /// The name used in JSON and in the exporter's `severity` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            XidSeverity::Fatal => "fatal",
+            XidSeverity::Application => "application",
+        }
+    }
+}
+
 /// What the common codes mean: `(code, severity, meaning)`, after NVIDIA's Xid catalog
 /// (docs.nvidia.com/deploy/xid-errors).
 const CODES: &[(u32, XidSeverity, &str)] = &[

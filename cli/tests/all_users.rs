@@ -74,6 +74,17 @@ fn every_users_directory_is_read_and_unsafe_ones_are_refused_by_name() {
     symlink(&shm_mine, root.join(format!("dev/shm/cistern-{}", me + 2))).unwrap();
     // Other names are not registry directories.
     mkdir(&root.join("tmp/cistern-cli-something"), 0o700);
+    // In my directory, a record that claims to be another user's: refused, not shown.
+    let mut claim = identity(dead_pid(2), 9, "claims root");
+    claim.uid = other;
+    publish(
+        &shm_mine,
+        claim,
+        vec![device(0, "GPU-aaaa", GIB, GIB, &[])],
+        State::Running,
+        vec![],
+        vec![],
+    );
 
     let nvml = fake_nvml(
         tmp.path(),
@@ -124,6 +135,19 @@ fn every_users_directory_is_read_and_unsafe_ones_are_refused_by_name() {
         .map(|p| p["command"].as_str().unwrap())
         .collect();
     assert_eq!(cmds, ["python mine.py", "python run.py"], "{doc}");
+    let claims: Vec<&str> = doc["refused_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["error"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        claims,
+        [format!(
+            "claims uid {other} in the directory of uid {me}: refused"
+        )],
+        "{doc}"
+    );
 
     // The text names each refused directory with its reason.
     let out = cistern(Some(&nvml))

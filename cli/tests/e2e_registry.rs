@@ -199,7 +199,9 @@ fn three_processes_one_killed_one_exited() {
     assert_eq!(e["record_state"], "exited", "{e}");
     // Real records say where they ran and on which driver (the CUDA backend, not the simulator).
     assert_eq!(w["simulated"], false, "{w}");
-    assert!(w["cgroup"].is_string(), "no cgroup in a real record: {w}");
+    if std::fs::metadata("/proc/self/cgroup").is_ok() {
+        assert!(w["cgroup"].is_string(), "no cgroup in a real record: {w}");
+    }
 
     // SIGKILL one: it stays listed, as dead, with its last state.
     weights.child.kill().unwrap();

@@ -387,3 +387,60 @@ fn sigterm_stops_the_exporter_cleanly() {
     };
     assert!(status.success(), "{status:?}");
 }
+
+/// The driver's Xid errors in the kernel log (recorded lines here) are counted per GPU (by bus
+/// id), code and severity; a kernel log that cannot be read is reported down.
+#[test]
+fn xid_errors_are_exported_per_gpu_and_code() {
+    let t = TempDir::new("export-xid");
+    let reg = private_dir(&t).join("registry");
+    let kmsg = t.path().join("kmsg");
+    std::fs::write(
+        &kmsg,
+        "[ 5.0] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.\n\
+         [ 6.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics Exception\n\
+         [ 7.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=1235, name=python, Graphics Exception\n",
+    )
+    .unwrap();
+    let nvml = fake_nvml(
+        t.path(),
+        serde_json::json!({"gpus": [{"index": 0, "uuid": "GPU-x", "total": 1u64 << 30,
+            "used": 0, "free": 1u64 << 30, "pci_bus_id": "00000000:3B:00.0", "processes": []}]}),
+    );
+    let scrape = |kmsg: &Path| {
+        let out = cistern(Some(&nvml))
+            .env("CISTERN_FAKE_KMSG", kmsg)
+            .args(["export", "--once", "--kube-logs", "none", "--registry-dir"])
+            .arg(&reg)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = scrape(&kmsg);
+    let line = |xid: &str, sev: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("cistern_gpu_xid_errors{")
+                    && l.contains(&format!("xid=\"{xid}\""))
+                    && l.contains(&format!("severity=\"{sev}\""))
+            })
+            .unwrap_or_else(|| panic!("no Xid {xid} series in:\n{text}"))
+            .to_string()
+    };
+    let fatal = line("79", "fatal");
+    assert!(
+        fatal.contains(r#"gpu="0""#) && fatal.contains(r#"UUID="GPU-x""#),
+        "{fatal}"
+    );
+    assert!(fatal.ends_with(" 1"), "{fatal}");
+    assert!(line("13", "application").ends_with(" 2"), "{text}");
+    assert!(text.contains("cistern_exporter_kernel_log_up 1"), "{text}");
+    let down = scrape(&t.path().join("no-such-log"));
+    assert!(down.contains("cistern_exporter_kernel_log_up 0"), "{down}");
+    assert!(!down.contains("cistern_gpu_xid_errors{"), "{down}");
+}

@@ -127,8 +127,8 @@ fn publish(pool: &'static AnyPool) {
         return;
     };
     let started = Registry::open(dir).and_then(|r| {
-        r.expire(config.registry_expire);
-        r.spawn(Arc::new(Published(pool)), registry::DEFAULT_INTERVAL)
+        r.expire_from(config.registry_expire)
+            .spawn(Arc::new(Published(pool)), registry::DEFAULT_INTERVAL)
     });
     match started {
         Ok(handle) => {

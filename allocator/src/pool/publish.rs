@@ -18,7 +18,8 @@ impl<D: Driver> Pool<D> {
     /// configuration's `registry` setting is on (the default): opens the directory
     /// ([`crate::registry::dir_for`]: `registry_dir`, else the per-user default), writes a first
     /// record, starts the background thread that republishes it at most once a second when it
-    /// changed (removing the expired records of exited processes first: `registry_expire`), and
+    /// changed (removing, on that thread, the expired records of clean exits first:
+    /// `registry_expire`), and
     /// installs the `atexit` hook that writes the final record (state `exited`,
     /// with the blocks still live) when the process exits normally
     /// ([`crate::registry::install_exit_hook`]).
@@ -33,8 +34,7 @@ impl<D: Driver> Pool<D> {
             return Ok(None);
         };
         let source: Arc<dyn RecordSource + Send + Sync> = self.clone();
-        let registry = Registry::open(dir)?;
-        registry.expire(self.config.registry_expire);
+        let registry = Registry::open(dir)?.expire_from(self.config.registry_expire);
         let handle = registry.spawn(source, registry::DEFAULT_INTERVAL)?;
         registry::install_exit_hook(handle.clone());
         Ok(Some(handle))

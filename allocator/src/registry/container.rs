@@ -163,14 +163,21 @@ fn parse_path(path: &str) -> Placement {
                 continue;
             }
         }
-        // Docker's cgroupfs driver: `/docker/<id>`; the kubelet's: `.../pod<uid>/<id>`.
-        if is_hex_id(c) && i > 0 {
+        // Docker's cgroupfs driver: `/docker/<id>`; the kubelet's: `.../pod<uid>/<id>`, which
+        // CRI-O spells `.../pod<uid>/crio-<id>` (its `crio-conmon-<id>` is the monitor, not
+        // the container).
+        if i > 0 {
             let parent = parts[i - 1];
-            if parent == "docker" {
+            if is_hex_id(c) && parent == "docker" {
                 p.container_id = Some(c.to_string());
                 p.runtime = Some("docker".into());
             } else if p.pod_uid.is_some() && parent.starts_with("pod") {
-                p.container_id = Some(c.to_string());
+                if is_hex_id(c) {
+                    p.container_id = Some(c.to_string());
+                } else if let Some(id) = c.strip_prefix("crio-").filter(|id| is_hex_id(id)) {
+                    p.container_id = Some(id.to_string());
+                    p.runtime = Some("cri-o".into());
+                }
             }
         }
     }
@@ -193,7 +200,17 @@ pub struct PidResolver {
     scanned: Option<HashMap<u32, Vec<u32>>>,
 }
 
+/// The inode of the initial (the host's) pid namespace, fixed by the kernel
+/// (`PROC_PID_INIT_INO`): a reader in it sees every process of every namespace.
+pub const INITIAL_PID_NS: u64 = 0xEFFF_FFFC;
+
 impl PidResolver {
+    /// Whether every process of every pid namespace is visible to this reader (it runs in the
+    /// host's pid namespace), so that a process it cannot find is dead.
+    pub fn sees_every_namespace(&self) -> bool {
+        self.own_ns == Some(INITIAL_PID_NS)
+    }
+
     /// A resolver for this process's pid namespace (scans `/proc` only when asked about a
     /// record from another namespace).
     pub fn new() -> PidResolver {
@@ -338,6 +355,28 @@ mod tests {
         assert_eq!(parse_cgroup(&text).cgroup, Some(path));
         // CRI-O's conmon monitor has a scope of its own: no container.
         let conmon = format!("0::/kubepods.slice/crio-conmon-{id}.scope");
+        assert_eq!(parsed(&conmon).0, None);
+    }
+
+    /// CRI-O with the cgroupfs driver: the kubelet's `kubepods/<qos>/pod<uid>/crio-<id>` (no
+    /// `.scope`), with the conmon monitor beside it.
+    #[test]
+    fn crio_cgroupfs() {
+        let id = "d6d725b909f37c3e232aadfbafa950a58bfe7baa579ba8c47a12be88bb921607";
+        let text =
+            format!("0::/kubepods/burstable/pod8ca306fa-3c03-47fa-97dd-19979c345572/crio-{id}\n");
+        assert_eq!(
+            parsed(&text),
+            (
+                s(id),
+                s("8ca306fa-3c03-47fa-97dd-19979c345572"),
+                s("cri-o"),
+                None
+            )
+        );
+        let conmon = format!(
+            "0::/kubepods/burstable/pod8ca306fa-3c03-47fa-97dd-19979c345572/crio-conmon-{id}\n"
+        );
         assert_eq!(parsed(&conmon).0, None);
     }
 

@@ -64,6 +64,11 @@ pub enum Liveness {
     PidReused,
     /// The record is from an earlier boot: the process is long gone.
     OtherBoot,
+    /// The process ran in a pid namespace this reader cannot see into (a container, read from
+    /// another container or without the host's pid namespace), and no visible process is it:
+    /// it may be dead, or running out of sight. Never taken for dead: its record is neither
+    /// expired nor matched to NVML's pids (which are the host's).
+    Unseen,
 }
 
 /// Whether process `(pid, start_time)` is alive, from `/proc/<pid>/stat`.

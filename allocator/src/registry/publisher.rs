@@ -106,6 +106,8 @@ pub struct Registry {
     dir: PathBuf,
     identity: Identity,
     fsync: bool,
+    /// `registry_expire`, for the background thread's first pass ([`Registry::expire_from`]).
+    expire_first: Option<Duration>,
 }
 
 impl Registry {
@@ -126,6 +128,7 @@ impl Registry {
             dir,
             identity,
             fsync: false,
+            expire_first: None,
         })
     }
 
@@ -135,14 +138,26 @@ impl Registry {
         self.fsync = fsync;
     }
 
-    /// Removes the expired records of exited processes in the directory (see
-    /// [`expire_records`]; a publisher has no NVML, so a record is taken to hold memory only
-    /// when it says so); `None` removes nothing. Returns how many were removed.
+    /// Removes the expired records of processes that exited cleanly in the directory (see
+    /// [`expire_records`]); `None` removes nothing. Returns how many were removed. A publisher
+    /// has no NVML, so the record of a killed process, whose context the driver may still hold
+    /// whatever its record says, is left for a reader that can ask NVML (`cistern ps`,
+    /// `doctor`).
     pub fn expire(&self, max_age: Option<Duration>) -> usize {
         match max_age {
-            Some(age) => expire_records(&self.dir, age, now_unix_ms(), &|_| false).len(),
+            Some(age) => {
+                expire_records(&self.dir, age, now_unix_ms(), &|r| r.state != State::Exited).len()
+            }
             None => 0,
         }
+    }
+
+    /// Makes the background thread ([`Registry::spawn`]) start with [`Registry::expire`]:
+    /// reading every record of the directory is slow, and must not delay the allocation that
+    /// starts the publisher.
+    pub fn expire_from(mut self, max_age: Option<Duration>) -> Registry {
+        self.expire_first = max_age;
+        self
     }
 
     /// The directory.
@@ -240,6 +255,9 @@ struct Shared {
 
 impl Shared {
     fn run(&self, interval: Duration) {
+        if self.registry.expire_first.is_some() {
+            self.registry.expire(self.registry.expire_first);
+        }
         loop {
             {
                 let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());

@@ -7,7 +7,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::dir::dir_metadata;
-use super::record::{parse_file_name, parse_record, Record, RecordError, MAX_RECORD_BYTES};
+use super::record::{
+    parse_file_name, parse_record, Record, RecordError, MAX_DIR_BYTES, MAX_RECORDS_PER_DIR,
+    MAX_RECORD_BYTES,
+};
 use super::{io_err, RegistryError};
 
 /// Reads one record file: no symlinks, regular files only, at most [`MAX_RECORD_BYTES`]. When
@@ -47,7 +50,9 @@ pub fn read_record(path: &Path) -> Result<Record, RecordError> {
 pub type RecordFile = (PathBuf, Result<Record, RecordError>);
 
 /// Reads every record file (`<pid>-<start_time>.json`) in `dir`, each as a record or the reason
-/// it was refused, sorted by file name. Temporary files and other names are skipped. A missing
+/// it was refused, sorted by file name. Temporary files and other names are skipped. At most
+/// [`MAX_RECORDS_PER_DIR`] files and [`MAX_DIR_BYTES`] are read; the rest, left out unread,
+/// are one last entry ([`RecordError::TooMany`]) under the directory's path. A missing
 /// directory gives no records; a directory that is a symlink is refused, however it is spelled
 /// (a trailing `/` or `/.` does not make it followed).
 pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
@@ -69,11 +74,25 @@ pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
         .map(|e| e.path())
         .collect();
     paths.sort();
-    Ok(paths
-        .into_iter()
-        .map(|p| {
-            let r = read_record(&p);
-            (p, r)
-        })
-        .collect())
+    let mut out = Vec::new();
+    let mut bytes = 0u64;
+    let mut left_out = 0;
+    for p in paths {
+        // What reading it costs: a file over the record limit is refused after its metadata.
+        let size = fs::symlink_metadata(&p)
+            .map(|m| m.len())
+            .unwrap_or(0)
+            .min(MAX_RECORD_BYTES + 1);
+        if out.len() >= MAX_RECORDS_PER_DIR || bytes.saturating_add(size) > MAX_DIR_BYTES {
+            left_out += 1;
+            continue;
+        }
+        bytes = bytes.saturating_add(size);
+        let r = read_record(&p);
+        out.push((p, r));
+    }
+    if left_out > 0 {
+        out.push((dir.to_path_buf(), Err(RecordError::TooMany { left_out })));
+    }
+    Ok(out)
 }

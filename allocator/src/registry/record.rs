@@ -20,6 +20,12 @@ pub const MAX_RECORD_BYTES: u64 = 1 << 20;
 pub const MAX_CMDLINE_BYTES: usize = 4096;
 /// At most this many tags and sites per device are published.
 pub const MAX_TOP: usize = 32;
+/// A reader reads at most this many record files of one directory (one per process; a user
+/// running more processes at once than this is not a case to plan for, a directory filled to
+/// slow down root's readers is).
+pub const MAX_RECORDS_PER_DIR: usize = 1024;
+/// A reader reads at most this many bytes of records from one directory.
+pub const MAX_DIR_BYTES: u64 = 128 << 20;
 /// At most this many leak entries are published.
 pub const MAX_LEAKS: usize = 1000;
 
@@ -270,8 +276,10 @@ impl Record {
         let host_guess = (self.ns_pids.len() > 1).then(|| self.ns_pids[0]);
         match pids.resolve(self.pid, self.start_time, self.pid_ns, host_guess) {
             Some(pid) => (is_alive(pid, self.start_time), Some(pid)),
-            // In another namespace and not found: dead, or out of this reader's sight.
-            None => (Liveness::Dead, None),
+            // In another namespace and not found: dead when the reader sees every namespace
+            // (the host's), else possibly running out of its sight.
+            None if pids.sees_every_namespace() => (Liveness::Dead, None),
+            None => (Liveness::Unseen, None),
         }
     }
 
@@ -333,6 +341,13 @@ pub enum RecordError {
     Parse(String),
     /// The record's `version` is not one this code reads.
     UnsupportedVersion(u64),
+    /// The directory holds more records than a reader reads ([`MAX_RECORDS_PER_DIR`] files,
+    /// [`MAX_DIR_BYTES`] in all): these were left out, unread (one entry, under the
+    /// directory's path).
+    TooMany {
+        /// Record files left out.
+        left_out: usize,
+    },
     /// The record's pid and start time do not match its file name.
     NameMismatch {
         /// From the file name.
@@ -353,6 +368,13 @@ impl fmt::Display for RecordError {
             ),
             RecordError::Io(m) => write!(f, "cannot be read: {m}"),
             RecordError::Parse(m) => write!(f, "is not a cistern record: {m}"),
+            RecordError::TooMany { left_out } => write!(
+                f,
+                "holds more records than a reader reads ({MAX_RECORDS_PER_DIR} files or \
+                 {} MiB): {left_out} left out unread; remove the stale ones \
+                 (`cistern doctor --clean-stale`, by the directory's owner)",
+                MAX_DIR_BYTES >> 20
+            ),
             RecordError::UnsupportedVersion(v) => write!(
                 f,
                 "has record version {v}; this cistern reads version {RECORD_VERSION}"

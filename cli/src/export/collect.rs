@@ -8,18 +8,23 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use cistern::registry::{self, AttributionRecord, DeviceRecord, Record, State};
+use cistern::registry::{AttributionRecord, DeviceRecord, Record, State};
 
+use super::kube::KubeNames;
 use super::metrics::{Exposition, Labels, Value};
 use crate::gpu::GpuView;
 use crate::ps::{self, ProcRow, PsState, Snapshot};
+use crate::registry_dirs::Dirs;
 use crate::table::printable;
+use crate::xid;
 
 /// A `command` label is cut to this many characters (a process's whole command line would make
 /// every series as long as its arguments).
 pub const MAX_COMMAND_CHARS: usize = 120;
 /// A `tag` label is cut to this many characters.
 pub const MAX_TAG_CHARS: usize = 128;
+/// A `container_id` or `pod_uid` label is cut to this many characters (ids are 64 and 36).
+pub const MAX_ID_CHARS: usize = 80;
 /// The tag under which bytes beyond the top N tags are summed.
 pub const OTHER_TAG: &str = "other";
 
@@ -30,21 +35,36 @@ pub struct Options {
     pub top_tags: usize,
     /// The `Hostname` label of GPU metrics (dcgm-exporter's: the node's name).
     pub hostname: String,
+    /// The kubelet's container log folder ([`super::kube`]), read on each scrape for the names
+    /// of the pods the processes run in; `None` reads none.
+    pub kube_logs: Option<PathBuf>,
 }
 
-/// Where a process runs, for Kubernetes. Records do not carry it yet (issue 13, item 3 adds the
-/// cgroup path and the container and pod ids parsed from it); until they do, every field is
-/// `None` and the labels are left out. This is the one place that fills them.
+/// Where a process runs, for Kubernetes: the ids its record carries (parsed from its cgroup
+/// by the process itself) and the names the kubelet's log folder gives them ([`KubeNames`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Workload {
     pub container: Option<String>,
     pub pod: Option<String>,
     pub namespace: Option<String>,
+    pub container_id: Option<String>,
+    pub pod_uid: Option<String>,
 }
 
-/// The workload of a record's process: nothing yet (see [`Workload`]).
-pub fn workload(_record: Option<&Record>) -> Workload {
-    Workload::default()
+/// The workload of a record's process (nothing for a process outside containers, or without a
+/// record).
+pub fn workload(record: Option<&Record>, kube: &KubeNames) -> Workload {
+    let Some(r) = record else {
+        return Workload::default();
+    };
+    let names = r.container_id.as_deref().and_then(|id| kube.get(id));
+    Workload {
+        container: names.map(|n| n.container.clone()),
+        pod: names.map(|n| n.pod.clone()),
+        namespace: names.map(|n| n.namespace.clone()),
+        container_id: r.container_id.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
+        pod_uid: r.pod_uid.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
+    }
 }
 
 /// The exporter's state for one scrape, in the words of the `state` label.
@@ -129,84 +149,7 @@ impl Warnings {
     }
 }
 
-/// Why the records of `dir` may not be their owner's: a directory that is not owned by the
-/// user its name says (`cistern-<uid>`, else the exporter's own), or that is open to others.
-/// `None` when it looks as the library makes it, or is missing.
-pub fn dir_doubt(dir: &Path) -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
-    let md = std::fs::symlink_metadata(dir).ok()?;
-    let named = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("cistern-"))
-        .and_then(|u| u.parse::<u32>().ok());
-    let expected = named.unwrap_or_else(registry::euid);
-    if md.uid() != expected {
-        return Some(format!(
-            "is owned by uid {}, not uid {expected}: its records may have been written by              another user (remove it, or export another directory with --registry-dir)",
-            md.uid()
-        ));
-    }
-    let mode = md.mode() & 0o7777;
-    if mode & 0o077 != 0 {
-        return Some(format!(
-            "has mode {mode:04o}, open to group or others: its records may have been planted              (`chmod 700 {}` fixes it)",
-            dir.display()
-        ));
-    }
-    None
-}
-
-/// NVML once, and the records of every directory, with each record's liveness: one snapshot
-/// (as `ps` takes for one directory), and the directories that could not be read, with why.
-/// Doubts about a directory are printed once (see [`Warnings`]); its records are still read.
-pub fn snapshot(
-    view: &dyn GpuView,
-    dirs: &[PathBuf],
-    warnings: &Warnings,
-) -> (Snapshot, Vec<(PathBuf, String)>) {
-    let gpus = view.gpus().map(|gs| {
-        gs.into_iter()
-            .map(|g| {
-                let p = view.processes(&g);
-                (g, p)
-            })
-            .collect()
-    });
-    let mut records = Vec::new();
-    let mut refused = Vec::new();
-    let mut failed = Vec::new();
-    for dir in dirs {
-        match registry::read_all(dir) {
-            Ok(files) => {
-                warnings.note(dir, dir_doubt(dir).filter(|_| !files.is_empty()));
-                for (path, r) in files {
-                    match r {
-                        Ok(rec) => {
-                            let l = rec.liveness();
-                            records.push((path, rec, l));
-                        }
-                        Err(e) => refused.push((path, e.to_string())),
-                    }
-                }
-            }
-            Err(e) => {
-                warnings.note(dir, Some(format!("cannot be read: {e}")));
-                failed.push((dir.clone(), e.to_string()));
-            }
-        }
-    }
-    let snap = Snapshot {
-        dir: dirs.first().cloned().unwrap_or_default(),
-        gpus,
-        records,
-        refused,
-        now_ms: ps::now_ms(),
-    };
-    (snap, failed)
-}
-
-fn process_labels(row: &ProcRow, record: Option<&Record>) -> Labels {
+fn process_labels(row: &ProcRow, record: Option<&Record>, kube: &KubeNames) -> Labels {
     let mut l: Labels = vec![
         ("pid", row.pid.to_string()),
         ("command", bounded(&row.command, MAX_COMMAND_CHARS)),
@@ -214,11 +157,15 @@ fn process_labels(row: &ProcRow, record: Option<&Record>) -> Labels {
     if let Some(uid) = row.uid {
         l.push(("uid", uid.to_string()));
     }
-    let w = workload(record);
+    let w = workload(record, kube);
     for (k, v) in [
         ("container", w.container),
         ("pod", w.pod),
         ("namespace", w.namespace),
+        ("container_id", w.container_id),
+        ("pod_uid", w.pod_uid),
+        // On the simulated GPU (a test or a replay): its GPU is not one of the node's.
+        ("simulated", row.simulated.then(|| "true".to_string())),
     ] {
         if let Some(v) = v.filter(|v| !v.is_empty()) {
             l.push((k, v));
@@ -246,14 +193,28 @@ fn with(base: &Labels, k: &'static str, v: String) -> Labels {
 
 /// Reads the registry directories and NVML and builds one scrape's samples (the exporter's own
 /// health included, except the scrape counter, which the server adds).
-pub fn collect(
-    view: &dyn GpuView,
-    dirs: &[PathBuf],
-    opts: &Options,
-    warnings: &Warnings,
-) -> Exposition {
+pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warnings) -> Exposition {
     let started = Instant::now();
-    let (snap, failed) = snapshot(view, dirs, warnings);
+    let gathered = Snapshot::gather(view, dirs);
+    for d in &dirs.dirs {
+        let doubt = gathered.doubts.iter().find(|(p, _)| *p == d.path);
+        let failed = gathered.failed.iter().find(|f| f.path == d.path);
+        let msg = match (doubt, failed) {
+            (_, Some(f)) => Some(format!("cannot be read: {}", f.reason)),
+            (Some((_, why)), None) => Some(why.clone()),
+            (None, None) => None,
+        };
+        warnings.note(&d.path, msg);
+    }
+    for d in dirs.refused.iter().chain(&dirs.unreadable) {
+        warnings.note(&d.path, Some(format!("not read: {}", d.reason)));
+    }
+    let snap = gathered.snapshot;
+    let kube = opts
+        .kube_logs
+        .as_deref()
+        .map(KubeNames::read)
+        .unwrap_or_default();
     let report = ps::build(&snap);
     let by_path: HashMap<&Path, &Record> = snap
         .records
@@ -267,7 +228,7 @@ pub fn collect(
     let mut dead_held: BTreeMap<&str, u64> = BTreeMap::new();
     for row in &report.processes {
         let record = row.record.as_deref().and_then(|p| by_path.get(p).copied());
-        let proc = process_labels(row, record);
+        let proc = process_labels(row, record, &kube);
         x.add(
             "cistern_process_state",
             with(
@@ -381,6 +342,37 @@ pub fn collect(
         x.bytes("cistern_gpu_cistern_cached_bytes", l, g.cistern_cached);
     }
 
+    // Xid errors, counted per GPU (as NVML names it, when the bus id matches), code and
+    // severity.
+    let xids = xid::recent(&ps::gpu_infos(&snap), ps::XID_WINDOW);
+    let mut counts: BTreeMap<Labels, i64> = BTreeMap::new();
+    for e in &xids.events {
+        let mut l: Labels = Vec::new();
+        if let Some(i) = e.gpu_index {
+            l.push(("gpu", i.to_string()));
+        }
+        if let Some(u) = &e.gpu_uuid {
+            l.push(("UUID", u.clone()));
+        }
+        if let Some(i) = e.gpu_index {
+            l.push(("device", format!("nvidia{i}")));
+        }
+        l.push(("Hostname", opts.hostname.clone()));
+        if let Some(p) = &e.pci {
+            l.push(("pci", p.clone()));
+        }
+        l.push(("xid", e.xid.to_string()));
+        l.push(("severity", e.severity.name().to_string()));
+        *counts.entry(l).or_insert(0) += 1;
+    }
+    for (l, n) in counts {
+        x.add("cistern_gpu_xid_errors", l, Value::Int(n));
+    }
+    x.add(
+        "cistern_exporter_kernel_log_up",
+        vec![],
+        Value::Int(xids.unavailable.is_none() as i64),
+    );
     x.add(
         "cistern_exporter_build_info",
         vec![("version", env!("CARGO_PKG_VERSION").to_string())],
@@ -391,11 +383,18 @@ pub fn collect(
         vec![],
         Value::Int(report.nvml.available as i64),
     );
-    for dir in dirs {
-        let up = !failed.iter().any(|(d, _)| d == dir);
+    // Every directory found: read (1), or refused, unreadable or failing to list (0).
+    for (path, up) in snap
+        .dirs
+        .dirs
+        .iter()
+        .map(|d| (&d.path, true))
+        .chain(snap.dirs.refused.iter().map(|d| (&d.path, false)))
+        .chain(snap.dirs.unreadable.iter().map(|d| (&d.path, false)))
+    {
         x.add(
             "cistern_exporter_registry_dir_up",
-            vec![("dir", dir.display().to_string())],
+            vec![("dir", path.display().to_string())],
             Value::Int(up as i64),
         );
     }
@@ -533,7 +532,7 @@ mod tests {
     /// one killed while NVML still lists its memory.
     mod scrape {
         use super::*;
-        use cistern::registry::{self, Identity, ProcessSnapshot, Registry};
+        use cistern::registry::{self, Identity, Placement, ProcessSnapshot, Registry};
 
         const MIB: u64 = 1 << 20;
 
@@ -563,6 +562,18 @@ mod tests {
             tags: &[(&str, u64)],
             state: State,
         ) {
+            publish_placed(dir, pid, start, cmd, tags, state, Placement::default());
+        }
+
+        fn publish_placed(
+            dir: &Path,
+            pid: u32,
+            start: u64,
+            cmd: &str,
+            tags: &[(&str, u64)],
+            state: State,
+            placement: Placement,
+        ) {
             let id = Identity {
                 pid,
                 start_time: start,
@@ -570,6 +581,7 @@ mod tests {
                 uid: registry::euid(),
                 cmdline: vec![cmd.into()],
                 cmdline_truncated: false,
+                placement,
             };
             let live: u64 = tags.iter().map(|t| t.1).sum();
             let dev = DeviceRecord {
@@ -591,6 +603,7 @@ mod tests {
             r.publish(
                 &ProcessSnapshot {
                     devices: vec![dev],
+                    driver: Some("cuda".into()),
                     last_oom: None,
                     marks: Vec::new(),
                 },
@@ -628,9 +641,15 @@ mod tests {
             let opts = Options {
                 top_tags: 1,
                 hostname: "node-a".into(),
+                kube_logs: None,
             };
             let missing = d.join("missing-subdir-is-empty");
-            let x = collect(&view, &[d.clone(), missing], &opts, &Warnings::default());
+            let x = collect(
+                &view,
+                &dirs(&[d.clone(), missing]),
+                &opts,
+                &Warnings::default(),
+            );
             let mine = me.to_string();
             let p = [("pid", mine.as_str())];
             assert_eq!(
@@ -768,18 +787,18 @@ mod tests {
         fn doubtful_and_unreadable_directories() {
             use std::os::unix::fs::PermissionsExt;
             let d = dir("doubt");
-            assert_eq!(dir_doubt(&d), None, "private and this user's");
+            assert_eq!(ps::doubt(&d), None, "private and this user's");
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
-            assert!(dir_doubt(&d).unwrap().contains("mode 0755"));
+            assert!(ps::doubt(&d).unwrap().contains("mode 0755"));
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
             // Named for another uid than its owner's.
             let other = d.join(format!("cistern-{}", registry::euid() + 1));
             std::fs::create_dir(&other).unwrap();
             std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o700)).unwrap();
             assert!(
-                dir_doubt(&other).unwrap().contains("not uid"),
+                ps::doubt(&other).unwrap().contains("not by uid"),
                 "{:?}",
-                dir_doubt(&other)
+                ps::doubt(&other)
             );
             // A registry that is a symlink is refused: reported down, the scrape goes on.
             let link = d.join("link");
@@ -788,10 +807,11 @@ mod tests {
             let opts = Options {
                 top_tags: 10,
                 hostname: String::new(),
+                kube_logs: None,
             };
             let x = collect(
                 &view,
-                &[link.clone(), d.clone()],
+                &dirs(&[link.clone(), d.clone()]),
                 &opts,
                 &Warnings::default(),
             );
@@ -806,6 +826,82 @@ mod tests {
             let _ = std::fs::remove_dir_all(&d);
         }
 
+        /// Directories as `--registry-dir` names one (no uid from a node-wide scan).
+        fn dirs(paths: &[PathBuf]) -> Dirs {
+            Dirs {
+                dirs: paths
+                    .iter()
+                    .map(|p| crate::registry_dirs::RegistryDir {
+                        path: p.clone(),
+                        uid: None,
+                    })
+                    .collect(),
+                ..Dirs::default()
+            }
+        }
+
+        #[test]
+        fn pods_are_labelled_with_their_ids_and_the_kubelet_s_names() {
+            let reg = dir("kube-registry");
+            let logs = dir("kube-containers");
+            let id = "ab".repeat(32);
+            let uid = "1c6b3f2a-5d4e-4f00-8000-123456789abc";
+            std::fs::write(logs.join(format!("trainer-0_ml_pytorch-{id}.log")), "").unwrap();
+            let me = std::process::id();
+            let start = registry::process_start_time(me).unwrap();
+            publish_placed(
+                &reg,
+                me,
+                start,
+                "python",
+                &[("w", MIB)],
+                State::Running,
+                Placement {
+                    container_id: Some(id.clone()),
+                    pod_uid: Some(uid.into()),
+                    ..Placement::default()
+                },
+            );
+            let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": []})).unwrap();
+            let mut opts = Options {
+                top_tags: 10,
+                hostname: String::new(),
+                kube_logs: Some(logs.clone()),
+            };
+            let x = collect(
+                &view,
+                &dirs(std::slice::from_ref(&reg)),
+                &opts,
+                &Warnings::default(),
+            );
+            let want = [
+                ("pod", "trainer-0"),
+                ("namespace", "ml"),
+                ("container", "pytorch"),
+                ("container_id", id.as_str()),
+                ("pod_uid", uid),
+            ];
+            assert_eq!(
+                x.get("cistern_process_live_bytes", &want),
+                Some(Value::Int(MIB as i64))
+            );
+            // Without the kubelet's folder, the ids alone.
+            opts.kube_logs = None;
+            let x = collect(
+                &view,
+                &dirs(std::slice::from_ref(&reg)),
+                &opts,
+                &Warnings::default(),
+            );
+            let samples = x.samples("cistern_process_live_bytes");
+            assert_eq!(samples.len(), 1);
+            let labels: Vec<&str> = samples[0].0.iter().map(|(k, _)| *k).collect();
+            assert!(labels.contains(&"container_id") && labels.contains(&"pod_uid"));
+            let _ = std::fs::remove_dir_all(&reg);
+            assert!(!labels.contains(&"pod") && !labels.contains(&"namespace"));
+            let _ = std::fs::remove_dir_all(&logs);
+        }
+
         #[test]
         fn nvml_down_still_exports_the_registry() {
             let d = dir("nonvml");
@@ -817,10 +913,11 @@ mod tests {
                     .unwrap();
             let x = collect(
                 &view,
-                std::slice::from_ref(&d),
+                &dirs(std::slice::from_ref(&d)),
                 &Options {
                     top_tags: 10,
                     hostname: String::new(),
+                    kube_logs: None,
                 },
                 &Warnings::default(),
             );

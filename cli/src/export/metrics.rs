@@ -37,12 +37,14 @@ pub struct Desc {
 }
 
 /// Labels of a process: `pid`, `command` (at most [`super::collect::MAX_COMMAND_CHARS`]
-/// characters), `uid`, and where it runs, when the node knows (`container`, `pod`,
-/// `namespace`).
-const PROC: &str = "pid, command, uid?, container?, pod?, namespace?";
+/// characters), `uid`, and where it runs, when the node knows: `container_id` and `pod_uid`
+/// from the record's cgroup, and `container`, `pod` and `namespace` names from the kubelet's
+/// log folder ([`super::kube`]).
+const PROC: &str =
+    "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?";
 /// A process's labels and the GPU: `gpu` (NVML's index) and `UUID`, spelt as dcgm-exporter
 /// does, so the two join in PromQL.
-const PROC_GPU: &str = "pid, command, uid?, container?, pod?, namespace?, gpu?, UUID?";
+const PROC_GPU: &str = "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, gpu?, UUID?";
 /// A GPU's labels, as dcgm-exporter's: `gpu`, `UUID`, `device` (`nvidia<index>`),
 /// `Hostname`. Its `modelName` is the one label left out: `promtool check metrics` refuses
 /// camelCase label names, so the model is in `cistern_gpu_info{model_name}`.
@@ -84,10 +86,10 @@ pub const METRICS: &[Desc] = &[
     desc!("cistern_process_overhead_bytes", Gauge, PROC_GPU,
         "NVML's used memory minus the record's reserved bytes: context, kernels, libraries, other allocators (negative when the two disagree)."),
     // Per process, tag and GPU.
-    desc!("cistern_process_tag_live_bytes", Gauge, "pid, command, uid?, container?, pod?, namespace?, gpu?, UUID?, tag",
+    desc!("cistern_process_tag_live_bytes", Gauge, "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, gpu?, UUID?, tag",
         "Live bytes by tag: the process's largest tags (--top-tags), the rest summed as tag=\"other\"."),
     // Per process.
-    desc!("cistern_process_state", Gauge, "pid, command, uid?, container?, pod?, namespace?, state",
+    desc!("cistern_process_state", Gauge, "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, state",
         "1 for the process's state: running, zombie, exited (clean exit), dead-but-memory-held, dead-record-only (killed or crashed), pid-reused, no-record (NVML lists it, it publishes no record)."),
     desc!("cistern_process_oom_reported", Gauge, PROC,
         "1 when the process's record holds an out-of-memory report (records keep the last one, with no count), else 0."),
@@ -116,6 +118,9 @@ pub const METRICS: &[Desc] = &[
         "Live bytes of running cistern processes on the GPU."),
     desc!("cistern_gpu_cistern_cached_bytes", Gauge, GPU,
         "Cached bytes of running cistern processes on the GPU."),
+    // The driver's own errors, from the kernel log.
+    desc!("cistern_gpu_xid_errors", Gauge, "gpu?, UUID?, device?, Hostname, pci?, xid, severity",
+        "Xid errors the NVIDIA driver logged for the GPU within the last 24 hours, by code (severity fatal: the GPU needs a reset or service, and memory may stay held until then; application: a program's fault)."),
     // The exporter itself.
     desc!("cistern_exporter_build_info", Gauge, "version",
         "1, labelled with the version of cistern serving these metrics."),
@@ -123,6 +128,8 @@ pub const METRICS: &[Desc] = &[
         "1 when NVML answered this scrape, 0 when it could not be used (the registry alone is exported)."),
     desc!("cistern_exporter_registry_dir_up", Gauge, "dir",
         "1 when the registry directory could be read this scrape, 0 when it could not (see the exporter's log)."),
+    desc!("cistern_exporter_kernel_log_up", Gauge, "",
+        "1 when the kernel log could be read for Xid errors this scrape, 0 when not (the exporter needs CAP_SYSLOG or kernel.dmesg_restrict=0)."),
     desc!("cistern_exporter_records", Gauge, "",
         "Records read this scrape."),
     desc!("cistern_exporter_records_refused", Gauge, "",

@@ -25,6 +25,7 @@
 //! including no header or types the exporter cannot write, gets the text format 0.0.4.
 
 pub mod collect;
+pub mod kube;
 pub mod metrics;
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -34,7 +35,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::gpu::{self, GpuView};
-use crate::ps;
+use crate::registry_dirs::{registry_dirs, Dirs, SkippedDir};
 use collect::Options;
 use metrics::{Format, Value};
 
@@ -48,9 +49,18 @@ pub struct ExportArgs {
     /// The registry directory (default: CISTERN_CONF's registry_dir, else the per-user one).
     #[arg(long, value_name = "DIR")]
     pub registry_dir: Option<PathBuf>,
+    /// Export every user's registry directory that this user may read (root: all), each
+    /// checked against the uid in its name, looked up again on every scrape (as `ps
+    /// --all-users`); --registry-dir, when given, is read as well.
+    #[arg(long)]
+    pub all_users: bool,
     /// How many tags per process and GPU are labelled; the rest are summed as tag="other".
     #[arg(long, value_name = "N", default_value_t = 10)]
     pub top_tags: usize,
+    /// The kubelet's container log folder, whose link names give the pod, namespace and
+    /// container names of the container ids in records (`none` to read none).
+    #[arg(long, value_name = "DIR", default_value = kube::DEFAULT_DIR)]
+    pub kube_logs: PathBuf,
     /// Print the metrics once (Prometheus text format 0.0.4) and exit, e.g. to check them with
     /// `promtool check metrics`.
     #[arg(long)]
@@ -166,27 +176,58 @@ fn hostname() -> String {
 /// The exporter: what it reads, and how many scrapes it served.
 pub struct Exporter {
     view: Box<dyn GpuView>,
-    dirs: Vec<PathBuf>,
+    /// `--registry-dir`, when given.
+    registry_dir: Option<PathBuf>,
+    /// `--all-users`: every user's directory, looked up afresh on each scrape (a user whose
+    /// first process starts after the exporter is seen on the next scrape).
+    all_users: bool,
     opts: Options,
     warnings: collect::Warnings,
     scrapes: AtomicU64,
 }
 
 impl Exporter {
-    pub fn new(view: Box<dyn GpuView>, dirs: Vec<PathBuf>, opts: Options) -> Exporter {
-        Exporter {
+    /// An exporter of the directories `registry_dirs(registry_dir, all_users)` names; fails as
+    /// that does (an invalid `CISTERN_CONF`), so that a bad setting stops it at start.
+    pub fn new(
+        view: Box<dyn GpuView>,
+        registry_dir: Option<PathBuf>,
+        all_users: bool,
+        opts: Options,
+    ) -> Result<Exporter, String> {
+        registry_dirs(registry_dir.as_deref(), all_users)?;
+        Ok(Exporter {
             view,
-            dirs,
+            registry_dir,
+            all_users,
             opts,
             warnings: collect::Warnings::default(),
             scrapes: AtomicU64::new(0),
-        }
+        })
+    }
+
+    /// The directories to read now.
+    fn dirs(&self) -> Dirs {
+        registry_dirs(self.registry_dir.as_deref(), self.all_users).unwrap_or_else(|e| {
+            // CISTERN_CONF cannot change under a running process: only a race with a
+            // directory disappearing gets here. Report it as a directory that is down.
+            let path = self.registry_dir.clone().unwrap_or_default();
+            Dirs {
+                refused: vec![SkippedDir {
+                    path,
+                    uid: None,
+                    reason: e,
+                }],
+                ..Dirs::default()
+            }
+        })
     }
 
     /// One scrape, encoded.
     pub fn scrape(&self, format: Format) -> String {
         let n = self.scrapes.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut x = collect::collect(self.view.as_ref(), &self.dirs, &self.opts, &self.warnings);
+        let dirs = self.dirs();
+        let mut x = collect::collect(self.view.as_ref(), &dirs, &self.opts, &self.warnings);
         x.add("cistern_exporter_scrapes_total", vec![], Value::Count(n));
         metrics::encode(&x, format)
     }
@@ -230,7 +271,8 @@ fn respond(exporter: &Exporter, req: tiny_http::Request) {
         }
         (true, "/") => {
             let dirs = exporter
-                .dirs
+                .dirs()
+                .paths()
                 .iter()
                 .map(|d| format!("<code>{}</code>", html_escape(&d.display().to_string())))
                 .collect::<Vec<_>>()
@@ -268,13 +310,17 @@ pub fn run(args: &ExportArgs) -> Result<(), String> {
         print_metric_list();
         return Ok(());
     }
-    // Today one directory; the node-wide list (issue 13, item 2) replaces this line.
-    let dirs = vec![ps::registry_dir(args.registry_dir.as_deref())?];
     let opts = Options {
         top_tags: args.top_tags,
         hostname: hostname(),
+        kube_logs: Some(args.kube_logs.clone()).filter(|p| p.as_os_str() != "none"),
     };
-    let exporter = Exporter::new(gpu::from_env()?, dirs, opts);
+    let exporter = Exporter::new(
+        gpu::from_env()?,
+        args.registry_dir.clone(),
+        args.all_users,
+        opts,
+    )?;
     if args.once {
         print!("{}", exporter.scrape(Format::Prometheus));
         return Ok(());
@@ -294,7 +340,8 @@ pub fn run(args: &ExportArgs) -> Result<(), String> {
     eprintln!(
         "cistern export: serving http://{local}/metrics (registry: {})",
         exporter
-            .dirs
+            .dirs()
+            .paths()
             .iter()
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>()
