@@ -79,6 +79,8 @@ fn attribution(name: &str, bytes: u64) -> AttributionRecord {
 
 fn device(index: u32, live: u64, tags: usize) -> DeviceRecord {
     DeviceRecord {
+        allocations: 0,
+        ooms: 0,
         index,
         uuid: Some(format!("GPU-{index:08x}-0000-0000-0000-000000000000")),
         name: "Fake GPU".into(),

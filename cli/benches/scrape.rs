@@ -54,6 +54,8 @@ fn publish(dir: &Path, pid: u32) {
         },
     };
     let dev = DeviceRecord {
+        allocations: 0,
+        ooms: 0,
         index: 0,
         uuid: Some(UUID.into()),
         name: "Bench GPU".into(),

@@ -117,17 +117,31 @@ fn impostor(
         ));
     }
     if matches!(l, Liveness::Alive | Liveness::Zombie) {
-        if let Some(owner) = pid.and_then(|p| std::fs::metadata(format!("/proc/{p}")).ok()) {
-            if owner.uid() != dir_uid && owner.uid() != 0 {
+        if let Some((p, euid)) = pid.and_then(|p| Some((p, proc_euid(p)?))) {
+            if euid != dir_uid {
                 return Some(format!(
-                    "names pid {} of uid {}, not of uid {dir_uid}: refused",
-                    pid.unwrap_or(r.pid),
-                    owner.uid()
+                    "names pid {p}, which runs as uid {euid}, not as uid {dir_uid}: refused"
                 ));
             }
         }
     }
     None
+}
+
+/// The effective uid of a process, from the `Uid:` line of `/proc/<pid>/status` (not the
+/// owner of `/proc/<pid>`, which is root for every process that is not dumpable).
+fn proc_euid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The uid a `cistern-<uid>` directory name gives.
+fn named_uid(dir: &Path) -> Option<u32> {
+    dir.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("cistern-"))
+        .and_then(|u| u.parse::<u32>().ok())
 }
 
 /// Why the records of a directory named by the caller may not be their owner's: it is not
@@ -136,12 +150,7 @@ fn impostor(
 /// caller ([`registry::check_dir`]); or it is open to group or others. `None` when it looks as
 /// the library makes it.
 pub fn doubt(dir: &Path) -> Option<String> {
-    let named = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("cistern-"))
-        .and_then(|u| u.parse::<u32>().ok());
-    let checked = match named {
+    let checked = match named_uid(dir) {
         Some(uid) => registry::check_dir_of(dir, uid),
         None => registry::check_dir(dir),
     };
@@ -209,7 +218,10 @@ impl Snapshot {
                             doubts.push((d.path.clone(), why));
                         }
                     }
-                    files.extend(f.into_iter().map(|(p, r)| (p, r, d.uid)));
+                    // Whose records these must be: the uid a node-wide scan found the directory
+                    // under, or the one a `cistern-<uid>` name gives.
+                    let owner = d.uid.or_else(|| named_uid(&d.path));
+                    files.extend(f.into_iter().map(|(p, r)| (p, r, owner)));
                 }
                 Err(e) => failed.push(SkippedDir {
                     path: d.path.clone(),

@@ -239,3 +239,120 @@ fn all_users_keeps_an_explicit_directory_and_refuses_a_bad_cistern_conf() {
     assert_eq!(paths(&doc["registry_dirs"]), [mine.display().to_string()]);
     assert_eq!(doc["processes"].as_array().unwrap().len(), 1);
 }
+
+/// Node-wide, a record must be its directory's user's: one whose file another user wrote, or
+/// that names a live process running as another user (anyone can read a pid and its start
+/// time in /proc), is refused and takes no NVML memory. Needs root (to chown a file and to
+/// start a process as another user); elsewhere it says so and passes.
+#[test]
+fn records_of_another_user_are_refused_node_wide() {
+    use std::os::unix::fs::chown;
+    let me = registry::euid();
+    if me != 0 {
+        eprintln!("skipping: needs root to write as, and run as, another user");
+        return;
+    }
+    let tmp = TempDir::new("impostors");
+    let root = tmp.path().join("root");
+    mkdir(&root.join("dev/shm"), 0o1777);
+    let mine = root.join(format!("dev/shm/cistern-{me}"));
+    let (pid, start) = common::me();
+    publish(
+        &mine,
+        identity(pid, start, "python mine.py"),
+        vec![device(0, "GPU-aaaa", GIB, MIB, &[])],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    // A file another user wrote into my directory.
+    let planted = publish(
+        &mine,
+        identity(dead_pid(3), 3, "planted"),
+        vec![],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    chown(&planted, Some(4242), Some(4242)).unwrap();
+    // A record naming a live process of another user.
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let other = Kill(
+        std::process::Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sleep",
+                "30",
+            ])
+            .spawn()
+            .expect("setpriv (util-linux) runs"),
+    );
+    let other_pid = other.0.id();
+    // Wait until it runs as 65534 (setpriv has dropped its privileges and exec'd).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{other_pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.contains("65534"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "setpriv did not drop to 65534"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let other_start = registry::process_start_time(other_pid).unwrap();
+    publish(
+        &mine,
+        identity(other_pid, other_start, "sleep 30"),
+        vec![device(0, "GPU-aaaa", GIB, GIB, &[])],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 2 * GIB,
+                         "free": 78 * GIB, "processes": [
+                             {"pid": pid, "used_bytes": GIB, "kind": "compute"},
+                             {"pid": other_pid, "used_bytes": GIB, "kind": "compute"}]}]}),
+    );
+    let out = cistern(Some(&nvml))
+        .env("CISTERN_FAKE_REGISTRY_ROOT", &root)
+        .args(["ps", "--all-users", "--json"])
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    let errors: Vec<String> = doc["refused_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["error"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        errors.iter().any(|e| e.contains(&format!(
+            "written by uid 4242 into the directory of uid {me}"
+        ))),
+        "{doc}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains(&format!(
+            "names pid {other_pid}, which runs as uid 65534, not as uid {me}"
+        ))),
+        "{doc}"
+    );
+    // Only my record is shown; the other user's process is NVML's, with no record.
+    let rows = doc["processes"].as_array().unwrap();
+    let mine_row = rows.iter().find(|p| p["pid"] == pid).unwrap();
+    assert_eq!(mine_row["command"], "python mine.py", "{doc}");
+    let other_row = rows.iter().find(|p| p["pid"] == other_pid).unwrap();
+    assert_eq!(other_row["state"], "no-record", "{doc}");
+}

@@ -57,6 +57,8 @@ impl DeviceRecord {
             pending: r.pending,
             peak_reserved: r.peak_reserved,
             peak_live: r.peak_live,
+            allocations: r.allocations,
+            ooms: r.ooms,
             top_tags: Vec::new(),
             top_sites: Vec::new(),
         }

@@ -351,6 +351,7 @@ impl<D: Driver> DevicePool<D> {
             largest_free: largest,
             stitched_pages: s.get("num_stitched_pages") as u64,
             ooms: s.get("num_ooms") as u64,
+            allocations: s.get("allocation.all.allocated") as u64,
             invalid_frees: s.get("num_invalid_frees") as u64,
         }
     }
@@ -408,6 +409,8 @@ pub struct DeviceReport {
     pub stitched_pages: u64,
     /// Failed requests.
     pub ooms: u64,
+    /// Allocations made since the pool started.
+    pub allocations: u64,
     /// Frees of unknown pointers.
     pub invalid_frees: u64,
 }

@@ -222,10 +222,14 @@ pub fn expire_records(
         if now_unix_ms.saturating_sub(r.updated_unix_ms) < max_ms || !expirable(&r) {
             continue;
         }
-        let dead = matches!(
-            r.liveness_with(&mut pids).0,
-            Liveness::Dead | Liveness::PidReused | Liveness::OtherBoot
-        );
+        // A `running` record's process must be seen dead. An `exited` one was written at exit,
+        // so a process out of this reader's sight is taken at its word (pods sharing a host
+        // directory each see the others' records as unseen); one still seen running is kept.
+        let dead = match r.liveness_with(&mut pids).0 {
+            Liveness::Dead | Liveness::PidReused | Liveness::OtherBoot => true,
+            Liveness::Unseen => r.state == State::Exited,
+            Liveness::Alive | Liveness::Zombie => false,
+        };
         if dead && !holds_memory(&r) && fs::remove_file(&path).is_ok() {
             removed.push(path);
         }

@@ -51,8 +51,9 @@ pub type RecordFile = (PathBuf, Result<Record, RecordError>);
 
 /// Reads every record file (`<pid>-<start_time>.json`) in `dir`, each as a record or the reason
 /// it was refused, sorted by file name. Temporary files and other names are skipped. At most
-/// [`MAX_RECORDS_PER_DIR`] files and [`MAX_DIR_BYTES`] are read; the rest, left out unread,
-/// are one last entry ([`RecordError::TooMany`]) under the directory's path. A missing
+/// [`MAX_RECORDS_PER_DIR`] files and [`MAX_DIR_BYTES`] are read, the most recently written
+/// first (live processes rewrite theirs); the rest, left out unread, are one last entry
+/// ([`RecordError::TooMany`]) under the directory's path. A missing
 /// directory gives no records; a directory that is a symlink is refused, however it is spelled
 /// (a trailing `/` or `/.` does not make it followed).
 pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
@@ -67,22 +68,30 @@ pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
         }
         Ok(_) => {}
     }
-    let mut paths: Vec<PathBuf> = fs::read_dir(dir)
+    let paths: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(io_err(format!("listing {}", dir.display())))?
         .filter_map(|e| e.ok())
         .filter(|e| parse_file_name(&e.file_name()).is_some())
         .map(|e| e.path())
         .collect();
-    paths.sort();
+    // Newest first, by modification time, for the cap; then by name, for the caller.
+    let mut sized: Vec<(PathBuf, u64, std::time::SystemTime)> = paths
+        .into_iter()
+        .map(|p| {
+            let md = fs::symlink_metadata(&p).ok();
+            // What reading it costs: a file over the record limit is refused after its metadata.
+            let size = md.as_ref().map_or(0, |m| m.len()).min(MAX_RECORD_BYTES + 1);
+            let mtime = md
+                .and_then(|m| m.modified().ok())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            (p, size, mtime)
+        })
+        .collect();
+    sized.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
     let mut out = Vec::new();
     let mut bytes = 0u64;
     let mut left_out = 0;
-    for p in paths {
-        // What reading it costs: a file over the record limit is refused after its metadata.
-        let size = fs::symlink_metadata(&p)
-            .map(|m| m.len())
-            .unwrap_or(0)
-            .min(MAX_RECORD_BYTES + 1);
+    for (p, size, _) in sized {
         if out.len() >= MAX_RECORDS_PER_DIR || bytes.saturating_add(size) > MAX_DIR_BYTES {
             left_out += 1;
             continue;
@@ -91,6 +100,7 @@ pub fn read_all(dir: &Path) -> Result<Vec<RecordFile>, RegistryError> {
         let r = read_record(&p);
         out.push((p, r));
     }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
     if left_out > 0 {
         out.push((dir.to_path_buf(), Err(RecordError::TooMany { left_out })));
     }

@@ -25,7 +25,11 @@ pub const MAX_TOP: usize = 32;
 /// slow down root's readers is).
 pub const MAX_RECORDS_PER_DIR: usize = 1024;
 /// A reader reads at most this many bytes of records from one directory.
-pub const MAX_DIR_BYTES: u64 = 128 << 20;
+pub const MAX_DIR_BYTES: u64 = 32 << 20;
+/// A record lists at most this many devices (a node has at most a few dozen GPUs); readers
+/// refuse one with more, so that a record cannot make a reader's output (or an exporter's
+/// series) grow without bound.
+pub const MAX_DEVICES: usize = 64;
 /// At most this many leak entries are published.
 pub const MAX_LEAKS: usize = 1000;
 
@@ -75,6 +79,16 @@ pub struct DeviceRecord {
     /// Live bytes by call site, largest first (at most [`MAX_TOP`]).
     #[serde(default)]
     pub top_sites: Vec<AttributionRecord>,
+    /// Allocations made since the process started (a counter; absent in older records).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub allocations: u64,
+    /// Requests that ran out of memory since the process started (a counter).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ooms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Bytes attributed to one tag or call site, as published.
@@ -418,7 +432,25 @@ pub fn parse_record(bytes: &[u8]) -> Result<Record, RecordError> {
     if v.version != RECORD_VERSION as u64 {
         return Err(RecordError::UnsupportedVersion(v.version));
     }
-    serde_json::from_slice(bytes).map_err(|e| RecordError::Parse(e.to_string()))
+    let r: Record = serde_json::from_slice(bytes).map_err(|e| RecordError::Parse(e.to_string()))?;
+    if r.devices.len() > MAX_DEVICES {
+        return Err(RecordError::Parse(format!(
+            "lists {} devices, over the limit of {MAX_DEVICES}",
+            r.devices.len()
+        )));
+    }
+    if let Some(d) = r
+        .devices
+        .iter()
+        .find(|d| d.top_tags.len() > MAX_TOP || d.top_sites.len() > MAX_TOP)
+    {
+        return Err(RecordError::Parse(format!(
+            "device {} lists more than {MAX_TOP} tags or sites (the writer publishes at most \
+             {MAX_TOP})",
+            d.index
+        )));
+    }
+    Ok(r)
 }
 
 #[cfg(test)]

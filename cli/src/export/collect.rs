@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use cistern::registry::{AttributionRecord, DeviceRecord, Record, State};
+use cistern::registry::{self, AttributionRecord, DeviceRecord, Record, State};
 
 use super::kube::KubeNames;
 use super::metrics::{Exposition, Labels, Value};
@@ -23,7 +23,10 @@ use crate::xid;
 pub const MAX_COMMAND_CHARS: usize = 120;
 /// A `tag` label is cut to this many characters.
 pub const MAX_TAG_CHARS: usize = 128;
-/// A `container_id` or `pod_uid` label is cut to this many characters (ids are 64 and 36).
+/// A `dir` label is cut to this many characters.
+pub const MAX_DIR_CHARS: usize = 256;
+/// A `container_id`, `pod_uid` or `UUID` label is cut to this many characters (ids are 64 and
+/// 36, GPU UUIDs 40).
 pub const MAX_ID_CHARS: usize = 80;
 /// The tag under which bytes beyond the top N tags are summed.
 pub const OTHER_TAG: &str = "other";
@@ -35,6 +38,10 @@ pub struct Options {
     pub top_tags: usize,
     /// The `Hostname` label of GPU metrics (dcgm-exporter's: the node's name).
     pub hostname: String,
+    /// Whether the `command` label is the whole command line (cut to [`MAX_COMMAND_CHARS`]),
+    /// or only the program (and the script it runs): arguments can hold secrets, and the
+    /// exposition is readable by whoever reaches the port.
+    pub full_command: bool,
     /// The kubelet's container log folder ([`super::kube`]), read on each scrape for the names
     /// of the pods the processes run in; `None` reads none.
     pub kube_logs: Option<PathBuf>,
@@ -52,18 +59,28 @@ pub struct Workload {
 }
 
 /// The workload of a record's process (nothing for a process outside containers, or without a
-/// record).
-pub fn workload(record: Option<&Record>, kube: &KubeNames) -> Workload {
+/// record). For a process that runs, with its pid in this reader's namespace (`live_pid`), the
+/// kernel's word is taken (`/proc/<pid>/cgroup`, as this reader sees it), not the record's: a
+/// record is another user's text and could name someone else's pod, and a container with a
+/// private cgroup namespace sees only `0::/` itself. A dead process's ids are its record's.
+pub fn workload(record: Option<&Record>, live_pid: Option<u32>, kube: &KubeNames) -> Workload {
     let Some(r) = record else {
         return Workload::default();
     };
-    let names = r.container_id.as_deref().and_then(|id| kube.get(id));
+    let seen = live_pid
+        .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/cgroup")).ok())
+        .map(|text| registry::parse_cgroup(&text));
+    let (container_id, pod_uid) = match seen {
+        Some(p) => (p.container_id, p.pod_uid),
+        None => (r.container_id.clone(), r.pod_uid.clone()),
+    };
+    let names = container_id.as_deref().and_then(|id| kube.get(id));
     Workload {
         container: names.map(|n| n.container.clone()),
         pod: names.map(|n| n.pod.clone()),
         namespace: names.map(|n| n.namespace.clone()),
-        container_id: r.container_id.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
-        pod_uid: r.pod_uid.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
+        container_id: container_id.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
+        pod_uid: pod_uid.as_deref().map(|v| bounded(v, MAX_ID_CHARS)),
     }
 }
 
@@ -126,6 +143,16 @@ pub fn fold_tags(tags: &[AttributionRecord], live: u64, n: usize) -> Vec<(String
 pub struct Warnings(Mutex<HashMap<PathBuf, String>>);
 
 impl Warnings {
+    /// Forgets the directories that are no longer among `dirs` (users come and go).
+    fn keep_only(&self, dirs: &Dirs) {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        seen.retain(|p, _| {
+            dirs.dirs.iter().any(|d| &d.path == p)
+                || dirs.refused.iter().any(|d| &d.path == p)
+                || dirs.unreadable.iter().any(|d| &d.path == p)
+        });
+    }
+
     /// Prints `msg` about `dir` unless it is what was printed last (and says whether it
     /// printed); `None` clears it.
     fn note(&self, dir: &Path, msg: Option<String>) -> bool {
@@ -149,15 +176,48 @@ impl Warnings {
     }
 }
 
-fn process_labels(row: &ProcRow, record: Option<&Record>, kube: &KubeNames) -> Labels {
+/// The program of a command line, without its arguments: the first word's file name, and the
+/// file name of the script an interpreter runs (`python train.py --token=…` is
+/// `python train.py`).
+pub fn program(command: &str) -> String {
+    let base = |w: &str| w.rsplit('/').next().unwrap_or(w).to_string();
+    let mut words = command.split(' ').filter(|w| !w.is_empty());
+    let Some(first) = words.next() else {
+        return String::new();
+    };
+    let prog = base(first);
+    let script = words.next().filter(|w| {
+        const SCRIPTS: [&str; 6] = [".py", ".sh", ".js", ".rb", ".pl", ".lua"];
+        !w.starts_with('-') && SCRIPTS.iter().any(|e| w.ends_with(e))
+    });
+    match script {
+        Some(s) => format!("{prog} {}", base(s)),
+        None => prog,
+    }
+}
+
+fn process_labels(
+    row: &ProcRow,
+    record: Option<&Record>,
+    kube: &KubeNames,
+    full_command: bool,
+) -> Labels {
     let mut l: Labels = vec![
         ("pid", row.pid.to_string()),
-        ("command", bounded(&row.command, MAX_COMMAND_CHARS)),
+        (
+            "command",
+            if full_command {
+                bounded(&row.command, MAX_COMMAND_CHARS)
+            } else {
+                bounded(&program(&row.command), MAX_COMMAND_CHARS)
+            },
+        ),
     ];
     if let Some(uid) = row.uid {
         l.push(("uid", uid.to_string()));
     }
-    let w = workload(record, kube);
+    let live_pid = matches!(row.state, PsState::Running | PsState::Zombie).then_some(row.pid);
+    let w = workload(record, live_pid, kube);
     for (k, v) in [
         ("container", w.container),
         ("pod", w.pod),
@@ -180,7 +240,7 @@ fn with_gpu(base: &Labels, gpu_index: Option<u32>, uuid: Option<&str>) -> Labels
         l.push(("gpu", i.to_string()));
     }
     if let Some(u) = uuid {
-        l.push(("UUID", u.to_string()));
+        l.push(("UUID", bounded(u, MAX_ID_CHARS)));
     }
     l
 }
@@ -209,6 +269,8 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
     for d in dirs.refused.iter().chain(&dirs.unreadable) {
         warnings.note(&d.path, Some(format!("not read: {}", d.reason)));
     }
+    let gathered_failed: Vec<PathBuf> = gathered.failed.iter().map(|f| f.path.clone()).collect();
+    warnings.keep_only(dirs);
     let snap = gathered.snapshot;
     let kube = opts
         .kube_logs
@@ -228,7 +290,7 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
     let mut dead_held: BTreeMap<&str, u64> = BTreeMap::new();
     for row in &report.processes {
         let record = row.record.as_deref().and_then(|p| by_path.get(p).copied());
-        let proc = process_labels(row, record, &kube);
+        let proc = process_labels(row, record, &kube, opts.full_command);
         x.add(
             "cistern_process_state",
             with(
@@ -297,6 +359,16 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
             );
             x.bytes("cistern_process_peak_live_bytes", l.clone(), d.peak_live);
             x.bytes("cistern_process_limit_bytes", l.clone(), d.limit);
+            x.add(
+                "cistern_process_allocations_total",
+                l.clone(),
+                Value::Count(d.allocations),
+            );
+            x.add(
+                "cistern_process_ooms_total",
+                l.clone(),
+                Value::Count(d.ooms),
+            );
             for (tag, b) in fold_tags(&d.top_tags, d.live, opts.top_tags) {
                 x.bytes("cistern_process_tag_live_bytes", with(&l, "tag", tag), b);
             }
@@ -374,6 +446,11 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
         Value::Int(xids.unavailable.is_none() as i64),
     );
     x.add(
+        "cistern_exporter_xid_events_left_out",
+        vec![],
+        Value::Int(xids.left_out as i64),
+    );
+    x.add(
         "cistern_exporter_build_info",
         vec![("version", env!("CARGO_PKG_VERSION").to_string())],
         Value::Int(1),
@@ -383,21 +460,22 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
         vec![],
         Value::Int(report.nvml.available as i64),
     );
-    // Every directory found: read (1), or refused, unreadable or failing to list (0).
-    for (path, up) in snap
-        .dirs
-        .dirs
-        .iter()
-        .map(|d| (&d.path, true))
-        .chain(snap.dirs.refused.iter().map(|d| (&d.path, false)))
-        .chain(snap.dirs.unreadable.iter().map(|d| (&d.path, false)))
-    {
+    // Each directory this scrape tried to read: read (1) or failing to list (0). Those a
+    // node-wide scan refused or may not read are counted, not named (anyone can make
+    // directories there: one series each would let them grow the exposition at will).
+    for d in &dirs.dirs {
+        let up = !gathered_failed.iter().any(|f| f == &d.path);
         x.add(
             "cistern_exporter_registry_dir_up",
-            vec![("dir", path.display().to_string())],
+            vec![("dir", bounded(&d.path.display().to_string(), MAX_DIR_CHARS))],
             Value::Int(up as i64),
         );
     }
+    x.add(
+        "cistern_exporter_registry_dirs_refused",
+        vec![],
+        Value::Int((dirs.refused.len() + dirs.unreadable.len()) as i64),
+    );
     x.add(
         "cistern_exporter_records",
         vec![],
@@ -530,6 +608,18 @@ mod tests {
 
     /// A registry with records of this test process (alive), and of dead pids, one exited and
     /// one killed while NVML still lists its memory.
+    #[test]
+    fn the_command_label_is_the_program_and_its_script() {
+        assert_eq!(
+            program("/usr/bin/python3 /srv/train.py --hf-token=secret"),
+            "python3 train.py"
+        );
+        assert_eq!(program("python -m torch.distributed.run x.py"), "python");
+        assert_eq!(program("./serve --api-key abc"), "serve");
+        assert_eq!(program("bash run.sh a b"), "bash run.sh");
+        assert_eq!(program(""), "");
+    }
+
     mod scrape {
         use super::*;
         use cistern::registry::{self, Identity, Placement, ProcessSnapshot, Registry};
@@ -585,6 +675,8 @@ mod tests {
             };
             let live: u64 = tags.iter().map(|t| t.1).sum();
             let dev = DeviceRecord {
+                allocations: 0,
+                ooms: 0,
                 index: 0,
                 uuid: Some("GPU-fake-0".into()),
                 name: "Fake".into(),
@@ -640,6 +732,7 @@ mod tests {
             .unwrap();
             let opts = Options {
                 top_tags: 1,
+                full_command: true,
                 hostname: "node-a".into(),
                 kube_logs: None,
             };
@@ -806,6 +899,7 @@ mod tests {
             let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": []})).unwrap();
             let opts = Options {
                 top_tags: 10,
+                full_command: true,
                 hostname: String::new(),
                 kube_logs: None,
             };
@@ -847,6 +941,23 @@ mod tests {
             let id = "ab".repeat(32);
             let uid = "1c6b3f2a-5d4e-4f00-8000-123456789abc";
             std::fs::write(logs.join(format!("trainer-0_ml_pytorch-{id}.log")), "").unwrap();
+            let claims = Placement {
+                container_id: Some(id.clone()),
+                pod_uid: Some(uid.into()),
+                ..Placement::default()
+            };
+            // A killed process: its record's ids are all there is.
+            let killed = dead_pid(7);
+            publish_placed(
+                &reg,
+                killed,
+                7,
+                "python",
+                &[("w", MIB)],
+                State::Running,
+                claims.clone(),
+            );
+            // A live one whose record claims the same pod: the kernel's word is taken.
             let me = std::process::id();
             let start = registry::process_start_time(me).unwrap();
             publish_placed(
@@ -856,49 +967,63 @@ mod tests {
                 "python",
                 &[("w", MIB)],
                 State::Running,
-                Placement {
-                    container_id: Some(id.clone()),
-                    pod_uid: Some(uid.into()),
-                    ..Placement::default()
-                },
+                claims,
             );
             let view: FakeView = serde_json::from_value(serde_json::json!({"gpus": []})).unwrap();
             let mut opts = Options {
                 top_tags: 10,
+                full_command: true,
                 hostname: String::new(),
                 kube_logs: Some(logs.clone()),
             };
-            let x = collect(
-                &view,
-                &dirs(std::slice::from_ref(&reg)),
-                &opts,
-                &Warnings::default(),
-            );
-            let want = [
+            let scrape = |opts: &Options| {
+                collect(
+                    &view,
+                    &dirs(std::slice::from_ref(&reg)),
+                    opts,
+                    &Warnings::default(),
+                )
+            };
+            let labels_of = |x: &Exposition, pid: u32| -> Vec<(&'static str, String)> {
+                x.samples("cistern_process_state")
+                    .into_iter()
+                    .find(|(l, _)| l.iter().any(|(k, v)| *k == "pid" && *v == pid.to_string()))
+                    .unwrap_or_else(|| panic!("no state of pid {pid}"))
+                    .0
+                    .clone()
+            };
+            let has = |l: &[(&'static str, String)], k: &str, v: &str| {
+                l.iter().any(|(a, b)| *a == k && b == v)
+            };
+            let x = scrape(&opts);
+            let dead = labels_of(&x, killed);
+            for (k, v) in [
                 ("pod", "trainer-0"),
                 ("namespace", "ml"),
                 ("container", "pytorch"),
                 ("container_id", id.as_str()),
                 ("pod_uid", uid),
-            ];
+            ] {
+                assert!(has(&dead, k, v), "{k}={v} missing: {dead:?}");
+            }
+            let live = labels_of(&x, me);
+            let kernel = std::fs::read_to_string("/proc/self/cgroup")
+                .map(|t| registry::parse_cgroup(&t))
+                .unwrap_or_default();
             assert_eq!(
-                x.get("cistern_process_live_bytes", &want),
-                Some(Value::Int(MIB as i64))
+                live.iter()
+                    .find(|(k, _)| *k == "container_id")
+                    .map(|(_, v)| v.clone()),
+                kernel.container_id,
+                "a live process is labelled with what the kernel says, not its record: {live:?}"
             );
             // Without the kubelet's folder, the ids alone.
             opts.kube_logs = None;
-            let x = collect(
-                &view,
-                &dirs(std::slice::from_ref(&reg)),
-                &opts,
-                &Warnings::default(),
-            );
-            let samples = x.samples("cistern_process_live_bytes");
-            assert_eq!(samples.len(), 1);
-            let labels: Vec<&str> = samples[0].0.iter().map(|(k, _)| *k).collect();
-            assert!(labels.contains(&"container_id") && labels.contains(&"pod_uid"));
+            let x = scrape(&opts);
+            let dead = labels_of(&x, killed);
+            assert!(has(&dead, "container_id", &id) && has(&dead, "pod_uid", uid));
+            assert!(!dead.iter().any(|(k, _)| *k == "pod" || *k == "namespace"));
             let _ = std::fs::remove_dir_all(&reg);
-            assert!(!labels.contains(&"pod") && !labels.contains(&"namespace"));
             let _ = std::fs::remove_dir_all(&logs);
         }
 
@@ -916,6 +1041,7 @@ mod tests {
                 &dirs(std::slice::from_ref(&d)),
                 &Options {
                     top_tags: 10,
+                    full_command: true,
                     hostname: String::new(),
                     kube_logs: None,
                 },

@@ -30,9 +30,9 @@ pub mod metrics;
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::gpu::{self, GpuView};
 use crate::registry_dirs::{registry_dirs, Dirs, SkippedDir};
@@ -61,6 +61,11 @@ pub struct ExportArgs {
     /// container names of the container ids in records (`none` to read none).
     #[arg(long, value_name = "DIR", default_value = kube::DEFAULT_DIR)]
     pub kube_logs: PathBuf,
+    /// Label processes with their whole command line (cut to 120 characters) instead of the
+    /// program and script alone. Arguments can hold secrets (tokens, paths): the metrics are
+    /// readable by whoever reaches the port.
+    #[arg(long)]
+    pub full_command: bool,
     /// Print the metrics once (Prometheus text format 0.0.4) and exit, e.g. to check them with
     /// `promtool check metrics`.
     #[arg(long)]
@@ -184,7 +189,19 @@ pub struct Exporter {
     opts: Options,
     warnings: collect::Warnings,
     scrapes: AtomicU64,
+    /// The last answer in each format, and when it was made ([`FRESH_FOR`]).
+    cache: Mutex<Vec<(Format, Instant, Arc<String>)>>,
+    /// Answers being written by their threads ([`MAX_IN_FLIGHT`]).
+    in_flight: Arc<AtomicUsize>,
 }
+
+/// An answer is served again to scrapes within this time of it: a flood of requests (many
+/// clients, or one pipelining GETs) costs one scrape a second, not one each.
+pub const FRESH_FOR: Duration = Duration::from_secs(1);
+/// At most this many answers are written at once, each on a thread of its own; beyond it, a
+/// request is answered 503 at once (a client that never reads must not make the exporter
+/// hold one thread and one answer per request).
+pub const MAX_IN_FLIGHT: usize = 16;
 
 impl Exporter {
     /// An exporter of the directories `registry_dirs(registry_dir, all_users)` names; fails as
@@ -203,7 +220,24 @@ impl Exporter {
             opts,
             warnings: collect::Warnings::default(),
             scrapes: AtomicU64::new(0),
+            cache: Mutex::new(Vec::new()),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// The answer to a scrape now: the last one in this format when it is under [`FRESH_FOR`]
+    /// old, else a new scrape.
+    pub fn answer(&self, format: Format) -> Arc<String> {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, at, text)) = cache.iter().find(|(f, _, _)| *f == format) {
+            if at.elapsed() < FRESH_FOR {
+                return Arc::clone(text);
+            }
+        }
+        let text = Arc::new(self.scrape(format));
+        cache.retain(|(f, _, _)| *f != format);
+        cache.push((format, Instant::now(), Arc::clone(&text)));
+        text
     }
 
     /// The directories to read now.
@@ -266,7 +300,7 @@ fn respond(exporter: &Exporter, req: tiny_http::Request) {
                 .find(|h| h.field.equiv("Accept"))
                 .map(|h| h.value.as_str().to_string());
             let format = negotiate(accept.as_deref());
-            Response::from_string(exporter.scrape(format))
+            Response::from_string(exporter.answer(format).as_str())
                 .with_header(header("Content-Type", format.content_type()))
         }
         (true, "/") => {
@@ -289,10 +323,34 @@ fn respond(exporter: &Exporter, req: tiny_http::Request) {
             .with_header(header("Content-Type", "text/plain; charset=utf-8")),
     };
     // The answer is written on a thread of its own, so that a client that reads slowly (or
-    // not at all) cannot hold up the next scrape; one that hung up needs nothing more.
-    std::thread::spawn(move || {
-        let _ = req.respond(resp);
-    });
+    // not at all) cannot hold up the next scrape; one that hung up needs nothing more. Past
+    // MAX_IN_FLIGHT such threads the request gets a short 503 here instead.
+    let in_flight = Arc::clone(&exporter.in_flight);
+    if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+        in_flight.fetch_sub(1, Ordering::SeqCst);
+        let _ = req.respond(busy());
+        return;
+    }
+    let slot = Arc::clone(&in_flight);
+    let spawned = std::thread::Builder::new()
+        .name("cistern-export-answer".into())
+        .spawn(move || {
+            let _ = req.respond(resp);
+            slot.fetch_sub(1, Ordering::SeqCst);
+        });
+    if spawned.is_err() {
+        // No thread could be made (a pids limit): the request is dropped with its
+        // connection, and the exporter goes on.
+        in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The answer when too many are being written already.
+fn busy() -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    tiny_http::Response::from_string("busy: too many answers are being written; retry\n")
+        .with_status_code(503)
+        .with_header(header("Retry-After", "1"))
+        .with_header(header("Content-Type", "text/plain; charset=utf-8"))
 }
 
 fn print_metric_list() {
@@ -312,6 +370,7 @@ pub fn run(args: &ExportArgs) -> Result<(), String> {
     }
     let opts = Options {
         top_tags: args.top_tags,
+        full_command: args.full_command,
         hostname: hostname(),
         kube_logs: Some(args.kube_logs.clone()).filter(|p| p.as_os_str() != "none"),
     };

@@ -81,6 +81,8 @@ pub fn device(
     tags: &[(&str, u64, u64)],
 ) -> DeviceRecord {
     DeviceRecord {
+        allocations: 0,
+        ooms: 0,
         index,
         uuid: Some(uuid.to_string()),
         name: "Fake GPU".into(),
