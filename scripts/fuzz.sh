@@ -6,6 +6,7 @@
 #                                       there are cores (FUZZ_JOBS=N to choose)
 #   scripts/fuzz.sh --replay TARGET FILE
 #                                       run one input (a reproducer) through TARGET
+#   scripts/fuzz.sh --build             build every target, fuzz none (CI starts it early)
 #   scripts/fuzz.sh --list              the targets
 #
 # Starts from the committed seeds (fuzz/corpus/TARGET) and keeps what it finds in
@@ -19,7 +20,7 @@ TIMEOUT_S=1
 RSS_LIMIT_MB=2048
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -124,6 +125,10 @@ jobs_wanted() {
 case "$1" in
   --list)
     targets
+    ;;
+  --build)
+    [ $# -eq 1 ] || usage
+    build
     ;;
   --replay)
     [ $# -eq 3 ] || usage
