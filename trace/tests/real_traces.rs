@@ -242,3 +242,36 @@ fn minimalloc_challenging_instances_fit_their_capacity() {
     }
     eprintln!("{} minimalloc instances checked", files.len());
 }
+
+/// The public snapshots committed in `trace/testdata/public-snapshots` (gzip-compressed, with
+/// their sources in its README): always present, so this runs everywhere, CI included. Every
+/// one parses, and every device's reconstruction is consistent with its final state.
+#[test]
+fn public_snapshots_parse_and_reconstruct_consistently() {
+    let dir =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata/public-snapshots");
+    let files = common::files(&dir, ".", ".pickle.gz");
+    assert!(
+        files.len() >= 15,
+        "{} snapshots in {}",
+        files.len(),
+        dir.display()
+    );
+    for path in &files {
+        let file = common::name(path);
+        let gz = std::fs::read(path).unwrap();
+        let bytes =
+            cistern_trace::kineto::decompress(&gz).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let snap = Snapshot::from_bytes(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let devices = snap.device_traces.len().max(
+            snap.segments
+                .iter()
+                .map(|s| s.device as usize + 1)
+                .max()
+                .unwrap_or(0),
+        );
+        for d in 0..devices {
+            eprintln!("{file}: {}", check_device(&file, &snap, d));
+        }
+    }
+}
