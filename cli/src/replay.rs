@@ -2,7 +2,7 @@
 //! and present the comparison as tables, JSON and an SVG plot.
 
 use cistern::{format_bytes, CostTable};
-use cistern_replay::catalog::{self, ALLOCATORS};
+use cistern_replay::catalog::{self, as_recorded, ALLOCATORS, AS_RECORDED};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
 use cistern_trace::sequence::Op;
@@ -30,6 +30,10 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             println!("  {a}");
         }
         println!("  pytorch:max_split_size_mb:N, pytorch-expandable:max_split_size_mb:N");
+        println!(
+            "  {AS_RECORDED} (PyTorch with the settings a snapshot recorded; added for snapshots \
+             that record them)"
+        );
         println!("recorded baselines are added automatically when a trace carries one");
         return Ok(());
     }
@@ -46,12 +50,13 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         }
         return Ok(());
     }
-    let allocators: Vec<String> = if args.allocators.is_empty() {
+    let defaults = args.allocators.is_empty();
+    let allocators: Vec<String> = if defaults {
         ALLOCATORS.iter().map(|s| s.to_string()).collect()
     } else {
         args.allocators.clone()
     };
-    for a in &allocators {
+    for a in allocators.iter().filter(|a| *a != AS_RECORDED) {
         catalog::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
     }
     let costs = match &args.costs {
@@ -90,11 +95,34 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
                 results.push(r);
             }
         }
-        for a in &allocators {
+        // By default, a trace that recorded its allocator's settings is also replayed under
+        // them, next to PyTorch's two defaults.
+        let mut names = allocators.clone();
+        if defaults && input.trace.allocator_settings.is_some() {
+            let at = names
+                .iter()
+                .position(|a| a == "pytorch-expandable")
+                .map_or(names.len(), |i| i + 1);
+            names.insert(at, AS_RECORDED.to_string());
+        }
+        for a in &names {
             bar.set_message(format!("{} / {a}", input.trace.name));
-            let mut r = engine::run_with(seq, a, cap, &costs)?;
+            let (spec, note) = if a == AS_RECORDED {
+                let (spec, note) = as_recorded(input.trace.allocator_settings.as_ref());
+                (spec, Some(note))
+            } else {
+                (a.clone(), None)
+            };
+            let mut r = engine::run_with(seq, &spec, cap, &costs)?;
             if !args.no_min_capacity {
-                r.min_capacity = Some(engine::min_capacity(seq, a)?);
+                r.min_capacity = Some(engine::min_capacity(seq, &spec)?);
+            }
+            if let Some(note) = note {
+                r.allocator = a.clone();
+                r.note = Some(match r.note.take() {
+                    Some(own) => format!("{note}; {own}"),
+                    None => note,
+                });
             }
             results.push(r);
             bar.inc(1);

@@ -647,3 +647,81 @@ fn an_allocator_has_the_same_colour_in_every_plot() {
         assert_eq!(colour, &other.1, "{name}: {a:?} vs {b:?}");
     }
 }
+
+/// A snapshot recorded with `expandable_segments:True` (a public one committed as test data)
+/// is also replayed by default under its own settings: `pytorch-as-recorded` runs the
+/// expandable model, and says so; asked for by name it runs the same.
+#[test]
+fn a_snapshot_replays_under_its_recorded_settings() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../trace/testdata/public-snapshots/cs336-bolongcheng__xl-fwd_ctx512_bf16.pickle.gz");
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = cistern()
+            .arg("replay")
+            .arg(&path)
+            .args(args)
+            .args(["--json", "--no-min-capacity"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let doc = run(&[]);
+    let rows = doc["results"].as_array().unwrap();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    let at = |n: &str| {
+        names
+            .iter()
+            .position(|x| *x == n)
+            .unwrap_or_else(|| panic!("{n}: {names:?}"))
+    };
+    assert_eq!(
+        at("pytorch-as-recorded"),
+        at("pytorch-expandable") + 1,
+        "{names:?}"
+    );
+    let row = &rows[at("pytorch-as-recorded")];
+    assert_eq!(
+        row["peak_reserved"],
+        rows[at("pytorch-expandable")]["peak_reserved"],
+        "{doc}"
+    );
+    assert!(
+        row["note"]
+            .as_str()
+            .unwrap()
+            .starts_with("recorded settings: pytorch-expandable"),
+        "{row}"
+    );
+    let doc = run(&["-a", "pytorch,pytorch-as-recorded"]);
+    let rows = doc["results"].as_array().unwrap();
+    assert_eq!(rows.last().unwrap()["allocator"], "pytorch-as-recorded");
+    // A built-in workload records no settings: the row says PyTorch's defaults were assumed.
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "rmm-random",
+            "-a",
+            "pytorch-as-recorded",
+            "--json",
+            "--no-min-capacity",
+        ])
+        .output()
+        .unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        doc["results"][0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("PyTorch's defaults assumed"),
+        "{doc}"
+    );
+}

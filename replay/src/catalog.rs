@@ -4,6 +4,7 @@
 //! its own module); [`crate::model`] knows none of them.
 
 use cistern::{Config, CostTable};
+use cistern_trace::snapshot::AllocatorSettings;
 
 use crate::model::AllocatorModel;
 use crate::pytorch::{PytorchConfig, PytorchModel};
@@ -22,6 +23,71 @@ pub const ALLOCATORS: &[&str] = &[
 /// Name of the row built from a snapshot's own `segment_*` events (not a model; see
 /// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";
+
+/// The PyTorch model with the settings a snapshot recorded in its `allocator_settings`
+/// ([`as_recorded`]): what a trace's own run is compared with like for like, where
+/// `pytorch` and `pytorch-expandable` stay PyTorch's two defaults.
+pub const AS_RECORDED: &str = "pytorch-as-recorded";
+
+/// Values of an `allocator_settings` key that mean "off" (as Python prints them).
+const OFF_VALUES: &[&str] = &["False", "0", "0.0", "", "''", "\"\"", "None", "[]", "{}"];
+
+/// PyTorch's defaults for keys whose default is not "off".
+const KEY_DEFAULTS: &[(&str, &str)] = &[("pinned_num_register_threads", "1")];
+
+/// Whether a recorded key other than the typed ones could change where device memory goes:
+/// the `pinned_*` keys configure the host's pinned-memory allocator, and a key at PyTorch's
+/// default (or off) changes nothing.
+fn matters(key: &str, value: &str) -> bool {
+    let v = value.trim();
+    !key.starts_with("pinned_")
+        && !OFF_VALUES.contains(&v)
+        && !KEY_DEFAULTS.iter().any(|&(k, d)| k == key && d == v)
+}
+
+/// What [`AS_RECORDED`] runs for a trace whose recording allocator had `settings`: the spec of
+/// the PyTorch model with every recorded setting the model simulates (`expandable_segments`,
+/// `max_split_size`), and a note naming the recorded ones it does not (`roundup_power2_divisions`,
+/// `garbage_collection_threshold`, and any other device-memory key away from PyTorch's
+/// default), or
+/// saying that none were recorded (PyTorch's defaults are then assumed).
+pub fn as_recorded(settings: Option<&AllocatorSettings>) -> (String, String) {
+    let Some(a) = settings else {
+        return (
+            "pytorch".into(),
+            "the trace records no allocator settings: PyTorch's defaults assumed".into(),
+        );
+    };
+    let s = crate::whatif::PytorchSettings::recorded(Some(a)).unwrap_or_default();
+    let base = if s.expandable_segments {
+        "pytorch-expandable"
+    } else {
+        "pytorch"
+    };
+    // The model takes max_split_size_mb above 20 MiB only (as PyTorch does).
+    let split = s.max_split_size.filter(|&b| b >> 20 > 20);
+    let spec = match split {
+        Some(b) => format!("{base}:max_split_size_mb:{}", b >> 20),
+        None => base.to_string(),
+    };
+    let mut unsimulated = Vec::new();
+    if !s.roundup_power2_divisions.is_empty() {
+        unsimulated.push("roundup_power2_divisions".to_string());
+    }
+    if s.garbage_collection_threshold.is_some() {
+        unsimulated.push("garbage_collection_threshold".to_string());
+    }
+    for (k, v) in &a.other {
+        if matters(k, v) {
+            unsimulated.push(format!("{k}={v}"));
+        }
+    }
+    let mut note = format!("recorded settings: {spec}");
+    if !unsimulated.is_empty() {
+        note.push_str(&format!("; not simulated: {}", unsimulated.join(", ")));
+    }
+    (spec, note)
+}
 
 /// The largest `max_split_size_mb` whose size in bytes a `u64` holds (PyTorch clamps larger
 /// values to `SIZE_MAX / 1 MiB`; a spec here refuses them rather than run another setting).
@@ -142,6 +208,12 @@ pub fn make_with(
         )),
         "cudamalloc" => Box::new(CudaMallocModel::new(capacity, costs)),
         "ideal" => Box::new(IdealModel::new(capacity)),
+        AS_RECORDED => {
+            return Err(format!(
+                "`{AS_RECORDED}` is resolved per trace, from the settings it recorded: build the \
+                 spec cistern_replay::as_recorded returns"
+            ))
+        }
         RECORDED => {
             return Err(format!(
                 "`{RECORDED}` is not a model: it is read from a snapshot's segment events \
@@ -157,4 +229,46 @@ pub fn make_with(
             ))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_settings_become_the_model_s_spec_and_the_rest_a_note() {
+        let (spec, note) = as_recorded(None);
+        assert_eq!(spec, "pytorch");
+        assert!(note.contains("defaults assumed"), "{note}");
+        let a = AllocatorSettings {
+            expandable_segments: Some(true),
+            max_split_size: Some(256 << 20),
+            roundup_power2_divisions: vec![(1, 4)],
+            garbage_collection_threshold: Some(0.8),
+            other: vec![
+                ("release_lock_on_cudamalloc".into(), "True".into()),
+                // Host pinned memory, and a key at its default: not named.
+                ("pinned_num_register_threads".into(), "8".into()),
+                ("graph_capture_record_stream_reuse".into(), "False".into()),
+            ],
+            ..AllocatorSettings::default()
+        };
+        let (spec, note) = as_recorded(Some(&a));
+        assert_eq!(spec, "pytorch-expandable:max_split_size_mb:256");
+        assert_eq!(
+            note,
+            "recorded settings: pytorch-expandable:max_split_size_mb:256; not simulated: \
+             roundup_power2_divisions, garbage_collection_threshold, \
+             release_lock_on_cudamalloc=True"
+        );
+        // Every spec it gives is one the catalog builds.
+        make(&spec, 1 << 30).unwrap();
+        // PyTorch's defaults, recorded.
+        let (spec, note) = as_recorded(Some(&AllocatorSettings::default()));
+        assert_eq!(
+            (spec.as_str(), note.as_str()),
+            ("pytorch", "recorded settings: pytorch")
+        );
+        assert!(make(AS_RECORDED, 1 << 30).is_err());
+    }
 }

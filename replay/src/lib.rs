@@ -34,7 +34,7 @@ pub mod recorded;
 pub mod simple;
 pub mod whatif;
 
-pub use catalog::{make, make_with, ALLOCATORS, RECORDED};
+pub use catalog::{as_recorded, make, make_with, ALLOCATORS, AS_RECORDED, RECORDED};
 pub use cistern::{CallCost, CostTable};
 pub use engine::{
     evaluate, frag, min_capacity, min_capacity_with, replay, run, run_with, EvalOptions, OomAt,

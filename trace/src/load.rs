@@ -33,6 +33,9 @@ pub struct Trace {
     /// The largest recorded reserved value over the trace (which may exceed every point's value
     /// when it was reached between two ops, e.g. in a segment event followed by a segment free).
     pub recorded_peak_reserved: Option<u64>,
+    /// The recording allocator's settings, when the file records them (a PyTorch snapshot's
+    /// `allocator_settings`); `None` otherwise.
+    pub allocator_settings: Option<crate::snapshot::AllocatorSettings>,
 }
 
 /// The formats [`load`] recognises.
@@ -310,6 +313,7 @@ pub fn load_any(path: &Path, opts: &LoadOptions) -> Result<Loaded, LoadError> {
                 sequence: log.sequence,
                 recorded_reserved: None,
                 recorded_peak_reserved: None,
+                allocator_settings: None,
             }]
         };
         return Ok(Loaded::Other(Format::Rmm, traces, failures));
@@ -389,6 +393,7 @@ pub fn load_bytes_detected(
             sequence,
             recorded_peak_reserved: peak,
             recorded_reserved: (!reserved.is_empty()).then_some(reserved),
+            allocator_settings: None,
         }
     };
     let traces = match format {
@@ -412,6 +417,7 @@ pub fn load_bytes_detected(
                     sequence: d.sequence,
                     recorded_peak_reserved: (!d.reserved.is_empty()).then_some(d.peak_reserved),
                     recorded_reserved: (!d.reserved.is_empty()).then_some(d.reserved),
+                    allocator_settings: None,
                 })
                 .collect()
         }
@@ -501,6 +507,7 @@ pub fn snapshot_traces(name: &str, snap: &Snapshot) -> Vec<Trace> {
             sequence: r.sequence,
             recorded_reserved,
             recorded_peak_reserved,
+            allocator_settings: snap.allocator_settings.clone(),
         });
     }
     out

@@ -247,6 +247,7 @@ fn generate_in(name: &str, seed: u64, dir: Option<&Path>) -> Result<Trace, Strin
         sequence,
         recorded_reserved: None,
         recorded_peak_reserved: None,
+        allocator_settings: None,
     })
 }
 
