@@ -113,7 +113,15 @@ fn main() {
     .unwrap();
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_cistern"))
-        .args(["export", "--listen", "127.0.0.1:0", "--registry-dir"])
+        // Every request a fresh scrape (the exporter's cache would answer most from memory).
+        .args([
+            "export",
+            "--fresh-for",
+            "0",
+            "--listen",
+            "127.0.0.1:0",
+            "--registry-dir",
+        ])
         .arg(&reg)
         .env("CISTERN_FAKE_NVML", &nvml)
         .env_remove("CISTERN_CONF")

@@ -1,7 +1,7 @@
 //! Plain-text tables for the terminal, with colour only where it helps and only on a TTY, and
 //! the escaping of untrusted text ([`printable`]) that every table cell goes through.
 //!
-//! Colour is used when stdout is a terminal and `NO_COLOR` is unset (https://no-color.org).
+//! Colour is used when stdout is a terminal and `NO_COLOR` is unset (<https://no-color.org>).
 //! Columns are padded to their display width (`unicode-width`: a CJK character takes two
 //! terminal cells), so a table holding a wide tag or command line stays aligned.
 //!

@@ -444,3 +444,15 @@ fn xid_errors_are_exported_per_gpu_and_code() {
     assert!(down.contains("cistern_exporter_kernel_log_up 0"), "{down}");
     assert!(!down.contains("cistern_gpu_xid_errors{"), "{down}");
 }
+
+/// `--fresh-for` takes 0 to 60 seconds and names the range otherwise.
+#[test]
+fn a_bad_fresh_for_names_the_range() {
+    let out = cistern(None)
+        .args(["export", "--once", "--fresh-for", "99"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("from 0 to 60"), "{err}");
+}

@@ -66,6 +66,10 @@ pub struct ExportArgs {
     /// readable by whoever reaches the port.
     #[arg(long)]
     pub full_command: bool,
+    /// Serve an answer again to requests within this many seconds of it (0 to 60; 0: every
+    /// request scrapes afresh), so that a flood of requests costs one scrape per interval.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+    pub fresh_for: f64,
     /// Print the metrics once (Prometheus text format 0.0.4) and exit, e.g. to check them with
     /// `promtool check metrics`.
     #[arg(long)]
@@ -189,14 +193,16 @@ pub struct Exporter {
     opts: Options,
     warnings: collect::Warnings,
     scrapes: AtomicU64,
-    /// The last answer in each format, and when it was made ([`FRESH_FOR`]).
+    /// How long an answer is served again (`--fresh-for`, default [`FRESH_FOR`]).
+    fresh_for: Duration,
+    /// The last answer in each format, and when it was made.
     cache: Mutex<Vec<(Format, Instant, Arc<String>)>>,
     /// Answers being written by their threads ([`MAX_IN_FLIGHT`]).
     in_flight: Arc<AtomicUsize>,
 }
 
-/// An answer is served again to scrapes within this time of it: a flood of requests (many
-/// clients, or one pipelining GETs) costs one scrape a second, not one each.
+/// By default, an answer is served again to scrapes within this time of it: a flood of
+/// requests (many clients, or one pipelining GETs) costs one scrape a second, not one each.
 pub const FRESH_FOR: Duration = Duration::from_secs(1);
 /// At most this many answers are written at once, each on a thread of its own; beyond it, a
 /// request is answered 503 at once (a client that never reads must not make the exporter
@@ -220,17 +226,24 @@ impl Exporter {
             opts,
             warnings: collect::Warnings::default(),
             scrapes: AtomicU64::new(0),
+            fresh_for: FRESH_FOR,
             cache: Mutex::new(Vec::new()),
             in_flight: Arc::new(AtomicUsize::new(0)),
         })
     }
 
-    /// The answer to a scrape now: the last one in this format when it is under [`FRESH_FOR`]
-    /// old, else a new scrape.
+    /// How long an answer is served again (0: every request scrapes).
+    pub fn fresh_for(mut self, d: Duration) -> Exporter {
+        self.fresh_for = d;
+        self
+    }
+
+    /// The answer to a scrape now: the last one in this format when it is younger than
+    /// `fresh_for`, else a new scrape.
     pub fn answer(&self, format: Format) -> Arc<String> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, at, text)) = cache.iter().find(|(f, _, _)| *f == format) {
-            if at.elapsed() < FRESH_FOR {
+            if at.elapsed() < self.fresh_for {
                 return Arc::clone(text);
             }
         }
@@ -374,12 +387,19 @@ pub fn run(args: &ExportArgs) -> Result<(), String> {
         hostname: hostname(),
         kube_logs: Some(args.kube_logs.clone()).filter(|p| p.as_os_str() != "none"),
     };
+    if !(0.0..=60.0).contains(&args.fresh_for) {
+        return Err(format!(
+            "--fresh-for {}: expected a number of seconds from 0 to 60 (default 1)",
+            args.fresh_for
+        ));
+    }
     let exporter = Exporter::new(
         gpu::from_env()?,
         args.registry_dir.clone(),
         args.all_users,
         opts,
-    )?;
+    )?
+    .fresh_for(Duration::from_secs_f64(args.fresh_for));
     if args.once {
         print!("{}", exporter.scrape(Format::Prometheus));
         return Ok(());
