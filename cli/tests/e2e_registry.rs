@@ -3,48 +3,16 @@
 //! one is killed with SIGKILL, one exits cleanly leaving a block it never freed. `cistern ps`,
 //! `leaks` and `doctor` must account for all three from the registry alone (no NVML here).
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::holders::{build_libraries, profile_dir};
+
 const MIB: u64 = 1 << 20;
-
-/// `target/<profile>`, from this test binary's path.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-/// Builds libcistern.so and the fake libcuda in this test's profile (a no-op when fresh).
-fn build_libraries() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let profile = profile_dir();
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-        "build",
-        "--quiet",
-        "-p",
-        "cistern-ffi",
-        "-p",
-        "cistern-fakecuda",
-    ]);
-    match profile.file_name().and_then(|n| n.to_str()) {
-        Some("release") => {
-            cmd.arg("--release");
-        }
-        Some("debug") | None => {}
-        Some(other) => {
-            cmd.args(["--profile", other]);
-        }
-    }
-    let out = cmd.output().expect("run cargo");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("cistern-e2e-{}-{name}", std::process::id()));
