@@ -171,6 +171,11 @@ pub struct ReplayArgs {
     /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
     #[arg(long, value_name = "SIZE")]
     pub max_input: Option<String>,
+    /// Start every PyTorch model, not only pytorch-as-recorded (which always does), from the
+    /// allocator state a snapshot recorded when its window opened: its segments reserved and
+    /// the blocks live then in place.
+    #[arg(long)]
+    pub seeded: bool,
 }
 
 /// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": a command

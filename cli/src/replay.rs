@@ -105,17 +105,33 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
                 .map_or(names.len(), |i| i + 1);
             names.insert(at, AS_RECORDED.to_string());
         }
+        // The state the recording held when its window opened, when there was one.
+        let start = input.trace.window_start.as_ref().filter(|w| !w.is_empty());
         for a in &names {
             bar.set_message(format!("{} / {a}", input.trace.name));
-            let (spec, note) = if a == AS_RECORDED {
+            let (spec, mut note) = if a == AS_RECORDED {
                 let (spec, note) = as_recorded(input.trace.allocator_settings.as_ref());
                 (spec, Some(note))
             } else {
                 (a.clone(), None)
             };
-            let mut r = engine::run_with(seq, &spec, cap, &costs)?;
+            let seed = start.filter(|_| a == AS_RECORDED || (args.seeded && is_pytorch(a)));
+            let mut r = match seed {
+                Some(w) => engine::run_from(seq, &spec, cap, &costs, w)?,
+                None => engine::run_with(seq, &spec, cap, &costs)?,
+            };
             if !args.no_min_capacity {
-                r.min_capacity = Some(engine::min_capacity(seq, &spec)?);
+                r.min_capacity = Some(match seed {
+                    Some(w) => engine::min_capacity_from(seq, &spec, w)?,
+                    None => engine::min_capacity(seq, &spec)?,
+                });
+            }
+            if let Some(w) = seed {
+                let s = seeded_note(w);
+                note = Some(match note {
+                    Some(n) => format!("{n}; {s}"),
+                    None => s,
+                });
             }
             if let Some(note) = note {
                 r.allocator = a.clone();
@@ -152,6 +168,31 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         print_tables(&reports);
     }
     Ok(())
+}
+
+/// Whether the model `name` is one of the PyTorch models (which can start from a recorded
+/// state).
+fn is_pytorch(name: &str) -> bool {
+    let base = name.split(':').next().unwrap_or(name);
+    matches!(base, "pytorch" | "pytorch-expandable" | AS_RECORDED)
+}
+
+/// The note of a row that started from the recorded state at the window's start.
+fn seeded_note(w: &cistern_trace::WindowStart) -> String {
+    let mut s = format!(
+        "started from the recorded state at the window's start ({} in {} segments, {} of it \
+         live)",
+        format_bytes(w.bytes()),
+        w.segments.len(),
+        format_bytes(w.live_bytes())
+    );
+    if !w.unplaced.is_empty() {
+        s.push_str(&format!(
+            "; {} blocks live then lie in no recorded segment and were allocated anew",
+            w.unplaced.len()
+        ));
+    }
+    s
 }
 
 /// Loads the files and generates the workloads asked for (the built-in ones when neither).
@@ -280,6 +321,15 @@ fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
         .recorded_peak_reserved
         .unwrap_or_else(|| points.iter().map(|p| p.1).max().unwrap_or(0));
     let peak_live = seq.peak_live_requested;
+    let mut note = "recorded by the allocator that produced the trace".to_string();
+    if let Some(w) = trace.window_start.as_ref().filter(|w| !w.is_empty()) {
+        let cached = w.bytes().saturating_sub(w.live_bytes());
+        note.push_str(&format!(
+            "; held {} when its window opened ({} of it cached, not live)",
+            format_bytes(w.bytes()),
+            format_bytes(cached)
+        ));
+    }
     // Reserved per op, stepping at each point.
     let mut series = Vec::new();
     let mut next = 0;
@@ -314,7 +364,9 @@ fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
         ops: live.len(),
         capacity: None,
         oom: None,
-        note: Some("recorded by the allocator that produced the trace".into()),
+        pre_window_bytes: trace.window_start.as_ref().map(|w| w.bytes()),
+        seeded: false,
+        note: Some(note),
         series,
     })
 }

@@ -725,3 +725,65 @@ fn a_snapshot_replays_under_its_recorded_settings() {
         "{doc}"
     );
 }
+
+/// A snapshot whose recording held memory from before its window: the recorded row says how
+/// much (`pre_window_bytes`, and in the table), `pytorch-as-recorded` starts from that state
+/// (`seeded`), and `--seeded` starts the other PyTorch models from it too.
+#[test]
+fn memory_from_before_the_window_is_reported_and_seeded() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../trace/testdata/public-snapshots/cs336-nothanmin__forward-mixed.pickle.gz");
+    let run = |args: &[&str]| -> std::process::Output {
+        let out = cistern()
+            .arg("replay")
+            .arg(&path)
+            .args([
+                "-a",
+                "pytorch,pytorch-as-recorded,cistern",
+                "--no-min-capacity",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    };
+    let doc: serde_json::Value = serde_json::from_slice(&run(&["--json"]).stdout).unwrap();
+    let rows = doc["results"].as_array().unwrap();
+    let row = |n: &str| {
+        rows.iter()
+            .find(|r| r["allocator"] == n)
+            .unwrap_or_else(|| panic!("{n}: {doc}"))
+    };
+    // 1722 segments, 45,046 MiB, at the dump; the window has no segment event.
+    let pre = row("pytorch-recorded")["pre_window_bytes"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(pre, 45_046 << 20);
+    assert_eq!(row("pytorch-as-recorded")["seeded"], true);
+    assert!(row("pytorch").get("seeded").is_none(), "{doc}");
+    assert_eq!(
+        row("pytorch-as-recorded")["peak_reserved"].as_u64(),
+        Some(pre)
+    );
+    assert!(row("pytorch")["peak_reserved"].as_u64().unwrap() < pre);
+
+    let doc: serde_json::Value =
+        serde_json::from_slice(&run(&["--json", "--seeded"]).stdout).unwrap();
+    let rows = doc["results"].as_array().unwrap();
+    for r in rows {
+        let want = r["allocator"] != "cistern" && r["allocator"] != "pytorch-recorded";
+        assert_eq!(r.get("seeded").is_some(), want, "{r}");
+    }
+
+    let table = String::from_utf8(run(&[]).stdout).unwrap();
+    assert!(table.contains("when its window opened"), "{table}");
+    assert!(
+        table.contains("started from the recorded state at the window's start"),
+        "{table}"
+    );
+}

@@ -28,13 +28,13 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use cistern_trace::{AllocSequence, Op};
+use cistern_trace::{AllocSequence, Op, WindowStart};
 use rustc_hash::FxHashMap;
 
 use cistern::CostTable;
 
 use crate::catalog::make_with;
-use crate::model::{AllocatorModel, Oom};
+use crate::model::{AllocatorModel, Oom, SeedError};
 
 /// At most this many points are kept in [`ReplayResult::series`].
 pub const MAX_SERIES_POINTS: usize = 2000;
@@ -68,7 +68,8 @@ pub struct OomAt {
 /// The measurements of one allocator on one sequence. Serializes as
 /// `{"allocator", "peak_reserved", "peak_live", "frag", "internal_waste", "min_capacity",
 /// "driver_calls", "driver_time_us", "host_waits", "pages_moved", "steady_driver_calls",
-/// "ops_per_sec", "ops", "capacity", "oom", "note"}`; the time series is kept out of the JSON
+/// "ops_per_sec", "ops", "capacity", "oom", "pre_window_bytes", "seeded", "note"}` (the last
+/// three only when set); the time series is kept out of the JSON
 /// (it is for plots).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ReplayResult {
@@ -102,6 +103,14 @@ pub struct ReplayResult {
     pub capacity: Option<u64>,
     /// The first allocation that failed, if any; the replay stops there.
     pub oom: Option<OomAt>,
+    /// Recorded rows: the bytes the recording allocator held when the trace's window opened
+    /// (segments cached or in use before the first event), when the trace records them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pre_window_bytes: Option<u64>,
+    /// Models: whether the replay started from the recorded allocator state at the window's
+    /// start ([`run_from`]) instead of an empty device.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub seeded: bool,
     /// Anything a reader of the numbers should know.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -242,8 +251,37 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         ops: done,
         capacity: None,
         oom,
+        pre_window_bytes: None,
+        seeded: false,
         note: None,
         series: series.finish(),
+    }
+}
+
+/// The result of a model that could not start from a recorded state because the device
+/// cannot hold it: out of memory before its first operation.
+fn failed_to_seed(model: &dyn AllocatorModel, oom: Oom) -> ReplayResult {
+    let cost = model.cost();
+    ReplayResult {
+        allocator: model.name().to_string(),
+        peak_reserved: model.reserved(),
+        peak_live: 0,
+        frag: 0.0,
+        internal_waste: None,
+        min_capacity: None,
+        driver_calls: model.driver_calls(),
+        driver_time_us: cost.driver_time_us,
+        host_waits: cost.host_waits,
+        pages_moved: cost.pages_moved,
+        steady_driver_calls: 0,
+        ops_per_sec: None,
+        ops: 0,
+        capacity: None,
+        oom: Some(OomAt { op_index: 0, oom }),
+        pre_window_bytes: None,
+        seeded: true,
+        note: None,
+        series: Vec::new(),
     }
 }
 
@@ -266,6 +304,42 @@ pub fn run_with(
     Ok(r)
 }
 
+/// [`run_with`] starting from the recorded allocator state `start` (a snapshot's
+/// [`WindowStart`], taken with the reconstruction `seq` came from): the model reserves the
+/// recorded segments and places the blocks live then before the first operation, whose
+/// initial allocations bind to them ([`AllocatorModel::seed`]). The result says `seeded`.
+/// A model that cannot start from a recorded state is an error; a device too small for it is
+/// an out-of-memory result at operation 0.
+pub fn run_from(
+    seq: &AllocSequence,
+    name: &str,
+    capacity: u64,
+    costs: &CostTable,
+    start: &WindowStart,
+) -> Result<ReplayResult, String> {
+    let mut m = make_with(name, capacity, costs)?;
+    let mut r = match m.seed(start) {
+        Ok(()) => replay(seq, m.as_mut()),
+        Err(SeedError::Unsupported(e)) => return Err(e),
+        Err(SeedError::Oom(oom)) => failed_to_seed(m.as_ref(), oom),
+    };
+    r.seeded = true;
+    r.capacity = Some(capacity);
+    Ok(r)
+}
+
+/// [`min_capacity`] for runs that start from `start` ([`run_from`]).
+pub fn min_capacity_from(
+    seq: &AllocSequence,
+    allocator: &str,
+    start: &WindowStart,
+) -> Result<u64, String> {
+    let costs = CostTable::default();
+    bisect_capacity(seq, allocator, CAPACITY_RESOLUTION, |cap| {
+        run_from(seq, allocator, cap, &costs, start)
+    })
+}
+
 /// The smallest device capacity (a multiple of [`CAPACITY_RESOLUTION`]) on which `allocator`
 /// replays `seq` without running out of memory, found by bisection.
 ///
@@ -283,17 +357,24 @@ pub fn min_capacity_with(
     allocator: &str,
     resolution: u64,
 ) -> Result<u64, String> {
+    bisect_capacity(seq, allocator, resolution, |cap| run(seq, allocator, cap))
+}
+
+/// The search of [`min_capacity_with`], with `run` replaying on a device of the given bytes.
+fn bisect_capacity(
+    seq: &AllocSequence,
+    allocator: &str,
+    resolution: u64,
+    run: impl Fn(u64) -> Result<ReplayResult, String>,
+) -> Result<u64, String> {
     let res = resolution.max(1);
-    let ok = |units: u64| -> Result<bool, String> {
-        Ok(run(seq, allocator, units.saturating_mul(res))?
-            .oom
-            .is_none())
-    };
+    let ok =
+        |units: u64| -> Result<bool, String> { Ok(run(units.saturating_mul(res))?.oom.is_none()) };
     let peak_live = seq.peak_live_requested.max(seq.peak_live());
     let mut probe = (peak_live.saturating_mul(4)).max(1 << 30).div_ceil(res);
     let mut steps = 0;
     let hi_run = loop {
-        let r = run(seq, allocator, probe.saturating_mul(res))?;
+        let r = run(probe.saturating_mul(res))?;
         steps += 1;
         if r.oom.is_none() {
             break r;

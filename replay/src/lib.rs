@@ -37,9 +37,9 @@ pub mod whatif;
 pub use catalog::{as_recorded, make, make_with, ALLOCATORS, AS_RECORDED, RECORDED};
 pub use cistern::{CallCost, CostTable};
 pub use engine::{
-    evaluate, frag, min_capacity, min_capacity_with, replay, run, run_with, EvalOptions, OomAt,
-    Point, ReplayResult, TraceReport,
+    evaluate, frag, min_capacity, min_capacity_from, min_capacity_with, replay, run, run_from,
+    run_with, EvalOptions, OomAt, Point, ReplayResult, TraceReport,
 };
-pub use model::{AllocatorModel, Cost, Oom};
+pub use model::{AllocatorModel, Cost, Oom, SeedError};
 pub use pytorch::{PytorchConfig, PytorchModel};
 pub use recorded::{default_allocators, evaluate_snapshot, recorded};

@@ -38,6 +38,15 @@ impl std::fmt::Display for Oom {
     }
 }
 
+/// Why a model could not start from a recorded state ([`AllocatorModel::seed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeedError {
+    /// The model cannot start from a recorded state (the message says which can).
+    Unsupported(String),
+    /// The simulated device cannot hold the recorded state.
+    Oom(Oom),
+}
+
 /// What a model's driver calls cost so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Cost {
@@ -75,6 +84,17 @@ pub trait AllocatorModel {
     /// What the driver calls so far cost (none by default: a model without a driver).
     fn cost(&self) -> Cost {
         Cost::default()
+    }
+    /// Starts the model, before its first operation, from the allocator state a snapshot's
+    /// window opened on: its segments reserved, the blocks live then in place, for the
+    /// sequence's initial allocations to bind to. Only the PyTorch models can (the state is
+    /// PyTorch's); the default refuses.
+    fn seed(&mut self, _start: &cistern_trace::WindowStart) -> Result<(), SeedError> {
+        Err(SeedError::Unsupported(format!(
+            "`{}` cannot start from a recorded allocator state: only the PyTorch models \
+             (pytorch, pytorch-expandable, pytorch-as-recorded) can",
+            self.name()
+        )))
     }
 }
 

@@ -5,8 +5,13 @@ use std::collections::BTreeMap;
 
 use cistern_trace::snapshot::{Action, Reconstruction, Snapshot};
 
-use crate::catalog::RECORDED;
-use crate::engine::{evaluate, frag, EvalOptions, Point, ReplayResult, SeriesBuilder};
+use cistern_trace::WindowStart;
+
+use crate::catalog::{as_recorded, AS_RECORDED, RECORDED};
+use crate::engine::{
+    evaluate, frag, min_capacity, min_capacity_from, run_from, run_with, EvalOptions, Point,
+    ReplayResult, SeriesBuilder,
+};
 
 /// PyTorch's reserved bytes after each operation of `recon.sequence` (which must be
 /// `snapshot.reconstruct(device)`): the level of the last segment event at or before the
@@ -95,14 +100,18 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
         ops: live.len(),
         capacity: None,
         oom: None,
+        pre_window_bytes: Some(curve.start),
+        seeded: false,
         note: (!notes.is_empty()).then(|| notes.join("; ")),
         series: series.finish(),
     }
 }
 
 /// Evaluates `device`'s window of `snapshot` on each of `allocators`, in order; the name
-/// [`RECORDED`] (`pytorch-recorded`) stands for the [`recorded()`] row, the others are models
-/// replayed by [`evaluate`] on the reconstructed sequence.
+/// [`RECORDED`] (`pytorch-recorded`) stands for the [`recorded()`] row, [`AS_RECORDED`] for
+/// PyTorch's model with the recorded settings started from the recorded state at the window's
+/// start, and the others are models replayed by [`evaluate`] on the reconstructed sequence
+/// from an empty device.
 pub fn evaluate_snapshot(
     snapshot: &Snapshot,
     device: usize,
@@ -110,11 +119,14 @@ pub fn evaluate_snapshot(
     opts: EvalOptions,
 ) -> Result<Vec<ReplayResult>, String> {
     let recon = snapshot.reconstruct(device);
+    let start = snapshot.window_start(device, &recon);
     allocators
         .iter()
         .map(|&name| {
             if name == RECORDED {
                 Ok(recorded(snapshot, device, &recon))
+            } else if name == AS_RECORDED {
+                as_recorded_row(snapshot, &recon, &start, opts)
             } else {
                 evaluate(&recon.sequence, &[name], opts)?
                     .pop()
@@ -122,6 +134,34 @@ pub fn evaluate_snapshot(
             }
         })
         .collect()
+}
+
+/// The [`AS_RECORDED`] row: PyTorch's model with the snapshot's recorded settings, started
+/// from the recorded state at the window's start when there was one ([`run_from`]).
+fn as_recorded_row(
+    snapshot: &Snapshot,
+    recon: &Reconstruction,
+    start: &WindowStart,
+    opts: EvalOptions,
+) -> Result<ReplayResult, String> {
+    let (spec, mut note) = as_recorded(snapshot.allocator_settings.as_ref());
+    let seq = &recon.sequence;
+    let mut r = if start.is_empty() {
+        run_with(seq, &spec, opts.capacity, &opts.costs)?
+    } else {
+        note.push_str("; started from the recorded state at the window's start");
+        run_from(seq, &spec, opts.capacity, &opts.costs, start)?
+    };
+    if opts.min_capacity {
+        r.min_capacity = Some(if start.is_empty() {
+            min_capacity(seq, &spec)?
+        } else {
+            min_capacity_from(seq, &spec, start)?
+        });
+    }
+    r.allocator = AS_RECORDED.to_string();
+    r.note = Some(note);
+    Ok(r)
 }
 
 /// The rows a report shows by default: `pytorch-recorded` first for snapshots, then every

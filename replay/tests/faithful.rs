@@ -218,3 +218,96 @@ fn evaluate_snapshot_rows_in_order() {
     assert_eq!(rows[0].peak_reserved, 3606 << 20);
     assert_eq!(rows[0].driver_calls.get("mem_alloc"), Some(&9));
 }
+
+/// Traces where `pytorch-as-recorded` is allowed more than 5% off the recording, each with
+/// the reason (none at the time of writing; see the model's module docs for the misses of
+/// the unseeded `pytorch` row).
+const EXPLAINED_OVER_5_PERCENT: &[(&str, &str)] = &[];
+
+/// `pytorch-as-recorded` (the recorded settings, started from the recorded state at the
+/// window's start where the recording held memory from before it) against
+/// `pytorch-recorded`, on every snapshot with history: the dev traces when present, and the
+/// public snapshots committed in `trace/testdata/public-snapshots`, always. Within 2% on at
+/// least 90% of them, and none further than 5% without a written reason.
+#[test]
+fn as_recorded_matches_the_recording_on_every_snapshot() {
+    let mut files: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = traces_dir() {
+        files.extend(
+            std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.extension().is_some_and(|e| e == "pickle")),
+        );
+    }
+    let public =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../trace/testdata/public-snapshots");
+    files.extend(
+        std::fs::read_dir(&public)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".pickle.gz")),
+    );
+    files.sort();
+    let opts = cistern_replay::EvalOptions {
+        min_capacity: false,
+        ..Default::default()
+    };
+    let names = [
+        cistern_replay::RECORDED,
+        cistern_replay::AS_RECORDED,
+        "pytorch",
+    ];
+    let (mut n, mut within) = (0, 0);
+    let mut unexplained = Vec::new();
+    eprintln!(
+        "{:<58} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "trace", "recorded", "pre-window", "pytorch", "as-rec.", "diff %"
+    );
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap();
+        // Gzipped or not.
+        let plain = cistern_trace::kineto::decompress(&bytes).unwrap();
+        let snap = Snapshot::from_bytes(&plain).unwrap();
+        if !snap.has_history() {
+            continue;
+        }
+        let rows = cistern_replay::evaluate_snapshot(&snap, 0, &names, opts).unwrap();
+        let (rec, asr, py) = (&rows[0], &rows[1], &rows[2]);
+        assert_eq!(asr.allocator, cistern_replay::AS_RECORDED);
+        let pre = rec.pre_window_bytes.unwrap_or(0);
+        assert_eq!(asr.seeded, pre > 0, "{}", f.display());
+        let diff = (asr.peak_reserved as f64 - rec.peak_reserved as f64) / rec.peak_reserved as f64;
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        eprintln!(
+            "{:<58} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>+8.2}",
+            name,
+            mib(rec.peak_reserved),
+            mib(pre),
+            mib(py.peak_reserved),
+            mib(asr.peak_reserved),
+            100.0 * diff
+        );
+        n += 1;
+        if diff.abs() <= 0.02 {
+            within += 1;
+        }
+        if diff.abs() > 0.05
+            && !EXPLAINED_OVER_5_PERCENT
+                .iter()
+                .any(|(t, _)| name.starts_with(t))
+        {
+            unexplained.push(format!("{name}: {:+.1}%", 100.0 * diff));
+        }
+    }
+    assert!(n >= 15, "only {n} snapshots with history");
+    assert!(
+        within * 10 >= n * 9,
+        "only {within} of {n} snapshots within 2% of the recording"
+    );
+    assert!(
+        unexplained.is_empty(),
+        "over 5% without a reason: {unexplained:?}"
+    );
+}

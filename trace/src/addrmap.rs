@@ -84,6 +84,9 @@ pub struct AddrSequence {
     pub sequence: AllocSequence,
     /// For each op, the event it came from (`None` for initial allocations).
     pub op_events: Vec<Option<usize>>,
+    /// For each initial allocation (the first `sequence.initially_live` ops, in order), where
+    /// it was, when the reader knew.
+    pub initial_addrs: Vec<Option<u64>>,
     /// How many initial allocations came from frees of blocks never allocated in the window.
     pub initial_from_frees: usize,
     /// Inconsistencies found and worked around.
@@ -280,6 +283,7 @@ impl AddrSequencer {
             op_events.push(Some(event));
         }
         let initially_live = self.initial.len();
+        let initial_addrs = self.initial.iter().map(|b| b.addr).collect();
         // Keys are fresh per alloc and only live keys are freed, so the replay can fail only by
         // overflowing u64 live bytes.
         let replayed = crate::sequence::replay(&ops);
@@ -290,6 +294,7 @@ impl AddrSequencer {
                 initially_live,
             },
             op_events,
+            initial_addrs,
             initial_from_frees,
             anomalies: self.anomalies,
         };
@@ -332,6 +337,7 @@ mod tests {
         assert_eq!(r.initial_from_frees, 1);
         assert_eq!(r.anomalies.len(), 3);
         assert_eq!(r.op_events[0], None);
+        assert_eq!(r.initial_addrs, vec![Some(0x10)]);
         assert!(r.sequence.replay().is_ok());
     }
 }

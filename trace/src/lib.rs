@@ -3,7 +3,8 @@
 //! * [`load()`]: one entry point that detects the format and returns one [`Trace`] per device.
 //! * [`pickle`]: a small reader for builtin-type Python pickles (what PyTorch snapshots are).
 //! * [`snapshot`]: PyTorch memory snapshots, with the reconstruction of a ring-buffer window
-//!   into a valid [`AllocSequence`] and PyTorch's own reserved-bytes curve.
+//!   into a valid [`AllocSequence`], PyTorch's own reserved-bytes curve, and the allocator's
+//!   state when the window opened ([`WindowStart`]).
 //! * [`kineto`]: PyTorch profiler traces (`[memory]` events), JSON or gzipped JSON.
 //! * [`rmm`]: RAPIDS RMM `logging_resource_adaptor` CSV logs.
 //! * [`own`]: cistern's own line-oriented trace format, its writer and an RMM CSV export.
@@ -31,4 +32,4 @@ pub mod workloads;
 
 pub use load::{load, load_with, Format, LoadError, LoadOptions, Trace};
 pub use sequence::{AllocSequence, Op, ReplayStats, SequenceError};
-pub use snapshot::{Reconstruction, ReservedCurve, Snapshot, SnapshotError};
+pub use snapshot::{Reconstruction, ReservedCurve, Snapshot, SnapshotError, WindowStart};

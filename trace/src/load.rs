@@ -36,6 +36,10 @@ pub struct Trace {
     /// The recording allocator's settings, when the file records them (a PyTorch snapshot's
     /// `allocator_settings`); `None` otherwise.
     pub allocator_settings: Option<crate::snapshot::AllocatorSettings>,
+    /// A snapshot's allocator state when its window opened (segments and their live blocks),
+    /// for the models that can start from it; `None` for other formats and for snapshots
+    /// without history (whose ops all start live and reconstruct no window).
+    pub window_start: Option<crate::snapshot::WindowStart>,
 }
 
 /// The formats [`load`] recognises.
@@ -314,6 +318,7 @@ pub fn load_any(path: &Path, opts: &LoadOptions) -> Result<Loaded, LoadError> {
                 recorded_reserved: None,
                 recorded_peak_reserved: None,
                 allocator_settings: None,
+                window_start: None,
             }]
         };
         return Ok(Loaded::Other(Format::Rmm, traces, failures));
@@ -394,6 +399,7 @@ pub fn load_bytes_detected(
             recorded_peak_reserved: peak,
             recorded_reserved: (!reserved.is_empty()).then_some(reserved),
             allocator_settings: None,
+            window_start: None,
         }
     };
     let traces = match format {
@@ -418,6 +424,7 @@ pub fn load_bytes_detected(
                     recorded_peak_reserved: (!d.reserved.is_empty()).then_some(d.peak_reserved),
                     recorded_reserved: (!d.reserved.is_empty()).then_some(d.reserved),
                     allocator_settings: None,
+                    window_start: None,
                 })
                 .collect()
         }
@@ -491,12 +498,18 @@ pub fn snapshot_traces(name: &str, snap: &Snapshot) -> Vec<Trace> {
         if r.sequence.ops.is_empty() {
             continue;
         }
-        let (recorded_reserved, recorded_peak_reserved) = if snap.events(device).is_empty() {
-            (None, None)
-        } else {
-            let curve = snap.reserved_curve(device);
-            (Some(map_reserved(&r.op_events, &curve)), Some(curve.peak()))
-        };
+        let (recorded_reserved, recorded_peak_reserved, window_start) =
+            if snap.events(device).is_empty() {
+                (None, None, None)
+            } else {
+                let curve = snap.reserved_curve(device);
+                let start = snap.window_start(device, &r);
+                (
+                    Some(map_reserved(&r.op_events, &curve)),
+                    Some(curve.peak()),
+                    Some(start),
+                )
+            };
         out.push(Trace {
             name: if many {
                 format!("{name} (cuda:{device})")
@@ -508,6 +521,7 @@ pub fn snapshot_traces(name: &str, snap: &Snapshot) -> Vec<Trace> {
             recorded_reserved,
             recorded_peak_reserved,
             allocator_settings: snap.allocator_settings.clone(),
+            window_start,
         });
     }
     out

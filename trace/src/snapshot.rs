@@ -14,6 +14,9 @@ use crate::addrmap::{AddrAnomaly, AddrSequencer};
 use crate::pickle::{self, PickleError, Value};
 use crate::sequence::AllocSequence;
 
+mod window;
+pub use window::{StartBlock, StartSegment, WindowStart};
+
 /// Error reading a snapshot.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -110,6 +113,9 @@ pub struct Segment {
     pub allocated_size: Option<u64>,
     /// Bytes in active blocks, when recorded.
     pub active_size: Option<u64>,
+    /// Whether the segment is (part of) an expandable segment (`is_expandable`, written by
+    /// PyTorch 2.1 and later), when recorded.
+    pub is_expandable: Option<bool>,
     /// The blocks, in address order.
     pub blocks: Vec<Block>,
 }
@@ -237,6 +243,9 @@ pub struct Reconstruction {
     /// For each op of `sequence.ops`, the index of the device-trace event it came from (`None`
     /// for the reconstructed initial allocations).
     pub op_events: Vec<Option<usize>>,
+    /// For each initial allocation (the first `sequence.initially_live` ops, whose ids are
+    /// their indices), the address of its block.
+    pub initial_addrs: Vec<Option<u64>>,
     /// How many initial allocations came from frees of blocks never allocated in the window.
     pub initial_from_frees: usize,
     /// How many initial allocations came from final active blocks that never appear in the window.
@@ -512,6 +521,7 @@ impl Snapshot {
         Reconstruction {
             sequence: r.sequence,
             op_events: r.op_events,
+            initial_addrs: r.initial_addrs,
             initial_from_frees,
             initial_from_segments,
             used_free_completed,
@@ -643,6 +653,10 @@ impl Snapshot {
                         }
                         if let Some(a) = seg.active_size {
                             w.key_int("active_size", a.into());
+                        }
+                        if let Some(e) = seg.is_expandable {
+                            w.str("is_expandable");
+                            w.bool(e);
                         }
                         w.str("blocks");
                         w.list(|w| {
@@ -796,6 +810,15 @@ fn opt_u64(d: &Value, key: &str, path: &str) -> Result<Option<u64>, SnapshotErro
     }
 }
 
+fn opt_bool(d: &Value, key: &str, path: &str) -> Result<Option<bool>, SnapshotError> {
+    match d.get(key) {
+        None | Some(Value::None) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(Value::Int(i)) => Ok(Some(*i != 0)),
+        Some(v) => Err(shape(&format!("{path}.{key}"), "a bool", &describe(v))),
+    }
+}
+
 fn req_u64(d: &Value, key: &str, path: &str) -> Result<u64, SnapshotError> {
     opt_u64(d, key, path)?.ok_or_else(|| shape(path, &format!("a `{key}` key"), "none"))
 }
@@ -841,6 +864,7 @@ fn parse_segment(s: &Value, path: &str) -> Result<Segment, SnapshotError> {
         segment_type: opt_str(s, "segment_type", path)?.map(str::to_string),
         allocated_size: opt_u64(s, "allocated_size", path)?,
         active_size: opt_u64(s, "active_size", path)?,
+        is_expandable: opt_bool(s, "is_expandable", path)?,
         blocks,
     })
 }

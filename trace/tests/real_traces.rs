@@ -67,6 +67,34 @@ fn check_device(file: &str, snap: &Snapshot, device: usize) -> String {
     }
     assert_eq!(curve.points.last().map_or(curve.start, |p| p.1), curve.end);
 
+    // The state at the window's start: the segments walked back from the final ones hold
+    // exactly the reserved bytes the curve starts from, and every block live then lies in one
+    // of them, inside its bounds, no two overlapping.
+    let w = snap.window_start(device, &r);
+    assert_eq!(w.inconsistent, 0, "{file} device {device}: segment events");
+    assert_eq!(
+        w.bytes(),
+        curve.start,
+        "{file} device {device}: start bytes"
+    );
+    assert!(
+        w.unplaced.is_empty(),
+        "{file} device {device}: unplaced {:?}",
+        w.unplaced
+    );
+    assert_eq!(w.live.len(), r.sequence.initially_live);
+    for pair in w.live.windows(2) {
+        assert!(
+            pair[0].address + pair[0].requested <= pair[1].address,
+            "{file} device {device}: live blocks overlap at {:#x}",
+            pair[1].address
+        );
+    }
+    for b in &w.live {
+        let s = &w.segments[b.segment];
+        assert!(b.address >= s.address && b.address + b.requested <= s.address + s.size);
+    }
+
     let n_alloc = snap
         .events(device)
         .iter()
@@ -74,7 +102,7 @@ fn check_device(file: &str, snap: &Snapshot, device: usize) -> String {
         .count();
     format!(
         "dev {device}: {} events ({n_alloc} alloc), {} ops, initially live {} ({} from frees, {} from segments), \
-         peak live {} B, live at end {} B, reserved start {} / peak {} / end {} B, frees at {}",
+         peak live {} B, live at end {} B, reserved start {} / peak {} / end {} B, {} segments at the start, frees at {}",
         snap.events(device).len(),
         r.sequence.ops.len(),
         r.sequence.initially_live,
@@ -85,6 +113,7 @@ fn check_device(file: &str, snap: &Snapshot, device: usize) -> String {
         curve.start,
         curve.peak(),
         curve.end,
+        w.segments.len(),
         if r.used_free_completed { "free_completed" } else { "free_requested" },
     )
 }

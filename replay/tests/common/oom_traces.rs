@@ -78,6 +78,32 @@ impl Recorder {
         self
     }
 
+    /// The program frees the block (`free_requested`) but a stream recorded on it
+    /// (`record_stream`) still has work queued: PyTorch keeps it out of the pool until its
+    /// events complete ([`Recorder::free_completed`]).
+    pub fn free_requested(&mut self, d: usize, addr: u64, stream: u64) -> &mut Self {
+        let size = self.live[d].get(&addr).copied().expect("not live");
+        self.push(d, Action::FreeRequested, addr, size, stream);
+        self
+    }
+
+    /// The events of a block freed with [`Recorder::free_requested`] completed: it is back in
+    /// its pool (`process_events` -> `free_block`).
+    pub fn free_completed(&mut self, d: usize, addr: u64, stream: u64) -> &mut Self {
+        let size = self.live[d].remove(&addr).expect("not live");
+        self.push(d, Action::FreeCompleted, addr, size, stream);
+        self
+    }
+
+    /// The history recording starts here: everything recorded so far happened before the
+    /// window (the ring buffer lost it), and only its effect on the state remains.
+    pub fn open_window(&mut self) -> &mut Self {
+        for t in &mut self.traces {
+            t.clear();
+        }
+        self
+    }
+
     pub fn oom(&mut self, d: usize, size: u64, stream: u64, device_free: Option<u64>) -> &mut Self {
         self.push(d, Action::Oom, device_free.unwrap_or(0), size, stream);
         self.traces[d].last_mut().unwrap().device_free = device_free;
@@ -105,9 +131,11 @@ impl Recorder {
                     address: addr,
                     total_size: size,
                     stream,
-                    segment_type: Some("large".into()),
+                    // kSmallBuffer: only the small pool makes 2 MiB segments.
+                    segment_type: Some(if size == 2 * MIB { "small" } else { "large" }.into()),
                     allocated_size: None,
                     active_size: None,
+                    is_expandable: None,
                     blocks,
                 });
             }

@@ -36,6 +36,7 @@ fn reconstruct_window_with_initial_blocks() {
             segment_type: None,
             allocated_size: None,
             active_size: None,
+            is_expandable: None,
             blocks: vec![
                 block(0x100, 16, BlockState::ActiveAllocated),
                 block(0x200, 32, BlockState::Inactive),
@@ -124,6 +125,7 @@ fn reserved_curve_from_segment_events() {
             segment_type: None,
             allocated_size: None,
             active_size: None,
+            is_expandable: None,
             blocks: vec![],
         }],
         device_traces: vec![vec![
@@ -190,6 +192,7 @@ fn oom_events_and_settings_survive_a_pickle_round_trip() {
             segment_type: Some("large".into()),
             allocated_size: None,
             active_size: None,
+            is_expandable: None,
             blocks: vec![block(1 << 40, 20 << 20, BlockState::Inactive)],
         }],
         device_traces: vec![vec![ev(Action::SegmentAlloc, 1 << 40, 20 << 20), oom]],
@@ -227,4 +230,187 @@ fn oom_events_and_settings_survive_a_pickle_round_trip() {
     let s = Snapshot::from_bytes(&bytes).unwrap();
     assert_eq!(s, bare);
     assert_eq!(s.device_traces[0][0].device_free, None);
+}
+
+fn seg(address: u64, total_size: u64, kind: &str, blocks: Vec<Block>) -> Segment {
+    Segment {
+        device: 0,
+        address,
+        total_size,
+        stream: 0,
+        segment_type: Some(kind.into()),
+        allocated_size: None,
+        active_size: None,
+        is_expandable: None,
+        blocks,
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn window_start_walks_segments_back_and_places_the_live_blocks() {
+    // At the dump: a 20 MiB segment allocated in the window, and a 2 MiB small segment that
+    // existed before it, holding a block live throughout (0x2000_0200) and one the window
+    // frees (0x2000_0000). A 40 MiB segment existed before the window and was freed in it.
+    let snap = Snapshot {
+        segments: vec![
+            seg(0x1000_0000, 20 * MIB, "large", vec![]),
+            seg(
+                0x2000_0000,
+                2 * MIB,
+                "small",
+                vec![
+                    block(0x2000_0000, 512, BlockState::Inactive),
+                    block(0x2000_0200, 1024, BlockState::ActiveAllocated),
+                ],
+            ),
+        ],
+        device_traces: vec![vec![
+            ev(Action::FreeRequested, 0x2000_0000, 512),
+            ev(Action::FreeCompleted, 0x2000_0000, 512),
+            ev(Action::SegmentFree, 0x3000_0000, 40 * MIB),
+            ev(Action::SegmentAlloc, 0x1000_0000, 20 * MIB),
+            ev(Action::Alloc, 0x1000_0000, 5 * MIB),
+            ev(Action::FreeRequested, 0x1000_0000, 5 * MIB),
+            ev(Action::FreeCompleted, 0x1000_0000, 5 * MIB),
+        ]],
+        allocator_settings: None,
+    };
+    let r = snap.reconstruct(0);
+    assert_eq!(r.initial_addrs, vec![Some(0x2000_0000), Some(0x2000_0200)]);
+    let w = snap.window_start(0, &r);
+    assert_eq!(
+        w.segments,
+        vec![
+            StartSegment {
+                address: 0x2000_0000,
+                size: 2 * MIB,
+                stream: 0,
+                small: true,
+                expandable: false,
+            },
+            StartSegment {
+                address: 0x3000_0000,
+                size: 40 * MIB,
+                stream: 0,
+                small: false,
+                expandable: false,
+            },
+        ]
+    );
+    assert_eq!(w.bytes(), snap.reserved_curve(0).start);
+    assert_eq!(w.inconsistent, 0);
+    assert!(w.unplaced.is_empty());
+    assert_eq!(
+        w.live,
+        vec![
+            // Freed in the window: the final block at that address is another one.
+            StartBlock {
+                id: 0,
+                address: 0x2000_0000,
+                requested: 512,
+                block_size: None,
+                segment: 0,
+            },
+            // Live from before the window to the dump, untouched: its final size is known.
+            StartBlock {
+                id: 1,
+                address: 0x2000_0200,
+                requested: 1024,
+                block_size: Some(1024),
+                segment: 0,
+            },
+        ]
+    );
+    assert_eq!(w.live_bytes(), 1536);
+}
+
+#[test]
+fn window_start_of_expandable_segments_joins_their_mapped_runs() {
+    // At the dump one expandable run of 60 MiB at B. In the window [B+60, B+80) was unmapped
+    // and then [B+40, B+60) mapped: at the start [B, B+40) and [B+60, B+80) were mapped.
+    let b = 0x7000_0000_0000;
+    let mut s = seg(b, 60 * MIB, "large", vec![]);
+    s.is_expandable = Some(true);
+    let snap = Snapshot {
+        segments: vec![s],
+        device_traces: vec![vec![
+            ev(Action::SegmentUnmap, b + 60 * MIB, 20 * MIB),
+            ev(Action::SegmentMap, b + 40 * MIB, 20 * MIB),
+        ]],
+        allocator_settings: None,
+    };
+    let w = snap.window_start(0, &snap.reconstruct(0));
+    let runs: Vec<(u64, u64, bool, bool)> = w
+        .segments
+        .iter()
+        .map(|s| (s.address - b, s.size, s.small, s.expandable))
+        .collect();
+    assert_eq!(
+        runs,
+        vec![
+            (0, 40 * MIB, false, true),
+            (60 * MIB, 20 * MIB, false, true)
+        ]
+    );
+    assert_eq!(w.bytes(), snap.reserved_curve(0).start);
+    assert_eq!(w.inconsistent, 0);
+
+    // Mapping [B+40, B+60) before unmapping [B+60, B+80) leaves one joined run at the start.
+    let mut joined = snap.clone();
+    joined.segments[0].total_size = 80 * MIB;
+    joined.device_traces[0] = vec![
+        ev(Action::SegmentUnmap, b + 60 * MIB, 20 * MIB),
+        ev(Action::SegmentMap, b + 60 * MIB, 20 * MIB),
+    ];
+    let w = joined.window_start(0, &joined.reconstruct(0));
+    assert_eq!(w.segments.len(), 1, "{:?}", w.segments);
+    assert_eq!(w.segments[0].size, 80 * MIB);
+}
+
+#[test]
+fn window_start_counts_segment_events_that_contradict_the_final_state() {
+    // A segment freed in the window cannot overlap one that exists at the dump, and one
+    // allocated in the window must exist (or be freed later): both are skipped and counted.
+    let snap = Snapshot {
+        segments: vec![seg(0x1000_0000, 20 * MIB, "large", vec![])],
+        device_traces: vec![vec![
+            ev(Action::SegmentFree, 0x1000_0000, 20 * MIB),
+            ev(Action::SegmentAlloc, 0x5000_0000, 2 * MIB),
+        ]],
+        allocator_settings: None,
+    };
+    let w = snap.window_start(0, &snap.reconstruct(0));
+    assert_eq!(w.inconsistent, 2);
+    assert_eq!(w.bytes(), 20 * MIB);
+}
+
+#[test]
+fn window_start_leaves_blocks_outside_every_segment_unplaced() {
+    // A block freed in the window at an address no start segment covers.
+    let snap = Snapshot {
+        segments: vec![seg(0x1000_0000, 2 * MIB, "small", vec![])],
+        device_traces: vec![vec![
+            ev(Action::FreeRequested, 0x9000_0000, 4096),
+            ev(Action::FreeCompleted, 0x9000_0000, 4096),
+        ]],
+        allocator_settings: None,
+    };
+    let w = snap.window_start(0, &snap.reconstruct(0));
+    assert_eq!(w.unplaced, vec![0]);
+    assert!(w.live.is_empty());
+}
+
+#[test]
+fn is_expandable_survives_a_pickle_round_trip() {
+    let mut s = seg(0x1000, 20 * MIB, "large", vec![]);
+    s.is_expandable = Some(true);
+    let snap = Snapshot {
+        segments: vec![s],
+        device_traces: vec![],
+        allocator_settings: None,
+    };
+    let back = Snapshot::from_bytes(&snap.to_pickle()).unwrap();
+    assert_eq!(back, snap);
 }

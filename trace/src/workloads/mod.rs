@@ -248,6 +248,7 @@ fn generate_in(name: &str, seed: u64, dir: Option<&Path>) -> Result<Trace, Strin
         recorded_reserved: None,
         recorded_peak_reserved: None,
         allocator_settings: None,
+        window_start: None,
     })
 }
 
