@@ -33,11 +33,15 @@
 //! Any trace that misses the 2% bar is printed with its difference; if one ever does, the
 //! explanation belongs in the list above.
 
+mod common;
+
 use std::path::PathBuf;
 
 use cistern_replay::recorded::reserved_per_op;
-use cistern_replay::{make, recorded, run, ReplayResult};
-use cistern_trace::Snapshot;
+use cistern_replay::{
+    make, recorded, run, AllocatorModel, PytorchConfig, PytorchModel, ReplayResult,
+};
+use cistern_trace::{Op, Snapshot};
 
 fn traces_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("CISTERN_TRACES_DIR")
@@ -310,4 +314,90 @@ fn as_recorded_matches_the_recording_on_every_snapshot() {
         unexplained.is_empty(),
         "over 5% without a reason: {unexplained:?}"
     );
+}
+
+/// Three streams, written by hand as PyTorch's caching allocator would record them, with the
+/// segment events its source gives (`CUDACachingAllocator.cpp`; each step names the rule).
+/// The model, replaying the reconstructed sequence on a 100 MiB device, must reserve what
+/// PyTorch reserved after every operation.
+#[test]
+fn three_streams_follow_the_source_op_by_op() {
+    use common::oom_traces::{Recorder, MIB};
+    const S1: u64 = 0x11;
+    const S2: u64 = 0x22;
+    const S3: u64 = 0x33;
+    let seg = |k: u64| 0x7f00_0000_0000 + k * 0x1000_0000;
+    let (a, b, c, d, e, f, g) = (seg(0), seg(1), seg(2), seg(3), seg(4), seg(5), seg(6));
+    let mut r = Recorder::default();
+    // x1: S1's pools are empty: get_allocation_size(4 MiB) = 20 MiB (kLargeBuffer).
+    r.segment(0, a, 20 * MIB, S1).alloc(0, a, 4 * MIB, S1);
+    // y1: S1's free remainder of A is not S2's (pools order blocks by (stream, size, ptr)).
+    r.segment(0, b, 20 * MIB, S2).alloc(0, b, 4 * MIB, S2);
+    // x1 was used on S2 (record_stream) and freed: insert_events; it stays out of the pool.
+    r.free_requested(0, a, S1);
+    // x2, 18 MiB on S1: x1's event has not completed, so A offers 16 MiB, too little; a
+    // segment of its own (>= kMinLargeAlloc: rounded to 2 MiB).
+    r.segment(0, c, 18 * MIB, S1).alloc(0, c, 18 * MIB, S1);
+    // process_events at the next malloc: x1's event completed, free_block merges A whole.
+    r.free_completed(0, a, S1);
+    // x3, 18 MiB on S1: best fit is A (20 MiB), split (remainder 2 MiB > kSmallSize).
+    r.alloc(0, a, 18 * MIB, S1);
+    // z1, 512 KiB on S3: the small pool, a 2 MiB segment (kSmallBuffer).
+    r.segment(0, d, 2 * MIB, S3).alloc(0, d, 512 << 10, S3);
+    // y2, 16 MiB on S2: B's 16 MiB remainder, exactly.
+    r.alloc(0, b + 4 * MIB, 16 * MIB, S2);
+    // z2, 15 MiB on S3: a 16 MiB segment; the 1 MiB remainder is not split off.
+    r.segment(0, e, 16 * MIB, S3)
+        .alloc(0, e, 15 * MIB, S3)
+        .free(0, e, S3);
+    // x4, 14 MiB on S1: E is free but S3's; A's remainder is 2 MiB: a new segment.
+    r.segment(0, f, 14 * MIB, S1).alloc(0, f, 14 * MIB, S1);
+    // x3 freed (A whole again); x4 used on S2 and freed: pending.
+    r.free(0, a, S1).free_requested(0, f, S1);
+    // y3, 30 MiB on S2 with 90 of 100 MiB reserved: cudaMalloc fails; no max_split_size,
+    // so release_available_cached_blocks does nothing; release_cached_blocks synchronises
+    // every outstanding event first (x4 completes) and frees every unsplit cached segment
+    // of every stream, large pool in (stream, size, ptr) order: F (S1, 14), A (S1, 20),
+    // E (S3, 16); D (split by z1), B, C are kept. The retry succeeds.
+    r.free_completed(0, f, S1)
+        .segment_free(0, f, S1)
+        .segment_free(0, a, S1)
+        .segment_free(0, e, S3)
+        .segment(0, g, 30 * MIB, S2)
+        .alloc(0, g, 30 * MIB, S2);
+    let snap = Snapshot::from_bytes(&r.snapshot().to_pickle()).expect("round trip");
+    let recon = snap.reconstruct(0);
+    assert!(recon.anomalies.is_empty(), "{:?}", recon.anomalies);
+    assert_eq!(recon.sequence.initially_live, 0);
+    let curve = reserved_per_op(&snap, 0, &recon);
+    // PyTorch's reserved MiB after each alloc and each completed free, by the steps above.
+    let expected_mib = [20, 40, 58, 58, 58, 60, 60, 76, 76, 90, 90, 90, 70];
+    let got: Vec<u64> = curve.iter().map(|b| b >> 20).collect();
+    assert_eq!(
+        got, expected_mib,
+        "the recorded curve is the hand derivation"
+    );
+
+    let mut m = PytorchModel::new("pytorch", PytorchConfig::default(), 100 * MIB);
+    for (i, op) in recon.sequence.ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, stream } => m.alloc(id, size, stream).unwrap(),
+            Op::Free { id } => m.free(id),
+        }
+        m.check_invariants().unwrap();
+        assert_eq!(m.reserved(), curve[i], "after op {i} ({op:?})");
+    }
+    assert_eq!(m.counters().num_alloc_retries, 1);
+    // Freed at free_requested instead (a trace without free_completed), x2 would have fit in
+    // A: the model would read 18 MiB lower from op 2 on. The timing is what makes it match.
+    let mut early = Recorder::default();
+    early
+        .segment(0, a, 20 * MIB, S1)
+        .alloc(0, a, 4 * MIB, S1)
+        .free(0, a, S1)
+        .alloc(0, a, 18 * MIB, S1);
+    let snap = early.snapshot();
+    let recon = snap.reconstruct(0);
+    let r = cistern_replay::run(&recon.sequence, "pytorch", 100 * MIB).unwrap();
+    assert_eq!(r.peak_reserved, 20 * MIB);
 }
