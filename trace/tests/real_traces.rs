@@ -281,7 +281,7 @@ fn public_snapshots_parse_and_reconstruct_consistently() {
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata/public-snapshots");
     let files = common::files(&dir, ".", ".pickle.gz");
     assert!(
-        files.len() >= 15,
+        files.len() >= 31,
         "{} snapshots in {}",
         files.len(),
         dir.display()
