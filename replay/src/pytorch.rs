@@ -49,9 +49,12 @@
 //! Seeded, `pytorch-as-recorded` is within 2% of `pytorch-recorded` on every dev and public
 //! snapshot with history (39; `replay/tests/faithful.rs` prints the table). A seeded model
 //! starts at the recorded level, so it can only read high, and it does exactly when its
-//! placement needs a segment PyTorch did not make: on none of them (on `cs336-wedsonlin
-//! gpt-medium_train_ctx512` and `cs336-linyunlinyun xl-fwd_ctx128_fp32` it makes the 64 and
-//! 100 MiB of segments PyTorch made in the window, no more). The unseeded rows (`pytorch`,
+//! placement needs a segment PyTorch did not make: on none of them. More than the peak: on
+//! all 28 whose recordings held memory from before the window, the seeded model's reserved
+//! bytes are PyTorch's after every operation (`seeded_models_follow_the_recorded_curve_op_by_op`;
+//! on `cs336-wedsonlin gpt-medium_train_ctx512` and `cs336-linyunlinyun xl-fwd_ctx128_fp32`
+//! it makes the 64 and 100 MiB of segments PyTorch made in the window, when PyTorch made
+//! them). The unseeded rows (`pytorch`,
 //! `pytorch-expandable`: PyTorch's defaults from an empty device) miss by more than 2% where
 //! the recording says something the sequence alone cannot:
 //!

@@ -223,18 +223,9 @@ fn evaluate_snapshot_rows_in_order() {
     assert_eq!(rows[0].driver_calls.get("mem_alloc"), Some(&9));
 }
 
-/// Traces where `pytorch-as-recorded` is allowed more than 5% off the recording, each with
-/// the reason (none at the time of writing; see the model's module docs for the misses of
-/// the unseeded `pytorch` row).
-const EXPLAINED_OVER_5_PERCENT: &[(&str, &str)] = &[];
-
-/// `pytorch-as-recorded` (the recorded settings, started from the recorded state at the
-/// window's start where the recording held memory from before it) against
-/// `pytorch-recorded`, on every snapshot with history: the dev traces when present, and the
-/// public snapshots committed in `trace/testdata/public-snapshots`, always. Within 2% on at
-/// least 90% of them, and none further than 5% without a written reason.
-#[test]
-fn as_recorded_matches_the_recording_on_every_snapshot() {
+/// Every snapshot to check: the dev traces when present, and the public snapshots committed in
+/// `trace/testdata/public-snapshots` (always), parsed, in file-name order.
+fn all_snapshots() -> Vec<(String, Snapshot)> {
     let mut files: Vec<PathBuf> = Vec::new();
     if let Some(dir) = traces_dir() {
         files.extend(
@@ -253,6 +244,30 @@ fn as_recorded_matches_the_recording_on_every_snapshot() {
             .filter(|p| p.to_string_lossy().ends_with(".pickle.gz")),
     );
     files.sort();
+    files
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(f).unwrap();
+            // Gzipped or not.
+            let plain = cistern_trace::kineto::decompress(&bytes).unwrap();
+            let name = f.file_name().unwrap().to_string_lossy().into_owned();
+            (name, Snapshot::from_bytes(&plain).unwrap())
+        })
+        .collect()
+}
+
+/// Traces where `pytorch-as-recorded` is allowed more than 5% off the recording, each with
+/// the reason (none at the time of writing; see the model's module docs for the misses of
+/// the unseeded `pytorch` row).
+const EXPLAINED_OVER_5_PERCENT: &[(&str, &str)] = &[];
+
+/// `pytorch-as-recorded` (the recorded settings, started from the recorded state at the
+/// window's start where the recording held memory from before it) against
+/// `pytorch-recorded`, on every snapshot with history: the dev traces when present, and the
+/// public snapshots committed in `trace/testdata/public-snapshots`, always. Within 2% on at
+/// least 90% of them, and none further than 5% without a written reason.
+#[test]
+fn as_recorded_matches_the_recording_on_every_snapshot() {
     let opts = cistern_replay::EvalOptions {
         min_capacity: false,
         ..Default::default()
@@ -268,11 +283,7 @@ fn as_recorded_matches_the_recording_on_every_snapshot() {
         "{:<58} {:>10} {:>10} {:>10} {:>10} {:>8}",
         "trace", "recorded", "pre-window", "pytorch", "as-rec.", "diff %"
     );
-    for f in &files {
-        let bytes = std::fs::read(f).unwrap();
-        // Gzipped or not.
-        let plain = cistern_trace::kineto::decompress(&bytes).unwrap();
-        let snap = Snapshot::from_bytes(&plain).unwrap();
+    for (name, snap) in all_snapshots() {
         if !snap.has_history() {
             continue;
         }
@@ -280,9 +291,8 @@ fn as_recorded_matches_the_recording_on_every_snapshot() {
         let (rec, asr, py) = (&rows[0], &rows[1], &rows[2]);
         assert_eq!(asr.allocator, cistern_replay::AS_RECORDED);
         let pre = rec.pre_window_bytes.unwrap_or(0);
-        assert_eq!(asr.seeded, pre > 0, "{}", f.display());
+        assert_eq!(asr.seeded, pre > 0, "{name}");
         let diff = (asr.peak_reserved as f64 - rec.peak_reserved as f64) / rec.peak_reserved as f64;
-        let name = f.file_name().unwrap().to_string_lossy().into_owned();
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         eprintln!(
             "{:<58} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>+8.2}",
@@ -400,4 +410,42 @@ fn three_streams_follow_the_source_op_by_op() {
     let recon = snap.reconstruct(0);
     let r = cistern_replay::run(&recon.sequence, "pytorch", 100 * MIB).unwrap();
     assert_eq!(r.peak_reserved, 20 * MIB);
+}
+
+/// Seeded, the model follows PyTorch's reserved bytes after every operation, not only at the
+/// peak, on every snapshot whose recording held memory from before its window: it
+/// needs no segment PyTorch did not make, and makes the ones PyTorch made when PyTorch did.
+#[test]
+fn seeded_models_follow_the_recorded_curve_op_by_op() {
+    let (mut checked, mut with_growth) = (0, 0);
+    for (name, snap) in all_snapshots() {
+        let recon = snap.reconstruct(0);
+        let start = snap.window_start(0, &recon);
+        if !snap.has_history() || start.is_empty() {
+            continue;
+        }
+        let curve = reserved_per_op(&snap, 0, &recon);
+        let config = PytorchConfig {
+            expandable_segments: snap
+                .allocator_settings
+                .as_ref()
+                .and_then(|a| a.expandable_segments)
+                .unwrap_or(false),
+            ..PytorchConfig::default()
+        };
+        let mut m = PytorchModel::new("pytorch", config, 141 << 30);
+        m.seed(&start).unwrap();
+        for (i, op) in recon.sequence.ops.iter().enumerate() {
+            match *op {
+                Op::Alloc { id, size, stream } => m.alloc(id, size, stream).unwrap(),
+                Op::Free { id } => m.free(id),
+            }
+            assert_eq!(m.reserved(), curve[i], "{name}: after op {i} ({op:?})");
+        }
+        checked += 1;
+        with_growth += usize::from(curve.last() != curve.first());
+    }
+    eprintln!("{checked} seeded snapshots follow their curve ({with_growth} grow in the window)");
+    // The public snapshots alone have 19.
+    assert!(checked >= 19, "{checked}");
 }
