@@ -3,14 +3,12 @@
 //! Not covered here: E21 (nested statistic scopes: the pool has no scope API yet) and the part
 //! of E22 about frees with a wrong size (the Rust API's free takes no size).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::{mpsc, Arc, Mutex};
 
+use crate::common::*;
 use cistern::driver::{Driver, DriverCall};
 use cistern::{Config, Error, Pool, SimConfig, SimDriver, StreamId};
-use common::*;
 
 // ---------------------------------------------------------------------------------------------
 // A. Allocation contract

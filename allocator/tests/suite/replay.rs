@@ -6,15 +6,13 @@
 //! `reserved_bytes.all.peak`. The target is a ratio of at most 1.03 on every PyTorch snapshot
 //! with history; `BOUNDS` holds what each trace is held to (see there).
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use crate::common::*;
 use cistern::{SimConfig, StreamId};
 use cistern_trace::sequence::{AllocSequence, Op};
 use cistern_trace::snapshot::Snapshot;
-use common::*;
 
 fn traces_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("CISTERN_TRACES_DIR")

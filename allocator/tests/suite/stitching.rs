@@ -2,11 +2,9 @@
 //! (holes between live blocks, other streams' caches) instead of new driver memory, and pages
 //! leave another stream only after that stream's work on them has finished.
 
-mod common;
-
+use crate::common::*;
 use cistern::driver::DriverCall;
 use cistern::StreamId;
-use common::*;
 
 const A: u64 = 1;
 const B: u64 = 2;

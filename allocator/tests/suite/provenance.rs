@@ -2,14 +2,12 @@
 //! tags. The ledger is checked against the pool's own statistics under random programs of
 //! allocations, frees, `record_stream`s and tag pushes and pops on several threads and streams.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::Arc;
 
+use crate::common::*;
 use cistern::{group_live, site_frames, tag_pop, tag_push, with_tag, StreamId, TagGuard};
-use common::*;
 use proptest::prelude::*;
 
 /// A thread that runs closures sent to it, one at a time: its tag stack persists between them.
@@ -272,7 +270,7 @@ fn live_since_mark() {
     assert_eq!((groups[0].bytes, groups[0].blocks), (3 * MIB + 16 * KIB, 2));
     assert_eq!((groups[1].tag.as_str(), groups[1].blocks), ("", 1));
     // A mark of another pool selects nothing.
-    let (_s2, other) = common::pool(GIB, true);
+    let (_s2, other) = crate::common::pool(GIB, true);
     let _x = alloc(&other, 4096, 0);
     assert!(dev.live_since(&other.device(0).unwrap().mark()).is_empty());
     assert_eq!(dev.live_blocks_detailed().len(), 6);
@@ -332,7 +330,7 @@ fn sampling_rate_is_per_thread() {
     // The 1st, 5th and 9th allocation of the thread.
     assert_eq!(blocks.iter().filter(|b| b.site.is_some()).count(), 3);
     // Tags only: no stacks.
-    let (_sim, tags_only) = common::pool(GIB, true);
+    let (_sim, tags_only) = crate::common::pool(GIB, true);
     allocate_here_for_the_site_test(&tags_only, 3);
     let blocks = tags_only.device(0).unwrap().live_blocks_detailed();
     assert!(blocks.iter().all(|b| b.site.is_none()));
@@ -388,7 +386,7 @@ fn provenance_off_records_nothing() {
 }
 
 /// The cost of one captured stack and of symbolising it. Informational; run with
-/// `cargo test --release -p cistern --test provenance -- --ignored --nocapture`.
+/// `cargo test --release -p cistern --test suite provenance:: -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn measure_stack_capture() {

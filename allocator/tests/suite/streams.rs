@@ -8,10 +8,8 @@
 //! that need a driver which creates streams (per-thread streams, streams of other devices) are
 //! tested over the fake libcuda (`tests/fakecuda/tests/`).
 
-mod common;
-
+use crate::common::*;
 use cistern::{Error, SimConfig, StreamId};
-use common::*;
 
 const H: u64 = 0x7000;
 

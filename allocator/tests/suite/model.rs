@@ -4,11 +4,9 @@
 //! everything, let the work finish, empty the cache, and prove that nothing leaked and that no
 //! range was ever handed out while another stream's unfinished work still touched it.
 
-mod common;
-
+use crate::common::*;
 use cistern::driver::DriverCall;
 use cistern::StreamId;
-use common::*;
 use proptest::prelude::*;
 
 /// Small, so that OOM paths and stitching happen often.

@@ -3,15 +3,13 @@
 //! launch) while the streams complete their work at random. Afterwards: no hazard, invariants
 //! hold, counters are exact, and nothing leaks.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 
+use crate::common::*;
 use cistern::stats::SLACK_BYTES;
 use cistern::StreamId;
-use common::*;
 
 const THREADS: u64 = 4;
 const OPS: usize = 600;

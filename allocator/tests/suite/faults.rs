@@ -6,11 +6,9 @@
 //! driver's); growth reuses it and `empty_cache` retries its release. Only calls that keep
 //! failing while the pool is dropped leak (what the failing call held).
 
-mod common;
-
+use crate::common::*;
 use cistern::driver::DriverCall;
 use cistern::{Error, SimDriver, StreamId};
-use common::*;
 
 const CAP: u64 = 256 * MIB;
 

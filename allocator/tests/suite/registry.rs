@@ -62,7 +62,12 @@ impl Drop for ChildGuard {
 
 fn spawn_child(mode: &str, dir: &Path) -> ChildGuard {
     let child = Command::new(std::env::current_exe().unwrap())
-        .args(["registry_child", "--exact", "--ignored", "--nocapture"])
+        .args([
+            "registry::registry_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+        ])
         .env(CHILD_ENV, format!("{mode}:{}", dir.display()))
         .spawn()
         .expect("re-executing the test binary");
