@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's `prometheus` package (the server and `promtool`) when either is missing, for
-# the exporter's tests (cli/tests/export.rs runs a real Prometheus; the exposition is checked with
+# the exporter's tests (cli/tests/suite/export.rs runs a real Prometheus; the exposition is checked with
 # `promtool check metrics`). Quiet when both are already there. Needs root and apt-get; anywhere
 # else it says what to install and fails.
 set -euo pipefail

@@ -9,7 +9,7 @@
 //! scrape misses the target.
 
 #[allow(dead_code)]
-#[path = "../tests/common/holders.rs"]
+#[path = "../tests/suite/common/holders.rs"]
 mod holders;
 
 use std::io::{BufRead, BufReader};

@@ -47,7 +47,7 @@
 //! # Known differences from the recordings
 //!
 //! Seeded, `pytorch-as-recorded` is within 2% of `pytorch-recorded` on every dev and public
-//! snapshot with history (39; `replay/tests/faithful.rs` prints the table). A seeded model
+//! snapshot with history (39; `replay/tests/suite/faithful.rs` prints the table). A seeded model
 //! starts at the recorded level, so it can only read high, and it does exactly when its
 //! placement needs a segment PyTorch did not make: on none of them. More than the peak: on
 //! all 28 whose recordings held memory from before the window, the seeded model's reserved
@@ -91,7 +91,7 @@
 //! the replay frees at that event. On an allocation failure PyTorch synchronises every
 //! outstanding event first (`synchronize_and_free_events`), completing such frees: in a trace,
 //! their `free_completed` events come before the retry. `release_cached_blocks` then frees
-//! the cached segments of every stream. `replay/tests/faithful.rs`
+//! the cached segments of every stream. `replay/tests/suite/faithful.rs`
 //! (`three_streams_follow_the_source_op_by_op`) checks all of these on a three-stream trace
 //! made by hand, against the reserved bytes the source's rules give after every operation.
 

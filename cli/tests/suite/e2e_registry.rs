@@ -3,14 +3,12 @@
 //! one is killed with SIGKILL, one exits cleanly leaving a block it never freed. `cistern ps`,
 //! `leaks` and `doctor` must account for all three from the registry alone (no NVML here).
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::holders::{build_libraries, profile_dir};
+use crate::common::holders::{build_libraries, profile_dir};
 
 const MIB: u64 = 1 << 20;
 

@@ -9,15 +9,13 @@
 //! `CISTERN_REQUIRE_PROMETHEUS=1` (CI), where it fails; `scripts/ensure-prometheus.sh`
 //! installs it.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::holders::{free_port, http_get, on_path, url_encode, HolderKit, Killed};
-use common::{cistern, fake_nvml, json, TempDir, MIB};
+use crate::common::holders::{free_port, http_get, on_path, url_encode, HolderKit, Killed};
+use crate::common::{cistern, fake_nvml, json, TempDir, MIB};
 
 /// `prometheus` and `promtool`, or `None` (with the reason printed) when they are missing and
 /// not required.

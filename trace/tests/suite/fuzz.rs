@@ -1,7 +1,5 @@
 //! The pickle and snapshot readers return errors, never panic, on arbitrary input.
 
-mod common;
-
 use cistern_trace::pickle;
 use cistern_trace::Snapshot;
 use proptest::prelude::*;
@@ -63,7 +61,7 @@ fn every_truncation_of_the_sample_is_an_error() {
 
 #[test]
 fn truncations_of_a_real_snapshot_are_errors() {
-    let Some(dir) = common::traces_dir("truncated real snapshot") else {
+    let Some(dir) = crate::common::traces_dir("truncated real snapshot") else {
         return;
     };
     let path = dir.join("pytorch_snapshots/cs336-silmont2000__small_mem_snapshot.pickle");

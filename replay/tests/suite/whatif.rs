@@ -1,14 +1,12 @@
 //! `cistern_replay::whatif` on OOM snapshots whose answers are known by construction
 //! (`common/oom_traces.rs`), and on the public snapshots in `../shared/traces` when present.
 
-mod common;
-
+use crate::common::oom_traces::{self, MIB};
 use cistern_replay::whatif::{
     analyze_snapshot, at_capacity, candidates, round_size, PytorchSettings, Verdict, WhatifOptions,
 };
 use cistern_trace::snapshot::Snapshot;
 use cistern_trace::{AllocSequence, Op};
-use common::oom_traces::{self, MIB};
 
 fn row<'a>(results: &'a [Verdict], label: &str) -> &'a Verdict {
     results

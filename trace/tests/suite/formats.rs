@@ -1,8 +1,6 @@
 //! Every reader on the development traces (skipped visibly when absent), the common loader, and
 //! the workload generators: determinism and valid sequences. Prints the numbers per trace.
 
-mod common;
-
 use std::path::Path;
 use std::time::Instant;
 
@@ -54,7 +52,7 @@ fn check_trace(t: &Trace) {
 
 #[test]
 fn kineto_dev_trace() {
-    let Some(dir) = common::traces_dir("kineto dev trace") else {
+    let Some(dir) = crate::common::traces_dir("kineto dev trace") else {
         return;
     };
     let path = dir.join("kineto/hta__v100-2gpu-ddp-rank1_profiler-memory-events.json.gz");
@@ -84,7 +82,7 @@ fn kineto_dev_trace() {
     let stats = d.sequence.replay().unwrap();
     eprintln!(
         "kineto {}: {} events, {} ops, {} allocs, untracked {} B, peak live {} B, peak reserved {} B, {:?}",
-        common::name(&path),
+        crate::common::name(&path),
         d.events,
         d.sequence.ops.len(),
         stats.allocs,
@@ -102,7 +100,7 @@ fn kineto_dev_trace() {
 
 #[test]
 fn load_every_dev_trace() {
-    let Some(dir) = common::traces_dir("load every dev trace") else {
+    let Some(dir) = crate::common::traces_dir("load every dev trace") else {
         return;
     };
     let mut files = Vec::new();
@@ -111,7 +109,7 @@ fn load_every_dev_trace() {
         ("pytorch_state_snapshots", ".pickle"),
         ("static_lifetimes/minimalloc_challenging", ".csv"),
     ] {
-        files.extend(common::files(&dir, sub, ext));
+        files.extend(crate::common::files(&dir, sub, ext));
     }
     assert!(!files.is_empty());
     for f in &files {
@@ -133,7 +131,7 @@ fn load_every_dev_trace() {
 
 #[test]
 fn own_format_round_trips_a_real_snapshot() {
-    let Some(dir) = common::traces_dir("own round trip") else {
+    let Some(dir) = crate::common::traces_dir("own round trip") else {
         return;
     };
     let path = dir.join("pytorch_snapshots/cs336-silmont2000__small_mem_snapshot.pickle");

@@ -6,16 +6,14 @@
 //! them: a history whose beginning is cut off by [`Recorder::open_window`], and segment
 //! events that follow `CUDACachingAllocator.cpp`'s rules, so what PyTorch reserved is known.
 
-mod common;
-
 use std::path::PathBuf;
 
+use crate::common::oom_traces::{Recorder, MIB};
 use cistern_replay::recorded::reserved_per_op;
 use cistern_replay::{
     min_capacity_from, recorded, run, run_from, CostTable, PytorchConfig, PytorchModel,
 };
 use cistern_trace::{Op, Snapshot};
-use common::oom_traces::{Recorder, MIB};
 
 const A: u64 = 0x7f00_0000_0000;
 const B: u64 = 0x7f00_4000_0000;

@@ -1,7 +1,5 @@
 //! Every development trace parses, and every reconstruction is consistent with the final state.
 
-mod common;
-
 use std::time::Instant;
 
 use cistern_trace::minimalloc;
@@ -119,12 +117,12 @@ fn check_device(file: &str, snap: &Snapshot, device: usize) -> String {
 }
 
 fn check_snapshot_dir(sub: &str, test: &str) -> usize {
-    let Some(dir) = common::traces_dir(test) else {
+    let Some(dir) = crate::common::traces_dir(test) else {
         return 0;
     };
-    let files = common::files(&dir, sub, ".pickle");
+    let files = crate::common::files(&dir, sub, ".pickle");
     for path in &files {
-        let file = common::name(path);
+        let file = crate::common::name(path);
         let bytes = std::fs::read(path).unwrap();
         let t = Instant::now();
         let snap = Snapshot::from_bytes(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -168,7 +166,7 @@ fn state_snapshots_parse_and_reconstruct_consistently() {
 /// Python implementation of the same reconstruction rule.
 #[test]
 fn history_snapshots_match_python_pickle() {
-    let Some(dir) = common::traces_dir("python cross-check") else {
+    let Some(dir) = crate::common::traces_dir("python cross-check") else {
         return;
     };
     // file, events, segments, active blocks, final reserved, peak live, reserved at start
@@ -230,12 +228,12 @@ fn history_snapshots_match_python_pickle() {
 
 #[test]
 fn minimalloc_challenging_instances_fit_their_capacity() {
-    let Some(dir) = common::traces_dir("minimalloc") else {
+    let Some(dir) = crate::common::traces_dir("minimalloc") else {
         return;
     };
-    let files = common::files(&dir, "static_lifetimes/minimalloc_challenging", ".csv");
+    let files = crate::common::files(&dir, "static_lifetimes/minimalloc_challenging", ".csv");
     for path in &files {
-        let file = common::name(path);
+        let file = crate::common::name(path);
         // The capacity is the number in the file name, e.g. `A.1048576.csv`.
         let capacity: u64 = file
             .split('.')
@@ -279,7 +277,7 @@ fn minimalloc_challenging_instances_fit_their_capacity() {
 fn public_snapshots_parse_and_reconstruct_consistently() {
     let dir =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata/public-snapshots");
-    let files = common::files(&dir, ".", ".pickle.gz");
+    let files = crate::common::files(&dir, ".", ".pickle.gz");
     assert!(
         files.len() >= 31,
         "{} snapshots in {}",
@@ -287,7 +285,7 @@ fn public_snapshots_parse_and_reconstruct_consistently() {
         dir.display()
     );
     for path in &files {
-        let file = common::name(path);
+        let file = crate::common::name(path);
         let gz = std::fs::read(path).unwrap();
         let bytes =
             cistern_trace::kineto::decompress(&gz).unwrap_or_else(|e| panic!("{file}: {e}"));

@@ -2,13 +2,11 @@
 //! (under `CISTERN_FAKE_REGISTRY_ROOT` here), checking each against the uid in its name; a
 //! directory with the wrong owner, an open mode or a symlink is refused by name and never read.
 
-mod common;
-
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
 
+use crate::common::*;
 use cistern::registry::{self, State};
-use common::*;
 use serde_json::{json, Value};
 
 fn mkdir(p: &Path, mode: u32) {
@@ -35,7 +33,7 @@ fn every_users_directory_is_read_and_unsafe_ones_are_refused_by_name() {
     let root = tmp.path().join("root");
     let me = registry::euid();
     let other = me + 4242;
-    let (pid, start) = common::me();
+    let (pid, start) = crate::common::me();
     // Mine, in /dev/shm: read.
     let shm_mine = root.join(format!("dev/shm/cistern-{me}"));
     mkdir(&root.join("dev/shm"), 0o1777);
@@ -220,7 +218,7 @@ fn all_users_keeps_an_explicit_directory_and_refuses_a_bad_cistern_conf() {
         "{err}"
     );
     let mine = tmp.path().join("mine");
-    let (pid, start) = common::me();
+    let (pid, start) = crate::common::me();
     publish(
         &mine,
         identity(pid, start, "python mine.py"),
@@ -256,7 +254,7 @@ fn records_of_another_user_are_refused_node_wide() {
     let root = tmp.path().join("root");
     mkdir(&root.join("dev/shm"), 0o1777);
     let mine = root.join(format!("dev/shm/cistern-{me}"));
-    let (pid, start) = common::me();
+    let (pid, start) = crate::common::me();
     publish(
         &mine,
         identity(pid, start, "python mine.py"),

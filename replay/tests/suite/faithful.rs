@@ -33,8 +33,6 @@
 //! Any trace that misses the 2% bar is printed with its difference; if one ever does, the
 //! explanation belongs in the list above.
 
-mod common;
-
 use std::path::PathBuf;
 
 use cistern_replay::recorded::reserved_per_op;
@@ -332,7 +330,7 @@ fn as_recorded_matches_the_recording_on_every_snapshot() {
 /// PyTorch reserved after every operation.
 #[test]
 fn three_streams_follow_the_source_op_by_op() {
-    use common::oom_traces::{Recorder, MIB};
+    use crate::common::oom_traces::{Recorder, MIB};
     const S1: u64 = 0x11;
     const S2: u64 = 0x22;
     const S3: u64 = 0x33;

@@ -1,12 +1,10 @@
 //! `cistern ps` end to end: records in a temporary registry, a fake NVML.
 
-mod common;
-
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use crate::common::*;
 use cistern::registry::{self, LeakEntry, MarkRecord, ProcessSnapshot, State};
-use common::*;
 use serde_json::{json, Value};
 
 /// The processes a scenario set up.

@@ -1,10 +1,8 @@
 //! `cistern doctor` end to end: exit status, grace period, `--clean-stale`, quiet when every
 //! process exited cleanly, records expiring, the driver's Xid errors.
 
-mod common;
-
+use crate::common::*;
 use cistern::registry::{LeakEntry, ProcessSnapshot, State};
-use common::*;
 use serde_json::json;
 
 fn doctor(

@@ -1,9 +1,7 @@
 //! `cistern leaks PID` end to end.
 
-mod common;
-
+use crate::common::*;
 use cistern::registry::{LeakEntry, MarkRecord, ProcessSnapshot, State};
-use common::*;
 
 #[test]
 fn leaks_of_an_exited_process_sum_to_its_record() {

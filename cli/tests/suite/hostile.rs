@@ -2,12 +2,10 @@
 //! symlink (in every spelling) and records holding terminal control characters (`ps`, `leaks`,
 //! `doctor`), and a reader that has gone before the output (every command).
 
-mod common;
-
 use std::os::unix::fs::{symlink, PermissionsExt};
 
+use crate::common::*;
 use cistern::registry::{LeakEntry, MarkRecord, State};
-use common::*;
 
 #[test]
 fn a_symlinked_registry_is_refused_in_every_spelling() {

@@ -1,8 +1,8 @@
 //! End-to-end tests of `cistern whatif`: the binary on OOM snapshots built with known answers
-//! (`replay/tests/common/oom_traces.rs`), its JSON, its plot and its errors; and on the public
+//! (`replay/tests/suite/common/oom_traces.rs`), its JSON, its plot and its errors; and on the public
 //! snapshots in `../shared/traces` when present.
 
-#[path = "../../replay/tests/common/oom_traces.rs"]
+#[path = "../../../replay/tests/suite/common/oom_traces.rs"]
 mod oom_traces;
 
 use std::path::PathBuf;
