@@ -84,10 +84,16 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     let mut warnings = Vec::new();
     for input in &inputs {
         let seq = &input.trace.sequence;
+        // The state the recording held when its window opened, when there was one.
+        let start = input.trace.window_start.as_ref().filter(|w| !w.is_empty());
         let cap = match capacity {
             Some(c) => c,
-            None => auto_capacity(seq.peak_live_requested)
-                .map_err(|e| format!("{}: {e}", input.trace.name))?,
+            // A seeded row holds the recorded state besides the window's live bytes.
+            None => auto_capacity(
+                seq.peak_live_requested
+                    .saturating_add(start.map_or(0, |w| w.bytes())),
+            )
+            .map_err(|e| format!("{}: {e}", input.trace.name))?,
         };
         let mut results = Vec::new();
         if let Some(label) = input.recorded_label {
@@ -105,8 +111,6 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
                 .map_or(names.len(), |i| i + 1);
             names.insert(at, AS_RECORDED.to_string());
         }
-        // The state the recording held when its window opened, when there was one.
-        let start = input.trace.window_start.as_ref().filter(|w| !w.is_empty());
         for a in &names {
             bar.set_message(format!("{} / {a}", input.trace.name));
             let (spec, mut note) = if a == AS_RECORDED {
@@ -120,14 +124,26 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
                 Some(w) => engine::run_from(seq, &spec, cap, &costs, w)?,
                 None => engine::run_with(seq, &spec, cap, &costs)?,
             };
+            let mut search_note = None;
             if !args.no_min_capacity {
-                r.min_capacity = Some(match seed {
-                    Some(w) => engine::min_capacity_from(seq, &spec, w)?,
-                    None => engine::min_capacity(seq, &spec)?,
-                });
+                r.min_capacity = match seed {
+                    // A recorded state no device holds (the search gives up) is this row's
+                    // finding, not an error of the whole run.
+                    Some(w) => match engine::min_capacity_from(seq, &spec, w) {
+                        Ok(c) => Some(c),
+                        Err(e) => {
+                            search_note = Some(format!("min capacity: {e}"));
+                            None
+                        }
+                    },
+                    None => Some(engine::min_capacity(seq, &spec)?),
+                };
             }
             if let Some(w) = seed {
-                let s = seeded_note(w);
+                let mut s = seeded_note(w);
+                if let Some(n) = search_note {
+                    s.push_str(&format!("; {n}"));
+                }
                 note = Some(match note {
                     Some(n) => format!("{n}; {s}"),
                     None => s,
@@ -179,20 +195,13 @@ fn is_pytorch(name: &str) -> bool {
 
 /// The note of a row that started from the recorded state at the window's start.
 fn seeded_note(w: &cistern_trace::WindowStart) -> String {
-    let mut s = format!(
+    format!(
         "started from the recorded state at the window's start ({} in {} segments, {} of it \
          live)",
         format_bytes(w.bytes()),
         w.segments.len(),
         format_bytes(w.live_bytes())
-    );
-    if !w.unplaced.is_empty() {
-        s.push_str(&format!(
-            "; {} blocks live then lie in no recorded segment and were allocated anew",
-            w.unplaced.len()
-        ));
-    }
-    s
+    )
 }
 
 /// Loads the files and generates the workloads asked for (the built-in ones when neither).

@@ -262,9 +262,10 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
 /// cannot hold it: out of memory before its first operation.
 fn failed_to_seed(model: &dyn AllocatorModel, oom: Oom) -> ReplayResult {
     let cost = model.cost();
+    // Nothing ran: no peak, and the seed's own calls (reset by the model) belong to no window.
     ReplayResult {
         allocator: model.name().to_string(),
-        peak_reserved: model.reserved(),
+        peak_reserved: 0,
         peak_live: 0,
         frag: 0.0,
         internal_waste: None,
@@ -319,7 +320,16 @@ pub fn run_from(
 ) -> Result<ReplayResult, String> {
     let mut m = make_with(name, capacity, costs)?;
     let mut r = match m.seed(start) {
-        Ok(()) => replay(seq, m.as_mut()),
+        Ok(anew) => {
+            let mut r = replay(seq, m.as_mut());
+            if anew > 0 {
+                r.note = Some(format!(
+                    "{anew} blocks live at the window's start fit no recorded place and were \
+                     allocated anew"
+                ));
+            }
+            r
+        }
         Err(SeedError::Unsupported(e)) => return Err(e),
         Err(SeedError::Oom(oom)) => failed_to_seed(m.as_ref(), oom),
     };
@@ -335,7 +345,7 @@ pub fn min_capacity_from(
     start: &WindowStart,
 ) -> Result<u64, String> {
     let costs = CostTable::default();
-    bisect_capacity(seq, allocator, CAPACITY_RESOLUTION, |cap| {
+    bisect_capacity(seq, allocator, CAPACITY_RESOLUTION, start.bytes(), |cap| {
         run_from(seq, allocator, cap, &costs, start)
     })
 }
@@ -357,21 +367,29 @@ pub fn min_capacity_with(
     allocator: &str,
     resolution: u64,
 ) -> Result<u64, String> {
-    bisect_capacity(seq, allocator, resolution, |cap| run(seq, allocator, cap))
+    bisect_capacity(seq, allocator, resolution, 0, |cap| {
+        run(seq, allocator, cap)
+    })
 }
 
-/// The search of [`min_capacity_with`], with `run` replaying on a device of the given bytes.
+/// The search of [`min_capacity_with`], with `run` replaying on a device of the given bytes;
+/// every run needs `floor` bytes besides the sequence's live bytes (a seeded run's recorded
+/// state).
 fn bisect_capacity(
     seq: &AllocSequence,
     allocator: &str,
     resolution: u64,
+    floor: u64,
     run: impl Fn(u64) -> Result<ReplayResult, String>,
 ) -> Result<u64, String> {
     let res = resolution.max(1);
     let ok =
         |units: u64| -> Result<bool, String> { Ok(run(units.saturating_mul(res))?.oom.is_none()) };
     let peak_live = seq.peak_live_requested.max(seq.peak_live());
-    let mut probe = (peak_live.saturating_mul(4)).max(1 << 30).div_ceil(res);
+    let mut probe = (peak_live.saturating_mul(4))
+        .max(1 << 30)
+        .max(floor.saturating_add(peak_live).saturating_mul(2))
+        .div_ceil(res);
     let mut steps = 0;
     let hi_run = loop {
         let r = run(probe.saturating_mul(res))?;
@@ -395,7 +413,7 @@ fn bisect_capacity(
             hi = probe;
         }
     }
-    let mut lo = (peak_live / res).max(1).min(hi);
+    let mut lo = (peak_live.max(floor) / res).max(1).min(hi);
     while lo < hi && steps < MAX_BISECTION_STEPS {
         let mid = lo + (hi - lo) / 2;
         steps += 1;

@@ -87,9 +87,10 @@ pub trait AllocatorModel {
     }
     /// Starts the model, before its first operation, from the allocator state a snapshot's
     /// window opened on: its segments reserved, the blocks live then in place, for the
-    /// sequence's initial allocations to bind to. Only the PyTorch models can (the state is
-    /// PyTorch's); the default refuses.
-    fn seed(&mut self, _start: &cistern_trace::WindowStart) -> Result<(), SeedError> {
+    /// sequence's initial allocations to bind to; returns how many of those could not be
+    /// placed (they are then allocated the ordinary way). Only the PyTorch models can (the
+    /// state is PyTorch's); the default refuses.
+    fn seed(&mut self, _start: &cistern_trace::WindowStart) -> Result<usize, SeedError> {
         Err(SeedError::Unsupported(format!(
             "`{}` cannot start from a recorded allocator state: only the PyTorch models \
              (pytorch, pytorch-expandable, pytorch-as-recorded) can",

@@ -48,8 +48,9 @@
 //!
 //! Seeded, `pytorch-as-recorded` is within 2% of `pytorch-recorded` on every dev and public
 //! snapshot with history (39; `replay/tests/suite/faithful.rs` prints the table). A seeded model
-//! starts at the recorded level, so it can only read high, and it does exactly when its
-//! placement needs a segment PyTorch did not make: on none of them. More than the peak: on
+//! starts at the recorded level: it reads high where its placement needs a segment PyTorch
+//! did not make, and low where it makes fewer of the segments PyTorch made in the window; on
+//! none of them does either happen. More than the peak: on
 //! all 28 whose recordings held memory from before the window, the seeded model's reserved
 //! bytes are PyTorch's after every operation (`seeded_models_follow_the_recorded_curve_op_by_op`;
 //! on `cs336-wedsonlin gpt-medium_train_ctx512` and `cs336-linyunlinyun xl-fwd_ctx128_fp32`
@@ -752,7 +753,7 @@ impl AllocatorModel for PytorchModel {
         sim_cost(&self.driver)
     }
 
-    fn seed(&mut self, start: &cistern_trace::WindowStart) -> Result<(), SeedError> {
+    fn seed(&mut self, start: &cistern_trace::WindowStart) -> Result<usize, SeedError> {
         PytorchModel::seed(self, start)
     }
 }

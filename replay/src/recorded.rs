@@ -43,6 +43,8 @@ pub fn reserved_per_op(snapshot: &Snapshot, device: usize, recon: &Reconstructio
 /// * `peak_reserved`: the highest point of [`Snapshot::reserved_curve`], including its start
 ///   (the reserved bytes when the window opened, computed back from the final segments);
 /// * `peak_live`: the reconstructed sequence's peak of requested bytes;
+/// * `pre_window_bytes`: the bytes of the segments that existed when the window opened
+///   ([`Snapshot::window_start`]);
 /// * `driver_calls`: `segment_alloc` counted as `mem_alloc`, `segment_free` as `mem_free`,
 ///   `segment_map` as `map`, `segment_unmap` as `unmap` (the window's events only);
 /// * `internal_waste`, `min_capacity`, `ops_per_sec`: unknown (`None`);
@@ -100,7 +102,10 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
         ops: live.len(),
         capacity: None,
         oom: None,
-        pre_window_bytes: Some(curve.start),
+        // The segments walked back from the final ones (`Snapshot::window_start`), as the
+        // seeded models start from them; the curve's start is the same sum when the events
+        // agree with the final state.
+        pre_window_bytes: Some(snapshot.window_start(device, recon).bytes()),
         seeded: false,
         note: (!notes.is_empty()).then(|| notes.join("; ")),
         series: series.finish(),
@@ -119,7 +124,13 @@ pub fn evaluate_snapshot(
     opts: EvalOptions,
 ) -> Result<Vec<ReplayResult>, String> {
     let recon = snapshot.reconstruct(device);
-    let start = snapshot.window_start(device, &recon);
+    // A snapshot without history reconstructs no window: its ops are its final state, and
+    // there is no earlier state to start from.
+    let start = if snapshot.events(device).is_empty() {
+        WindowStart::default()
+    } else {
+        snapshot.window_start(device, &recon)
+    };
     allocators
         .iter()
         .map(|&name| {

@@ -4,6 +4,9 @@
 //! with `cargo test -p cistern-cli --test suite export::`.
 
 mod common;
+/// Snapshots with known answers, shared with the replay crate's tests.
+#[path = "../../../replay/tests/suite/common/oom_traces.rs"]
+mod oom_traces;
 
 mod all_users;
 mod doctor;

@@ -787,3 +787,47 @@ fn memory_from_before_the_window_is_reported_and_seeded() {
         "{table}"
     );
 }
+
+/// A recording that held far more memory before its window than the window ever has live:
+/// the default device must hold that state too, or the seeded row would run out of memory
+/// before its first operation.
+#[test]
+fn the_default_device_holds_the_recorded_state_of_a_seeded_row() {
+    use crate::oom_traces::{Recorder, MIB};
+    let base = 0x7f00_0000_0000u64;
+    let mut r = Recorder::default();
+    // 16 GiB of 1 GiB segments cached before the window; the window allocates 1 MiB + 512 KiB.
+    for k in 0..16u64 {
+        r.segment(0, base + (k << 30), 1 << 30, 0);
+    }
+    r.open_window()
+        .alloc(0, base, 3 * MIB / 2, 0)
+        .free(0, base, 0);
+    let dir = std::env::temp_dir().join(format!("cistern-seeded-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cached.pickle");
+    std::fs::write(&path, r.snapshot().to_pickle()).unwrap();
+    let out = cistern()
+        .arg("replay")
+        .arg(&path)
+        .args(["-a", "pytorch-as-recorded", "--json"])
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = doc["results"].as_array().unwrap();
+    let row = rows
+        .iter()
+        .find(|r| r["allocator"] == "pytorch-as-recorded")
+        .unwrap();
+    assert!(row["oom"].is_null(), "{row}");
+    assert_eq!(row["seeded"], true);
+    assert_eq!(row["peak_reserved"].as_u64(), Some(16 << 30));
+    // The smallest device holds the 16 GiB recorded, no more (the request fits in it).
+    assert_eq!(row["min_capacity"].as_u64(), Some(16 << 30));
+}

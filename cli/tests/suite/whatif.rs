@@ -2,13 +2,10 @@
 //! (`replay/tests/suite/common/oom_traces.rs`), its JSON, its plot and its errors; and on the public
 //! snapshots in `../shared/traces` when present.
 
-#[path = "../../../replay/tests/suite/common/oom_traces.rs"]
-mod oom_traces;
-
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use oom_traces::MIB;
+use crate::oom_traces::{self, MIB};
 
 fn cistern() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));

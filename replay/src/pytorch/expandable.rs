@@ -53,7 +53,8 @@ impl PytorchModel {
             LARGE_BUFFER
         };
         let space = self.capacity.saturating_add(self.capacity / 8);
-        let pages = space.div_ceil(page).max(1);
+        // At most what a u64 of bytes can span (a capacity near 2^64 would overflow).
+        let pages = space.div_ceil(page).clamp(1, u64::MAX / page);
         let base = self.driver.reserve_va(DEV, pages * page, page).ok()?;
         let seg = self.segments.len();
         self.segments.push(Some(ExpandableSegment {

@@ -28,15 +28,27 @@ use crate::model::SeedError;
 impl PytorchModel {
     /// Starts the model from `start` (see the module docs); the initial allocations of the
     /// sequence (ids `0..initially_live`) then bind to the placed blocks instead of allocating.
-    /// Fails with an [`Oom`] when the device cannot hold the recorded segments, and when the
-    /// model has already run.
-    pub fn seed(&mut self, start: &WindowStart) -> Result<(), SeedError> {
+    /// Returns how many of them were not placed (no recorded segment holds them, or they do
+    /// not fit where they were), which the first operations allocate the ordinary way. Fails
+    /// with an [`Oom`] when the device cannot hold the recorded segments, and when the model
+    /// has already run.
+    pub fn seed(&mut self, start: &WindowStart) -> Result<usize, SeedError> {
         if !self.slots.is_empty() || self.reserved != 0 {
             return Err(SeedError::Unsupported(format!(
                 "{}: a model can start from a recorded state only before its first operation",
                 self.name
             )));
         }
+        let placed = self.seed_all(start);
+        // What seeding cost was paid before the window opened (and a failed seed's calls are
+        // no part of any window either).
+        self.driver.reset_counters();
+        self.counters = PytorchCounters::default();
+        placed.map(|placed| start.unplaced.len() + start.live.len() - placed)
+    }
+
+    /// Seeds every segment of `start`; returns how many live blocks were placed.
+    fn seed_all(&mut self, start: &WindowStart) -> Result<usize, SeedError> {
         let mut by_segment: Vec<Vec<&cistern_trace::snapshot::StartBlock>> =
             vec![Vec::new(); start.segments.len()];
         for b in &start.live {
@@ -46,20 +58,28 @@ impl PytorchModel {
         }
         // An expandable reservation per (stream, pool), with the address its first run had.
         let mut reservations: Vec<(u64, usize, usize, u64)> = Vec::new();
+        let mut placed = 0;
         for (si, seg) in start.segments.iter().enumerate() {
             let pool = if seg.small { SMALL } else { LARGE };
-            let free = if seg.expandable && self.config.expandable_segments {
-                self.seed_expandable_run(seg, pool, &mut reservations)?
+            let page = if pool == SMALL {
+                SMALL_BUFFER
             } else {
-                self.seed_plain_segment(seg, pool)?
+                LARGE_BUFFER
             };
-            let offset = self.slots[free].addr.wrapping_sub(seg.address);
-            self.place_live_blocks(free, seg, offset, &by_segment[si]);
+            // A run that is no whole number of its pool's pages cannot be mapped as recorded:
+            // it is seeded as a plain segment of its exact size instead.
+            let (free, base) =
+                if seg.expandable && self.config.expandable_segments && seg.size % page == 0 {
+                    self.seed_expandable_run(seg, pool, &mut reservations)?
+                } else {
+                    self.seed_plain_segment(seg, pool)?
+                };
+            // The free block may start before the run (merged with a free neighbour): the
+            // run's own address in the model is `base`.
+            let offset = base.wrapping_sub(seg.address);
+            placed += self.place_live_blocks(free, seg, offset, &by_segment[si]);
         }
-        // What seeding cost was paid before the window opened.
-        self.driver.reset_counters();
-        self.counters = PytorchCounters::default();
-        Ok(())
+        Ok(placed)
     }
 
     fn seed_oom(&self, seg: &StartSegment, what: &str) -> SeedError {
@@ -76,7 +96,12 @@ impl PytorchModel {
     }
 
     /// One `cudaMalloc` for a plain segment: the whole of it a free block of its pool.
-    fn seed_plain_segment(&mut self, seg: &StartSegment, pool: usize) -> Result<usize, SeedError> {
+    /// Returns the block and the segment's address in the model.
+    fn seed_plain_segment(
+        &mut self,
+        seg: &StartSegment,
+        pool: usize,
+    ) -> Result<(usize, u64), SeedError> {
         let ptr = self
             .driver
             .mem_alloc(DEV, seg.size)
@@ -95,18 +120,19 @@ impl PytorchModel {
             seg: None,
         });
         self.insert_free(b);
-        Ok(b)
+        Ok((b, ptr))
     }
 
     /// Maps an expandable run at its distance from the first run of its stream and pool
     /// (in a new reservation when it does not fit that one); the mapped run becomes one free
-    /// block.
+    /// block (possibly merged with a free neighbour). Returns that block and the run's address
+    /// in the model.
     fn seed_expandable_run(
         &mut self,
         seg: &StartSegment,
         pool: usize,
         reservations: &mut Vec<(u64, usize, usize, u64)>,
-    ) -> Result<usize, SeedError> {
+    ) -> Result<(usize, u64), SeedError> {
         let page = if pool == SMALL {
             SMALL_BUFFER
         } else {
@@ -124,7 +150,7 @@ impl PytorchModel {
                 && seg.size % page == 0
                 && off
                     .checked_add(seg.size)
-                    .is_some_and(|end| end <= e.pages * e.page)
+                    .is_some_and(|end| end <= e.pages.saturating_mul(e.page))
         };
         let existing = reservations.iter().find(|r| fits(r, self)).copied();
         let (si, first) = match existing {
@@ -161,7 +187,7 @@ impl PytorchModel {
         if self.slots[at].size < seg.size || !self.map_block(at, seg.size) {
             return Err(self.seed_oom(seg, "page mapping"));
         }
-        Ok(at)
+        Ok((at, target))
     }
 
     /// Splits the unmapped block `i` at `at` (inside it); returns the part from `at` on.
@@ -201,8 +227,9 @@ impl PytorchModel {
         seg: &StartSegment,
         offset: u64,
         live: &[&cistern_trace::snapshot::StartBlock],
-    ) {
+    ) -> usize {
         let seg_end = seg.address + seg.size;
+        let mut placed = 0;
         let mut tail = Some(free);
         let mut cursor = seg.address;
         for (k, b) in live.iter().enumerate() {
@@ -240,9 +267,11 @@ impl PytorchModel {
             let addr = b.address.wrapping_add(offset);
             let (slot, rest) = self.carve(t, addr, size, b.requested);
             self.seeded.insert(b.id, slot);
+            placed += 1;
             tail = rest;
             cursor = b.address + size;
         }
+        placed
     }
 
     /// Takes `[addr, addr + size)` out of the free block `i` as an allocated block of

@@ -224,3 +224,131 @@ fn seeded_replays_of_public_snapshots_keep_the_model_sound() {
             .unwrap_or_else(|e| panic!("{file}: {e}"));
     }
 }
+
+/// A live block's size, where the recording does not show it, is PyTorch's: its rounded
+/// request, grown over a remainder that `should_split` would not have split off (1 MiB or
+/// less in the large pool). Seen in the model's allocated bytes (its internal waste).
+#[test]
+fn seeded_blocks_keep_the_remainders_pytorch_would_not_split() {
+    let mut r = Recorder::default();
+    // 19.5 MiB in a 20 MiB segment: the 0.5 MiB remainder is not split off.
+    r.segment(0, A, 20 * MIB, 0)
+        .alloc(0, A, 39 * MIB / 2, 0)
+        .open_window()
+        .free(0, A, 0);
+    let snap = r.snapshot();
+    let recon = snap.reconstruct(0);
+    let start = snap.window_start(0, &recon);
+    assert_eq!(
+        start.live[0].block_size, None,
+        "freed in the window: size not shown"
+    );
+    let mut m = PytorchModel::new("pytorch", PytorchConfig::default(), 80 << 30);
+    assert_eq!(m.seed(&start), Ok(0));
+    use cistern_replay::AllocatorModel;
+    m.alloc(0, 39 * MIB / 2, 0).unwrap();
+    assert_eq!(m.allocated(), Some(20 * MIB));
+    m.check_invariants().unwrap();
+}
+
+/// Where the final state shows the same block (live from before the window to the dump),
+/// its recorded size is kept, even where a fresh placement would have split it: here a
+/// 12 MiB block holding a 10 MiB request leaves no 2 MiB gap for the window's 1.5 MiB
+/// request, so PyTorch made a segment, and so does the seeded model.
+#[test]
+fn seeded_blocks_keep_the_sizes_the_final_state_shows() {
+    let mut r = Recorder::default();
+    r.segment(0, A, 20 * MIB, 0)
+        .alloc(0, A, 10 * MIB, 0)
+        .alloc(0, A + 12 * MIB, 8 * MIB, 0)
+        .open_window()
+        .segment(0, B, 20 * MIB, 0)
+        .alloc(0, B, 3 * MIB / 2, 0);
+    let mut snap = r.snapshot();
+    let seg = snap.segments.iter_mut().find(|s| s.address == A).unwrap();
+    seg.blocks.retain(|b| b.state.is_active());
+    seg.blocks[0].size = 12 * MIB;
+    let recon = snap.reconstruct(0);
+    let start = snap.window_start(0, &recon);
+    assert_eq!(start.live[0].block_size, Some(12 * MIB));
+    let costs = CostTable::default();
+    let seeded = run_from(&recon.sequence, "pytorch", 80 << 30, &costs, &start).unwrap();
+    assert_eq!(seeded.peak_reserved, 40 * MIB);
+    assert_eq!(
+        seeded.peak_reserved,
+        recorded(&snap, 0, &recon).peak_reserved
+    );
+    // Sized by the request alone, the block would leave [10, 12) MiB free, and the request
+    // would fit there.
+    let mut shown = start.clone();
+    shown.live[0].block_size = None;
+    let fresh = run_from(&recon.sequence, "pytorch", 80 << 30, &costs, &shown).unwrap();
+    assert_eq!(fresh.peak_reserved, 20 * MIB);
+}
+
+/// An expandable run that is no whole number of its pool's pages cannot be mapped as it was
+/// recorded: it is seeded as a plain segment of its exact size, so the seeded model holds
+/// exactly the recorded bytes, and a block in a run after it lands at its recorded offset.
+#[test]
+fn expandable_runs_are_seeded_at_their_recorded_offsets() {
+    use cistern_trace::snapshot::{StartBlock, StartSegment, WindowStart};
+    let run = |address: u64, size: u64| StartSegment {
+        address,
+        size,
+        stream: 0,
+        small: false,
+        expandable: true,
+    };
+    let start = WindowStart {
+        // 30 MiB is no whole number of 20 MiB pages; the runs at +40 and +80 MiB are.
+        segments: vec![
+            run(A, 30 * MIB),
+            run(A + 40 * MIB, 20 * MIB),
+            run(A + 80 * MIB, 20 * MIB),
+        ],
+        live: vec![StartBlock {
+            id: 0,
+            address: A + 90 * MIB,
+            requested: 10 * MIB,
+            block_size: None,
+            segment: 2,
+        }],
+        unplaced: vec![],
+        inconsistent: 0,
+    };
+    let config = PytorchConfig {
+        expandable_segments: true,
+        ..PytorchConfig::default()
+    };
+    let mut m = PytorchModel::new("pytorch-expandable", config, 80 << 30);
+    assert_eq!(m.seed(&start), Ok(0));
+    m.check_invariants().unwrap();
+    use cistern_replay::AllocatorModel;
+    assert_eq!(m.reserved(), 70 * MIB);
+    m.alloc(0, 10 * MIB, 0).unwrap();
+    // The live block is the second half of the last run: its first half, [80, 90) MiB, is
+    // free and takes a 10 MiB request with no growth; the 20 MiB run at +40 takes 20 MiB.
+    m.alloc(1, 10 * MIB, 0).unwrap();
+    m.alloc(2, 20 * MIB, 0).unwrap();
+    assert_eq!(m.reserved(), 70 * MIB);
+    m.check_invariants().unwrap();
+}
+
+/// A snapshot without history has no window, so nothing to start from: the library's
+/// `pytorch-as-recorded` row is not seeded, as the CLI's is not.
+#[test]
+fn a_snapshot_without_history_is_not_seeded() {
+    let mut r = Recorder::default();
+    r.segment(0, A, 20 * MIB, 0)
+        .alloc(0, A, 4 * MIB, 0)
+        .open_window();
+    let mut snap = r.snapshot();
+    snap.device_traces.clear();
+    let opts = cistern_replay::EvalOptions {
+        min_capacity: false,
+        ..Default::default()
+    };
+    let rows =
+        cistern_replay::evaluate_snapshot(&snap, 0, &[cistern_replay::AS_RECORDED], opts).unwrap();
+    assert!(!rows[0].seeded, "{:?}", rows[0]);
+}

@@ -9,13 +9,48 @@ use cistern::{Config, SimDriver};
 use cistern_trace::workloads::TrainingParams;
 use cistern_trace::{LoadOptions, Snapshot};
 
-/// PyTorch snapshot pickles: parse, reconstruct every device, compute the reserved curve.
+/// PyTorch snapshot pickles: parse, reconstruct every device, compute the reserved curve and
+/// the state at the window's start (sorted, disjoint, non-empty segments; every live block
+/// inside its own), and start both PyTorch models from that state on a small device, then
+/// replay the first operations: no panic, and the models' block structure stays sound.
 pub fn snapshot(data: &[u8]) {
     if let Ok(snap) = Snapshot::from_bytes(data) {
         for d in 0..snap.device_traces.len().max(1) {
             let r = snap.reconstruct(d);
             assert!(r.sequence.replay().is_ok());
             let _ = snap.reserved_curve(d).peak();
+            let w = snap.window_start(d, &r);
+            for pair in w.segments.windows(2) {
+                assert!(pair[0].address + pair[0].size <= pair[1].address);
+            }
+            assert!(w.segments.iter().all(|s| s.size > 0));
+            for b in &w.live {
+                let s = &w.segments[b.segment];
+                assert!(b.address >= s.address && b.address - s.address < s.size);
+            }
+            for expandable in [false, true] {
+                let config = cistern_replay::PytorchConfig {
+                    expandable_segments: expandable,
+                    ..Default::default()
+                };
+                let mut m = cistern_replay::PytorchModel::new("pytorch", config, 1 << 30);
+                if m.seed(&w).is_err() {
+                    continue;
+                }
+                m.check_invariants().unwrap();
+                for op in r.sequence.ops.iter().take(256) {
+                    use cistern_replay::AllocatorModel;
+                    match *op {
+                        cistern_trace::Op::Alloc { id, size, stream } => {
+                            if m.alloc(id, size, stream).is_err() {
+                                break;
+                            }
+                        }
+                        cistern_trace::Op::Free { id } => m.free(id),
+                    }
+                }
+                m.check_invariants().unwrap();
+            }
         }
     }
 }

@@ -414,3 +414,53 @@ fn is_expandable_survives_a_pickle_round_trip() {
     let back = Snapshot::from_bytes(&snap.to_pickle()).unwrap();
     assert_eq!(back, snap);
 }
+
+#[test]
+fn window_start_refuses_ranges_past_the_end_of_the_address_space() {
+    // A segment that would wrap, an empty one, and a segment event that would wrap: each is
+    // counted and left out, never cut short or made empty.
+    let snap = Snapshot {
+        segments: vec![
+            seg(u64::MAX - MIB + 1, 40 * MIB, "large", vec![]),
+            seg(0x1000_0000, 0, "large", vec![]),
+            seg(0x2000_0000, 2 * MIB, "small", vec![]),
+        ],
+        device_traces: vec![vec![ev(Action::SegmentFree, u64::MAX - 5, 4 << 60)]],
+        allocator_settings: None,
+    };
+    let w = snap.window_start(0, &snap.reconstruct(0));
+    assert_eq!(w.inconsistent, 3);
+    assert_eq!(w.segments.len(), 1);
+    assert!(w.segments.iter().all(|s| s.size > 0));
+    assert_eq!(w.bytes(), 2 * MIB);
+}
+
+#[test]
+fn window_start_takes_a_range_s_pool_from_the_blocks_seen_in_it() {
+    // An expandable run of 20 MiB unmapped in the window, alone in its reservation: its size
+    // says "large pool", but the window served 512 B requests from it, which only the small
+    // pool does. A plain 20 MiB segment freed in the window after serving a 4 MiB request
+    // stays large.
+    let b = 0x7000_0000_0000;
+    let snap = Snapshot {
+        segments: vec![],
+        device_traces: vec![vec![
+            ev(Action::Alloc, b + 4096, 512),
+            ev(Action::FreeRequested, b + 4096, 512),
+            ev(Action::FreeCompleted, b + 4096, 512),
+            ev(Action::SegmentUnmap, b, 20 * MIB),
+            ev(Action::Alloc, 0x1000_0000, 4 * MIB),
+            ev(Action::FreeRequested, 0x1000_0000, 4 * MIB),
+            ev(Action::FreeCompleted, 0x1000_0000, 4 * MIB),
+            ev(Action::SegmentFree, 0x1000_0000, 20 * MIB),
+        ]],
+        allocator_settings: None,
+    };
+    let w = snap.window_start(0, &snap.reconstruct(0));
+    let pools: Vec<(u64, bool, bool)> = w
+        .segments
+        .iter()
+        .map(|s| (s.address, s.small, s.expandable))
+        .collect();
+    assert_eq!(pools, vec![(0x1000_0000, false, false), (b, true, true)]);
+}

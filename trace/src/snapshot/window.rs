@@ -18,6 +18,8 @@ use super::{Action, Reconstruction, Snapshot};
 const SMALL_BUFFER: u64 = 2 << 20;
 /// Page size of a large pool's expandable segment (`kLargeBuffer`).
 const LARGE_PAGE: u64 = 20 << 20;
+/// The largest request the small pool serves (`kSmallSize`).
+const SMALL_SIZE: u64 = 1 << 20;
 
 /// A segment (or, for expandable segments, a mapped run of one) that existed when the window
 /// opened.
@@ -30,8 +32,10 @@ pub struct StartSegment {
     /// The stream it belongs to.
     pub stream: u64,
     /// In the small pool (blocks of at most 1 MiB): from `segment_type` when the final state
-    /// records it, else from the size (small segments are 2 MiB; an expandable run whose size
-    /// is no multiple of the large pool's 20 MiB page is small).
+    /// records it; else from an expandable neighbour of its stream; else from the blocks seen
+    /// in it (a request of at most 1 MiB is the small pool's); else from the size (small
+    /// segments are 2 MiB; an expandable run whose size is no multiple of the large pool's
+    /// 20 MiB page is small).
     pub small: bool,
     /// Part of an expandable segment (`is_expandable`, or mapped and unmapped by
     /// `segment_map` / `segment_unmap` events).
@@ -65,8 +69,9 @@ pub struct WindowStart {
     /// Ids of initial allocations in no start segment (or with no known address): a seeded
     /// model allocates them the ordinary way.
     pub unplaced: Vec<u64>,
-    /// Segment events that do not fit the final state walked back (freeing a range that is
-    /// reserved at that point, or allocating one that is not); each was skipped.
+    /// Segments and segment events that do not fit the final state walked back (freeing a
+    /// range that is reserved at that point, allocating one that is not, an empty range, or
+    /// one past the end of the address space); each was skipped.
     pub inconsistent: usize,
 }
 
@@ -157,11 +162,15 @@ impl Snapshot {
         let mut ranges = Ranges::default();
         let mut inconsistent = 0;
         for s in self.device_segments(device) {
-            let end = s.address.saturating_add(s.total_size);
-            if s.total_size == 0 || ranges.overlaps(s.address, end) {
+            // A range past the end of the address space, or empty, is no segment.
+            let end = s
+                .address
+                .checked_add(s.total_size)
+                .filter(|_| s.total_size > 0);
+            let Some(end) = end.filter(|&end| !ranges.overlaps(s.address, end)) else {
                 inconsistent += 1;
                 continue;
-            }
+            };
             ranges.0.insert(
                 s.address,
                 Range {
@@ -174,46 +183,84 @@ impl Snapshot {
         }
         let events = self.events(device);
         for e in events.iter().rev() {
-            let (a, b) = (e.addr, e.addr.saturating_add(e.size));
-            if a == b {
+            let segment_event = matches!(
+                e.action,
+                Action::SegmentAlloc
+                    | Action::SegmentMap
+                    | Action::SegmentFree
+                    | Action::SegmentUnmap
+            );
+            if !segment_event {
                 continue;
             }
+            let Some(b) = e.addr.checked_add(e.size).filter(|_| e.size > 0) else {
+                inconsistent += 1;
+                continue;
+            };
+            let a = e.addr;
             match e.action {
                 Action::SegmentAlloc | Action::SegmentMap => {
                     // Not reserved at that point: the event contradicts the final state.
                     inconsistent += usize::from(!ranges.remove(a, b));
                 }
-                Action::SegmentFree | Action::SegmentUnmap => {
+                _ => {
                     if ranges.overlaps(a, b) {
                         inconsistent += 1;
                         continue;
                     }
                     let expandable = e.action == Action::SegmentUnmap;
+                    // An unmapped run next to a mapped one of its stream is in its pool;
+                    // otherwise the blocks seen in it decide, below.
                     let small = if expandable {
-                        ranges
-                            .neighbour_pool(a, b, e.stream)
-                            .unwrap_or(e.size % LARGE_PAGE != 0)
+                        ranges.neighbour_pool(a, b, e.stream)
                     } else {
-                        e.size == SMALL_BUFFER
+                        None
                     };
                     ranges.0.insert(
                         a,
                         Range {
                             end: b,
                             stream: e.stream,
-                            small: Some(small),
+                            small,
                             expandable,
                         },
                     );
                 }
-                _ => {}
+            }
+        }
+        // Where the final state does not name a range's pool, the blocks seen in it do: a
+        // request of at most 1 MiB (kSmallSize) is served by the small pool only.
+        let initial = recon.sequence.initially_live.min(recon.sequence.ops.len());
+        let initial_blocks = recon.sequence.ops[..initial]
+            .iter()
+            .zip(&recon.initial_addrs)
+            .filter_map(|(op, a)| match (*op, *a) {
+                (crate::Op::Alloc { size, .. }, Some(a)) => Some((a, size)),
+                _ => None,
+            });
+        let window_blocks = events
+            .iter()
+            .filter(|e| e.action == Action::Alloc)
+            .map(|e| (e.addr, e.size));
+        for (addr, size) in initial_blocks.chain(window_blocks) {
+            if size == 0 {
+                continue;
+            }
+            if let Some((_, r)) = ranges.0.range_mut(..=addr).next_back() {
+                if r.end > addr && r.small.is_none() {
+                    r.small = Some(size <= SMALL_SIZE);
+                }
             }
         }
         let mut segments: Vec<StartSegment> = Vec::new();
         for (&address, r) in &ranges.0 {
-            let small = r
-                .small
-                .unwrap_or(!r.expandable && r.end - address == SMALL_BUFFER);
+            // Nothing seen in it: small segments are 2 MiB (kSmallBuffer), and an expandable
+            // run of the large pool is whole 20 MiB pages.
+            let small = r.small.unwrap_or(if r.expandable {
+                (r.end - address) % LARGE_PAGE != 0
+            } else {
+                r.end - address == SMALL_BUFFER
+            });
             if let Some(last) = segments.last_mut() {
                 if r.expandable
                     && last.expandable
