@@ -128,6 +128,7 @@ configs = [
     (2, "pytorch:max_split_size_mb:256"),
     (2, "pytorch-expandable"),
     (2, "cistern:chunk_size:2MiB,stream_sync:always"),
+    (2, "cistern:chunk_split:none,chunk_size:64MiB"),
     (3, "iters=3,seq=512"),
 ]
 for i, (sel, text) in enumerate(configs):

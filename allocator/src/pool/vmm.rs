@@ -8,7 +8,8 @@
 //! mapped, unmapped and released whole (`cuMemCreate` costs ~195 µs a handle whatever its size,
 //! and `cuMemUnmap` must unmap a whole mapping). Growth backs each run of a window's missing
 //! pages with chunks of up to `chunk_size` (20 MiB by default, as PyTorch's expandable segments
-//! use), the last one of a run smaller; the small heap uses single granules, where flexibility
+//! use) and of at most a `chunk_split`-th of the request (a quarter by default; `none` lifts
+//! it), the last one of a run smaller; the small heap uses single granules, where flexibility
 //! pays most. The page table keeps, per granule, the chunk mapped there and the granule's
 //! index in it, so a chunk's mapping can be found from any of its pages.
 //!
@@ -414,13 +415,19 @@ impl<D: Driver> DevicePool<D> {
         let mut limit_hit = false;
         let mut driver_err = None;
         let mut created: Vec<(usize, Chunk)> = Vec::new();
-        // Chunks of up to `chunk_size`, and at most a quarter of the request: a block then
-        // spans at least four chunks, so that when it is freed and its range is reused by
-        // smaller blocks, at most a quarter of it is pinned by a partly used chunk.
+        // Chunks of up to `chunk_size`, and (`chunk_split`, 4 by default) at most a quarter of
+        // the request: a block then spans at least four chunks, so that when it is freed and
+        // its range is reused by smaller blocks, at most a quarter of it is pinned by a partly
+        // used chunk. `chunk_split:none` trades that for fewer handles.
         let chunk_pages = match kind {
-            HeapKind::Large => (c.config.chunk_size / g)
-                .min((w.hi - w.lo) / g / 4)
-                .clamp(1, u32::MAX as u64) as u32,
+            HeapKind::Large => {
+                let most = c.config.chunk_size / g;
+                match c.config.chunk_split {
+                    Some(n) => most.min((w.hi - w.lo) / g / u64::from(n.max(1))),
+                    None => most,
+                }
+                .clamp(1, u32::MAX as u64) as u32
+            }
             HeapKind::Small => 1,
         };
         let mut big = chunk_pages;

@@ -321,6 +321,8 @@ fn b9_config_validation() {
         ("memory_limit:0", "memory_limit"),
         ("memory_limit:-1GiB", "memory_limit"),
         ("release_threshold:12 parsecs", "release_threshold"),
+        ("chunk_split:0", "chunk_split"),
+        ("chunk_split:a quarter", "chunk_split"),
         ("small_size:100", "small_size"),
         ("small_size:128MiB", "small_size"),
         ("vmm:perhaps", "vmm"),

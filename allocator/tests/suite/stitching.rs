@@ -248,6 +248,34 @@ fn large_growth_buys_chunks() {
     assert_no_leak(&sim, pool);
 }
 
+/// `chunk_split:none` backs each run with handles of `chunk_size` whatever the request: the
+/// 5 MiB request (three pages) that takes three single-granule handles by default takes one
+/// 6 MiB handle, and a 200 MiB block still takes ten of 20 MiB; `chunk_split:1` bounds a
+/// handle by the request's whole pages (two), so 5 MiB takes two.
+#[test]
+fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
+    for (conf, small, large) in [
+        ("chunk_split:none", 1, 10),
+        ("chunk_split:1", 2, 10),
+        ("chunk_split:4", 3, 10),
+    ] {
+        let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(GIB), true, conf);
+        let q = alloc(&pool, 5 * MIB, A);
+        assert_eq!(sim.calls(DriverCall::CreatePhysical), small, "{conf}");
+        assert_eq!(sim.committed_bytes(0), 6 * MIB, "{conf}");
+        let p = alloc(&pool, 200 * MIB, A);
+        check(&pool);
+        assert_eq!(
+            sim.calls(DriverCall::CreatePhysical),
+            small + large,
+            "{conf}"
+        );
+        free(&pool, p, A);
+        free(&pool, q, A);
+        assert_no_leak(&sim, pool);
+    }
+}
+
 /// With `chunk_size:2MiB` every granule is its own handle, as before chunks.
 #[test]
 fn chunk_size_of_one_granule_gives_page_handles() {
