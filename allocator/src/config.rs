@@ -75,6 +75,17 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          reserved there, and 13-39% more on the small, tightly packed packed-* workloads.",
     ),
     (
+        "grow_whole_chunks",
+        "off",
+        "When large-heap growth ends in unmapped space and the limit and the device have room, \
+         map whole chunks (chunk_size) past the request, as PyTorch's expandable segments grow \
+         by 20 MiB pages: the pages beyond it are cached free memory for the requests that \
+         follow, so growth happens, and costs cuMemCreate calls, less often. Given up, never \
+         failing a request, when room runs short. On the dev snapshots, median modelled driver \
+         time 1.04x pytorch-expandable's instead of 4.9x, for up to 3.6% more peak reserved \
+         (up to 80% more on the small packed-* workloads).",
+    ),
+    (
         "small_size",
         "1MiB",
         "Requests up to this size are served from the small heap (its own pages, so short-lived \
@@ -166,6 +177,9 @@ pub struct Config {
     /// The fewest handles large-heap growth backs a request with (`chunk_split`); `None`:
     /// handles of `chunk_size` whatever the request.
     pub chunk_split: Option<u32>,
+    /// Large-heap growth maps whole chunks past the request while there is room
+    /// (`grow_whole_chunks`).
+    pub grow_whole_chunks: bool,
     /// Requests up to this many bytes use the small heap.
     pub small_size: u64,
     /// Abort on invalid frees.
@@ -194,6 +208,7 @@ impl Default for Config {
             stream_sync: StreamSync::Pressure,
             chunk_size: 20 << 20,
             chunk_split: Some(4),
+            grow_whole_chunks: false,
             small_size: 1 << 20,
             strict: false,
             record: None,
@@ -451,6 +466,7 @@ impl Config {
                     }
                 };
             }
+            "grow_whole_chunks" => self.grow_whole_chunks = parse_bool(key, value)?,
             "small_size" => {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;
             }

@@ -10,7 +10,10 @@
 //! pages with chunks of up to `chunk_size` (20 MiB by default, as PyTorch's expandable segments
 //! use) and of at most a `chunk_split`-th of the request (a quarter by default; `none` lifts
 //! it), the last one of a run smaller; the small heap uses single granules, where flexibility
-//! pays most. The page table keeps, per granule, the chunk mapped there and the granule's
+//! pays most. With `grow_whole_chunks`, a window whose last run ends in unmapped space grows
+//! that run past the request to whole chunks while the limit and the device have room (the
+//! pages beyond the request are optional: given up, never failing the request, when room or
+//! the device runs short); they join the heap as a free span like any mapped page. The page table keeps, per granule, the chunk mapped there and the granule's
 //! index in it, so a chunk's mapping can be found from any of its pages.
 //!
 //! Stitching moves chunks, not granules: a free run gives up only the chunks lying wholly
@@ -35,6 +38,7 @@ use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
 use crate::config::StreamSync;
 use crate::driver::{Driver, DriverErrorKind};
 use crate::error::{Error, Result};
+use crate::heap::SpanState;
 
 /// Where a request goes in a VMM extent (the plan phase's answer).
 #[derive(Debug)]
@@ -79,6 +83,9 @@ struct Feasible {
     cached: usize,
     /// New memory alone (the room under the limit and on the device) cannot cover it.
     pressure: bool,
+    /// Pages of new memory the limit and the device leave room for beyond the request (0
+    /// when cached pages alone may cover it: the device's free memory was not read).
+    headroom: usize,
 }
 
 /// Where gathered chunks go in a window: the window's missing pages as runs of consecutive
@@ -360,6 +367,11 @@ impl<D: Driver> DevicePool<D> {
         Ok(Feasible {
             cached,
             pressure: by_limit.min(by_device) < need,
+            headroom: if need > cached {
+                by_limit.min(by_device).saturating_sub(need)
+            } else {
+                0
+            },
         })
     }
 
@@ -431,6 +443,19 @@ impl<D: Driver> DevicePool<D> {
             HeapKind::Small => 1,
         };
         let mut big = chunk_pages;
+        // `grow_whole_chunks`: the last run, when it ends the window in an unmapped range,
+        // grows past the request to whole chunks while the limit and the device have room;
+        // those `optional` pages are cached free memory for the next requests, and are given
+        // up (never failing the request) as soon as room runs short.
+        let full = (c.config.chunk_size / g).clamp(1, u32::MAX as u64) as u32;
+        let mut optional = 0u32;
+        if c.config.grow_whole_chunks && kind == HeapKind::Large && !feasible.pressure {
+            optional = self.whole_chunk_extension(a, kind, w, &place, full, feasible.headroom);
+            if let Some(last) = place.runs.last_mut() {
+                last.1 += optional;
+            }
+        }
+        let last_run = place.runs.len().saturating_sub(1);
         'runs: for r in 0..place.runs.len() {
             loop {
                 let (_, n, f) = place.runs[r];
@@ -443,7 +468,17 @@ impl<D: Driver> DevicePool<D> {
                     .limit
                     .saturating_sub(dev.reserved[0].current.max(0) as u64)
                     / g;
-                let pages = open.min(big).min(room.min(u32::MAX as u64) as u32);
+                let room = room.min(u32::MAX as u64) as u32;
+                let extending = r == last_run && optional > 0;
+                if extending && room < open {
+                    // No room for the pages beyond the request: not needed, not taken.
+                    let unfilled = optional.min(open);
+                    place.runs[r].1 -= unfilled;
+                    optional = 0;
+                    continue;
+                }
+                let chunk = if extending { full.max(big) } else { big };
+                let pages = open.min(chunk).min(room);
                 if pages == 0 {
                     limit_hit = true;
                     break 'runs;
@@ -457,6 +492,13 @@ impl<D: Driver> DevicePool<D> {
                         let chunk = Chunk { handle: h, pages };
                         created.push((place.placed.len(), chunk));
                         place.place_in(r, chunk);
+                    }
+                    Err(e) if e.is_oom() && extending => {
+                        // The device has less room than it seemed: the request's own pages
+                        // first, without the ones beyond it.
+                        dev.free_seen = None;
+                        place.runs[r].1 -= optional.min(open);
+                        optional = 0;
                     }
                     Err(e) if e.is_oom() && pages > 1 => {
                         // No room for a whole chunk: the rest in single granules.
@@ -515,6 +557,42 @@ impl<D: Driver> DevicePool<D> {
             limit_hit,
             driver_err,
         }
+    }
+
+    /// How many pages past the window's end `grow_whole_chunks` maps: the last run of missing
+    /// pages, when it covers the window's end and lies in an unmapped range of the extent,
+    /// grows to a whole number of chunks of `full` pages, as far as that range, and `headroom`
+    /// (the room the limit and the device leave beyond the request), allow.
+    fn whole_chunk_extension(
+        &self,
+        a: &ArenaState,
+        kind: HeapKind,
+        w: &Window,
+        place: &Placement,
+        full: u32,
+        headroom: usize,
+    ) -> u32 {
+        let g = self.core.granularity;
+        let Some(&(lo, n, f)) = place.runs.last() else {
+            return 0;
+        };
+        let end = lo + n as u64 * g;
+        if end < w.hi || f == n {
+            return 0;
+        }
+        let seg = a.kinds[kind].segment(w.seg);
+        let seg_end = seg.base + seg.len;
+        let hole_end = a.kinds[kind]
+            .heap
+            .segment_spans(seg.first)
+            .find(|(_, s)| s.state == SpanState::Hole && s.start < end && end <= s.end())
+            .map(|(_, s)| s.end().min(seg_end));
+        let Some(hole_end) = hole_end else {
+            return 0;
+        };
+        let avail = ((hole_end - end) / g).min(u32::MAX as u64) as u32;
+        let want = n.div_ceil(full).saturating_mul(full) - n;
+        want.min(avail).min(headroom.min(u32::MAX as usize) as u32)
     }
 
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from

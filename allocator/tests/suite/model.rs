@@ -62,7 +62,11 @@ struct Live {
 }
 
 fn run(vmm: bool, ops: &[Op]) -> Result<(), TestCaseError> {
-    let (sim, pool) = pool(CAP, vmm);
+    run_with(vmm, "", ops)
+}
+
+fn run_with(vmm: bool, conf: &str, ops: &[Op]) -> Result<(), TestCaseError> {
+    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(CAP), vmm, conf);
     let mut live: Vec<Live> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         match *op {
@@ -185,5 +189,10 @@ proptest! {
     #[test]
     fn segment_pool_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
         run(false, &ops)?;
+    }
+
+    #[test]
+    fn vmm_pool_with_whole_chunks_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
+        run_with(true, "grow_whole_chunks:on,chunk_split:none", &ops)?;
     }
 }

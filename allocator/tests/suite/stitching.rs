@@ -276,6 +276,72 @@ fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
     }
 }
 
+/// `grow_whole_chunks:on`: a 3 MiB request that ends in unmapped space maps one whole 20 MiB
+/// chunk, and the next requests are served from its cached rest with no driver call.
+#[test]
+fn whole_chunks_serve_the_requests_that_follow() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "grow_whole_chunks:on",
+    );
+    let first = alloc(&pool, 3 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 1);
+    assert_eq!(sim.committed_bytes(0), 20 * MIB);
+    let calls = sim.total_calls();
+    let rest: Vec<u64> = (0..5).map(|_| alloc(&pool, 3 * MIB, A)).collect();
+    check(&pool);
+    assert_eq!(
+        sim.total_calls(),
+        calls,
+        "served from the chunk's cached rest"
+    );
+    for p in rest.into_iter().chain([first]) {
+        free(&pool, p, A);
+    }
+    assert_no_leak(&sim, pool);
+}
+
+/// The pages beyond a request are taken only while there is room, and never fail it: under a
+/// limit they stop at the limit; when the device has less free memory than it seemed, the
+/// request's own pages are mapped without them.
+#[test]
+fn whole_chunks_give_way_to_the_limit_and_the_device() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "grow_whole_chunks:on,memory_limit:8MiB",
+    );
+    let p = alloc(&pool, 3 * MIB, A);
+    check(&pool);
+    assert_eq!(
+        sim.committed_bytes(0),
+        8 * MIB,
+        "up to the limit, no further"
+    );
+    let q = alloc(&pool, 3 * MIB, A);
+    assert_eq!(sim.committed_bytes(0), 8 * MIB);
+    free(&pool, p, A);
+    free(&pool, q, A);
+    assert_no_leak(&sim, pool);
+
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "grow_whole_chunks:on",
+    );
+    // The device refuses anything past 4 MiB: the 20 MiB chunk fails, the 2 pages of the
+    // request do not.
+    sim.fail_after_bytes(4 * MIB);
+    let p = alloc(&pool, 3 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.committed_bytes(0), 4 * MIB);
+    sim.clear_faults();
+    free(&pool, p, A);
+    assert_no_leak(&sim, pool);
+}
+
 /// With `chunk_size:2MiB` every granule is its own handle, as before chunks.
 #[test]
 fn chunk_size_of_one_granule_gives_page_handles() {
