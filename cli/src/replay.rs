@@ -54,7 +54,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     let allocators: Vec<String> = if defaults {
         ALLOCATORS.iter().map(|s| s.to_string()).collect()
     } else {
-        args.allocators.clone()
+        join_cistern_settings(&args.allocators)
     };
     for a in allocators.iter().filter(|a| *a != AS_RECORDED) {
         catalog::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
@@ -184,6 +184,32 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         print_tables(&reports);
     }
     Ok(())
+}
+
+/// `--allocators` splits at commas, and so does a `cistern:KEY:VALUE,KEY:VALUE` spec (its
+/// settings in CISTERN_CONF syntax): a piece that names no allocator but is a `KEY:VALUE`
+/// setting, following a `cistern:` spec, is one more of that spec's settings.
+fn join_cistern_settings(pieces: &[String]) -> Vec<String> {
+    let names_an_allocator = |p: &str| {
+        let base = p.split(':').next().unwrap_or(p).trim();
+        ALLOCATORS.contains(&base)
+            || base == AS_RECORDED
+            || base == catalog::RECORDED
+            || base == "list"
+    };
+    let mut out: Vec<String> = Vec::new();
+    for p in pieces {
+        match out.last_mut() {
+            Some(last)
+                if last.starts_with("cistern:") && p.contains(':') && !names_an_allocator(p) =>
+            {
+                last.push(',');
+                last.push_str(p);
+            }
+            _ => out.push(p.clone()),
+        }
+    }
+    out
 }
 
 /// Whether the model `name` is one of the PyTorch models (which can start from a recorded

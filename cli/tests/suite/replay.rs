@@ -831,3 +831,59 @@ fn the_default_device_holds_the_recorded_state_of_a_seeded_row() {
     // The smallest device holds the 16 GiB recorded, no more (the request fits in it).
     assert_eq!(row["min_capacity"].as_u64(), Some(16 << 30));
 }
+
+/// A `cistern:` spec takes several settings in CISTERN_CONF syntax, commas and all, inside
+/// the comma-separated `--allocators` list: a piece that is a setting, not an allocator,
+/// belongs to the spec before it.
+#[test]
+fn a_cistern_spec_keeps_its_settings_in_the_allocator_list() {
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "rmm-random",
+            "-a",
+            "cistern:chunk_size:2MiB,stream_sync:always,pytorch,cistern:grow_whole_chunks:on",
+            "--json",
+            "--no-min-capacity",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cistern:chunk_size:2MiB,stream_sync:always",
+            "pytorch",
+            "cistern:grow_whole_chunks:on"
+        ]
+    );
+    // A setting that follows no cistern spec is still an unknown allocator.
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "rmm-random",
+            "-a",
+            "pytorch,stream_sync:always",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("stream_sync"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
