@@ -358,11 +358,10 @@ fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
     let peak_live = seq.peak_live_requested;
     let mut note = "recorded by the allocator that produced the trace".to_string();
     if let Some(w) = trace.window_start.as_ref().filter(|w| !w.is_empty()) {
-        let cached = w.bytes().saturating_sub(w.live_bytes());
         note.push_str(&format!(
-            "; held {} when its window opened ({} of it cached, not live)",
+            "; held {} when its window opened, for {} live",
             format_bytes(w.bytes()),
-            format_bytes(cached)
+            format_bytes(w.live_bytes())
         ));
     }
     // Reserved per op, stepping at each point.
