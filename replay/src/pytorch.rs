@@ -61,12 +61,14 @@
 //!
 //! * Memory from before the window, read low. `cs336-linyunlinyun xl-full-step_ctx128_bf16`
 //!   (-6.8%), `_ctx128_fp32` (-7.4%), `_ctx512_bf16` (-3.5%), `cs336-nothanmin forward-mixed`
-//!   (-3.7%): no segment event in the window; 1316 to 1722 segments at the dump, 14 to 22 GiB
-//!   of them cached and free when the window opened (the previous steps' activations and
-//!   gradients). Started empty, the model never makes those segments.
+//!   (-3.7%): no segment event in the window; 1316 to 1722 segments at the dump, holding 14 to
+//!   22 GiB more than the blocks live when the window opened asked for (cached segments of
+//!   the previous steps' activations and gradients). Started empty, the model never makes
+//!   those segments.
 //! * Memory from before the window, read high. `cs336-linyunlinyun xl-fwd_ctx1024_bf16`
-//!   (+2.4%): 8.5 GiB were cached when the window opened, in segments that earlier forward
-//!   passes sized for this window's 512 MiB requests; started empty, the model's placement
+//!   (+2.4%): the segments held 8.5 GiB more than the live blocks when the window opened,
+//!   sized by earlier forward passes for this window's 512 MiB requests; started empty, the
+//!   model's placement
 //!   of the 12.7 GiB live at the start leaves no room for one of them and makes a 512 MiB
 //!   segment more.
 //! * Recorded settings. `cs336-bolongcheng xl-fwd_ctx2048_fp32` (`pytorch` +10.4%): recorded
