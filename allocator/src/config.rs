@@ -77,12 +77,14 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     (
         "grow_whole_chunks",
         "off",
-        "When large-heap growth ends in unmapped space and the limit and the device have room, \
-         map whole chunks (chunk_size) past the request, as PyTorch's expandable segments grow \
-         by 20 MiB pages: the pages beyond it are cached free memory for the requests that \
-         follow, so growth happens, and costs cuMemCreate calls, less often. Given up, never \
-         failing a request, when room runs short. On the dev snapshots, median modelled driver \
-         time 1.04x pytorch-expandable's instead of 4.9x, for up to 3.6% more peak reserved \
+        "When large-heap growth ends in unmapped space, back its last run with whole chunks \
+         (chunk_size; chunk_split does not apply there) and map whole chunks past the request \
+         while the limit and the device keep room for one chunk more, as PyTorch's expandable \
+         segments grow by 20 MiB pages: the pages beyond it are cached free memory for the \
+         requests that follow, so growth happens, and costs cuMemCreate calls, less often. \
+         Given up, never failing the request, when room runs short. They share a handle with \
+         the request, which is released or moved to another stream only whole. On the dev snapshots, median modelled driver \
+         time 1.03x pytorch-expandable's instead of 4.9x, for up to 2.9% more peak reserved \
          (up to 80% more on the small packed-* workloads).",
     ),
     (

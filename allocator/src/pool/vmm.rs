@@ -442,20 +442,25 @@ impl<D: Driver> DevicePool<D> {
             }
             HeapKind::Small => 1,
         };
-        let mut big = chunk_pages;
-        // `grow_whole_chunks`: the last run, when it ends the window in an unmapped range,
-        // grows past the request to whole chunks while the limit and the device have room;
-        // those `optional` pages are cached free memory for the next requests, and are given
-        // up (never failing the request) as soon as room runs short.
+        let big = chunk_pages;
+        // `grow_whole_chunks`: the last run, when it ends the window in unmapped space, is
+        // backed with whole chunks, and grows past the request to whole chunks while the limit
+        // and the device leave room for it and one chunk more; those `optional` pages are
+        // cached free memory for the next requests, and are given up (never failing the
+        // request, never waited for) as soon as room runs short.
         let full = (c.config.chunk_size / g).clamp(1, u32::MAX as u64) as u32;
-        let mut optional = 0u32;
+        let mut whole: Option<u32> = None;
         if c.config.grow_whole_chunks && kind == HeapKind::Large && !feasible.pressure {
-            optional = self.whole_chunk_extension(a, kind, w, &place, full, feasible.headroom);
-            if let Some(last) = place.runs.last_mut() {
-                last.1 += optional;
+            let stuck: Vec<u64> = dev.stuck.iter().map(|s| s.addr).collect();
+            whole = self.whole_chunk_extension(a, kind, w, &place, full, feasible.headroom, &stuck);
+            if let (Some(extra), Some(last)) = (whole, place.runs.last_mut()) {
+                last.1 += extra;
             }
         }
+        let mut optional = whole.unwrap_or(0);
         let last_run = place.runs.len().saturating_sub(1);
+        // After a failed whole chunk: the rest in single granules.
+        let mut single = false;
         'runs: for r in 0..place.runs.len() {
             loop {
                 let (_, n, f) = place.runs[r];
@@ -469,15 +474,14 @@ impl<D: Driver> DevicePool<D> {
                     .saturating_sub(dev.reserved[0].current.max(0) as u64)
                     / g;
                 let room = room.min(u32::MAX as u64) as u32;
-                let extending = r == last_run && optional > 0;
-                if extending && room < open {
-                    // No room for the pages beyond the request: not needed, not taken.
-                    let unfilled = optional.min(open);
-                    place.runs[r].1 -= unfilled;
-                    optional = 0;
-                    continue;
-                }
-                let chunk = if extending { full.max(big) } else { big };
+                let extending = r == last_run && whole.is_some();
+                let chunk = if single {
+                    1
+                } else if extending {
+                    full.max(big)
+                } else {
+                    big
+                };
                 let pages = open.min(chunk).min(room);
                 if pages == 0 {
                     limit_hit = true;
@@ -493,7 +497,7 @@ impl<D: Driver> DevicePool<D> {
                         created.push((place.placed.len(), chunk));
                         place.place_in(r, chunk);
                     }
-                    Err(e) if e.is_oom() && extending => {
+                    Err(e) if e.is_oom() && extending && optional > 0 => {
                         // The device has less room than it seemed: the request's own pages
                         // first, without the ones beyond it.
                         dev.free_seen = None;
@@ -503,7 +507,7 @@ impl<D: Driver> DevicePool<D> {
                     Err(e) if e.is_oom() && pages > 1 => {
                         // No room for a whole chunk: the rest in single granules.
                         dev.free_seen = None;
-                        big = 1;
+                        single = true;
                     }
                     Err(e) => {
                         if e.is_oom() {
@@ -516,6 +520,13 @@ impl<D: Driver> DevicePool<D> {
                         break 'runs;
                     }
                 }
+            }
+        }
+        // The pages beyond the request are never what a request waits for or fails on: those
+        // still open after a stop (the limit, a driver error) are not wanted.
+        if optional > 0 {
+            if let Some(&(_, n, f)) = place.runs.get(last_run) {
+                place.runs[last_run].1 -= optional.min(n - f);
             }
         }
         if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {
@@ -559,10 +570,15 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
-    /// How many pages past the window's end `grow_whole_chunks` maps: the last run of missing
-    /// pages, when it covers the window's end and lies in an unmapped range of the extent,
-    /// grows to a whole number of chunks of `full` pages, as far as that range, and `headroom`
-    /// (the room the limit and the device leave beyond the request), allow.
+    /// Whether `grow_whole_chunks` backs the window's last run of missing pages with whole
+    /// chunks, and how many pages past the window's end it then maps: `None` unless that run
+    /// covers the window's end, still has open pages and ends in an unmapped range of the
+    /// extent; else `Some(extra)`, what makes the run's open pages a whole number of chunks of
+    /// `full` pages, as far as that range (and any page left mapped by a failed unmap in it)
+    /// allows, and only while the limit and the device (`headroom`: their room beyond the
+    /// request) keep room for one chunk more after it, so that the pages pinned beyond a
+    /// request never take the last of the room.
+    #[allow(clippy::too_many_arguments)]
     fn whole_chunk_extension(
         &self,
         a: &ArenaState,
@@ -571,28 +587,33 @@ impl<D: Driver> DevicePool<D> {
         place: &Placement,
         full: u32,
         headroom: usize,
-    ) -> u32 {
+        stuck: &[u64],
+    ) -> Option<u32> {
         let g = self.core.granularity;
-        let Some(&(lo, n, f)) = place.runs.last() else {
-            return 0;
-        };
+        let &(lo, n, f) = place.runs.last()?;
         let end = lo + n as u64 * g;
         if end < w.hi || f == n {
-            return 0;
+            return None;
         }
         let seg = a.kinds[kind].segment(w.seg);
         let seg_end = seg.base + seg.len;
-        let hole_end = a.kinds[kind]
+        let mut hole_end = a.kinds[kind]
             .heap
             .segment_spans(seg.first)
             .find(|(_, s)| s.state == SpanState::Hole && s.start < end && end <= s.end())
-            .map(|(_, s)| s.end().min(seg_end));
-        let Some(hole_end) = hole_end else {
-            return 0;
-        };
+            .map(|(_, s)| s.end().min(seg_end))?;
+        for &at in stuck {
+            if at >= end && at < hole_end {
+                hole_end = at;
+            }
+        }
         let avail = ((hole_end - end) / g).min(u32::MAX as u64) as u32;
-        let want = n.div_ceil(full).saturating_mul(full) - n;
-        want.min(avail).min(headroom.min(u32::MAX as usize) as u32)
+        let open = n - f;
+        let want = open.div_ceil(full).saturating_mul(full) - open;
+        let room = headroom
+            .saturating_sub(full as usize)
+            .min(u32::MAX as usize) as u32;
+        Some(want.min(avail).min(room))
     }
 
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from
