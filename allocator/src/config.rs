@@ -83,9 +83,9 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          segments grow by 20 MiB pages: the pages beyond it are cached free memory for the \
          requests that follow, so growth happens, and costs cuMemCreate calls, less often. \
          Given up, never failing the request, when room runs short. They share a handle with \
-         the request, which is released or moved to another stream only whole. On the dev snapshots, median modelled driver \
-         time 1.03x pytorch-expandable's instead of 4.9x, for up to 2.9% more peak reserved \
-         (up to 80% more on the small packed-* workloads).",
+         the request, which is released or moved to another stream only whole. On the dev \
+         snapshots, median modelled driver time 1.03x pytorch-expandable's instead of 4.9x, \
+         for up to 2.9% more peak reserved (up to 80% more on the small packed-* workloads).",
     ),
     (
         "small_size",

@@ -13,8 +13,10 @@
 //! pays most. With `grow_whole_chunks`, a window whose last run ends in unmapped space grows
 //! that run past the request to whole chunks while the limit and the device have room (the
 //! pages beyond the request are optional: given up, never failing the request, when room or
-//! the device runs short); they join the heap as a free span like any mapped page. The page table keeps, per granule, the chunk mapped there and the granule's
-//! index in it, so a chunk's mapping can be found from any of its pages.
+//! the device runs short); they join the heap as a free span like any mapped page.
+//!
+//! The page table keeps, per granule, the chunk mapped there and the granule's index in it,
+//! so a chunk's mapping can be found from any of its pages.
 //!
 //! Stitching moves chunks, not granules: a free run gives up only the chunks lying wholly
 //! inside it (`window::whole_mappings`), and a chunk goes where a run of the window's missing pages
