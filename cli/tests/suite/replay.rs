@@ -1,20 +1,8 @@
 //! End-to-end tests of `cistern replay`: the binary, its JSON, its plot and its errors.
 
 use std::path::PathBuf;
-use std::process::Command;
 
-fn cistern() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
-    c.env("NO_COLOR", "1");
-    c
-}
-
-fn traces_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("CISTERN_TRACES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"));
-    dir.is_dir().then_some(dir)
-}
+use crate::common::{bin as cistern, traces_dir};
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("cistern-cli-{}", std::process::id()));

@@ -1,29 +1,17 @@
 //! End-to-end tests of `cistern whatif`: the binary on OOM snapshots built with known answers
-//! (`replay/tests/suite/common/oom_traces.rs`), its JSON, its plot and its errors; and on the public
-//! snapshots in `../shared/traces` when present.
+//! (`replay/tests/suite/common/oom_traces.rs`), its JSON, its plot and its errors; and on the
+//! public snapshots in `../shared/traces` when present.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use crate::common::{bin as cistern, traces_dir};
 use crate::oom_traces::{self, MIB};
-
-fn cistern() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
-    c.env("NO_COLOR", "1");
-    c
-}
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("cistern-whatif-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-fn traces_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("CISTERN_TRACES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"));
-    dir.is_dir().then_some(dir)
 }
 
 fn write(name: &str, r: &oom_traces::Recorder) -> PathBuf {

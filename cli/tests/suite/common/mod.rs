@@ -176,6 +176,23 @@ pub fn oom(requested: u64) -> registry::OomRecord {
     }
 }
 
+/// The built `cistern` with no colour and nothing else set (the replay and whatif tests').
+pub fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cistern"));
+    c.env("NO_COLOR", "1");
+    c
+}
+
+/// The dev traces (`$CISTERN_TRACES_DIR`, else `../shared/traces`), when present.
+pub fn traces_dir() -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("CISTERN_TRACES_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces")
+        });
+    dir.is_dir().then_some(dir)
+}
+
 /// The `cistern` binary, with no colour, no `CISTERN_CONF`, the fake NVML when given, and an
 /// empty kernel log (`CISTERN_FAKE_KMSG=/dev/null`: the host's Xid errors play no part).
 pub fn cistern(nvml: Option<&Path>) -> Command {
