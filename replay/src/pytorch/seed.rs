@@ -190,31 +190,36 @@ impl PytorchModel {
         Ok((at, target))
     }
 
-    /// Splits the unmapped block `i` at `at` (inside it); returns the part from `at` on.
-    fn split_unmapped(&mut self, i: usize, at: u64) -> usize {
+    /// Splits block `i` at `at` (inside it): `i` keeps `[addr, at)`, and a new block of the
+    /// same kind (stream, pool, segment, mapped or not, free) takes `[at, end)`, linked after
+    /// it. Pool sets are the caller's: neither block is added to one (`i`'s key is unchanged
+    /// for the unmapped set, ordered by address; not for the free set, ordered by size).
+    fn split_at(&mut self, i: usize, at: u64) -> usize {
         let b = self.slots[i].clone();
-        if at == b.addr {
-            return i;
-        }
         let back = self.new_block(Block {
             addr: at,
             size: b.addr + b.size - at,
             requested: 0,
-            stream: b.stream,
-            pool: b.pool,
             allocated: false,
-            mapped: false,
             prev: Some(i),
-            next: b.next,
-            seg: b.seg,
+            ..b
         });
         if let Some(n) = b.next {
             self.slots[n].prev = Some(back);
         }
         self.slots[i].next = Some(back);
         self.slots[i].size = at - b.addr;
+        back
+    }
+
+    /// Splits the unmapped block `i` at `at` (inside it); returns the part from `at` on.
+    fn split_unmapped(&mut self, i: usize, at: u64) -> usize {
+        if at == self.slots[i].addr {
+            return i;
+        }
+        let back = self.split_at(i, at);
         let k = self.ukey(back);
-        self.pools[b.pool].unmapped.insert(k);
+        self.pools[self.slots[back].pool].unmapped.insert(k);
         back
     }
 
@@ -279,58 +284,22 @@ impl PytorchModel {
     /// allocated block and the free block after it, if any.
     fn carve(&mut self, i: usize, addr: u64, size: u64, requested: u64) -> (usize, Option<usize>) {
         self.remove_free(i);
-        let b = self.slots[i].clone();
-        if addr > b.addr {
-            let front = self.new_block(Block {
-                addr: b.addr,
-                size: addr - b.addr,
-                requested: 0,
-                stream: b.stream,
-                pool: b.pool,
-                allocated: false,
-                mapped: true,
-                prev: b.prev,
-                next: Some(i),
-                seg: b.seg,
-            });
-            if let Some(p) = b.prev {
-                self.slots[p].next = Some(front);
-            }
-            let s = &mut self.slots[i];
-            s.prev = Some(front);
-            s.addr = addr;
-            s.size -= addr - b.addr;
-            self.insert_free(front);
+        let mut taken = i;
+        if addr > self.slots[i].addr {
+            // The front stays free (in the pool again, at its new size).
+            taken = self.split_at(i, addr);
+            self.insert_free(i);
         }
         let mut rest = None;
-        let remaining = self.slots[i].size - size;
-        if remaining > 0 {
-            let cur = self.slots[i].clone();
-            let back = self.new_block(Block {
-                addr: addr + size,
-                size: remaining,
-                requested: 0,
-                stream: cur.stream,
-                pool: cur.pool,
-                allocated: false,
-                mapped: true,
-                prev: Some(i),
-                next: cur.next,
-                seg: cur.seg,
-            });
-            if let Some(n) = cur.next {
-                self.slots[n].prev = Some(back);
-            }
-            let s = &mut self.slots[i];
-            s.next = Some(back);
-            s.size = size;
+        if self.slots[taken].size > size {
+            let back = self.split_at(taken, addr + size);
             self.insert_free(back);
             rest = Some(back);
         }
-        let s = &mut self.slots[i];
+        let s = &mut self.slots[taken];
         s.allocated = true;
         s.requested = requested;
         self.allocated += size;
-        (i, rest)
+        (taken, rest)
     }
 }
