@@ -51,6 +51,17 @@ pub fn reserved_per_op(snapshot: &Snapshot, device: usize, recon: &Reconstructio
 /// * `driver_time_us`, `host_waits`, `pages_moved`, `steady_driver_calls`: not known from
 ///   segment events (0).
 pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> ReplayResult {
+    let start = snapshot.window_start(device, recon);
+    recorded_with(snapshot, device, recon, &start)
+}
+
+/// [`recorded()`] with `start`, the snapshot's [`Snapshot::window_start`], already computed.
+fn recorded_with(
+    snapshot: &Snapshot,
+    device: usize,
+    recon: &Reconstruction,
+    start: &WindowStart,
+) -> ReplayResult {
     let curve = snapshot.reserved_curve(device);
     let events = snapshot.events(device);
     let mut calls: BTreeMap<String, u64> = BTreeMap::new();
@@ -105,7 +116,7 @@ pub fn recorded(snapshot: &Snapshot, device: usize, recon: &Reconstruction) -> R
         // The segments walked back from the final ones (`Snapshot::window_start`), as the
         // seeded models start from them; the curve's start is the same sum when the events
         // agree with the final state.
-        pre_window_bytes: Some(snapshot.window_start(device, recon).bytes()),
+        pre_window_bytes: Some(start.bytes()),
         seeded: false,
         note: (!notes.is_empty()).then(|| notes.join("; ")),
         series: series.finish(),
@@ -126,18 +137,20 @@ pub fn evaluate_snapshot(
     let recon = snapshot.reconstruct(device);
     // A snapshot without history reconstructs no window: its ops are its final state, and
     // there is no earlier state to start from.
+    let window_start = snapshot.window_start(device, &recon);
+    let none = WindowStart::default();
     let start = if snapshot.events(device).is_empty() {
-        WindowStart::default()
+        &none
     } else {
-        snapshot.window_start(device, &recon)
+        &window_start
     };
     allocators
         .iter()
         .map(|&name| {
             if name == RECORDED {
-                Ok(recorded(snapshot, device, &recon))
+                Ok(recorded_with(snapshot, device, &recon, &window_start))
             } else if name == AS_RECORDED {
-                as_recorded_row(snapshot, &recon, &start, opts)
+                as_recorded_row(snapshot, &recon, start, opts)
             } else {
                 evaluate(&recon.sequence, &[name], opts)?
                     .pop()
