@@ -88,6 +88,16 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          for up to 2.9% more peak reserved (up to 80% more on the small packed-* workloads).",
     ),
     (
+        "peer_access",
+        "none",
+        "Which other devices may read and write this device's memory: `all` grants access on \
+         every mapping, present and future, to every device that cuDeviceCanAccessPeer allows \
+         (VMM mappings need access per peer: cuCtxEnablePeerAccess does not cover them); `none` \
+         grants it only to the devices given to enable_peer_access \
+         (cistern_enable_peer_access, cistern_torch.enable_peer_access). Each peer adds a \
+         descriptor to every cuMemSetAccess.",
+    ),
+    (
         "small_size",
         "1MiB",
         "Requests up to this size are served from the small heap (its own pages, so short-lived \
@@ -161,6 +171,16 @@ pub enum StreamSync {
     Always,
 }
 
+/// Which peer devices get access to a device's memory (the `peer_access` key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerAccess {
+    /// Only the devices given to `enable_peer_access`.
+    None,
+    /// Every device that `cuDeviceCanAccessPeer` allows, from the pool's creation.
+    All,
+}
+
 /// The pool's settings. `Config::default()` is what an empty `CISTERN_CONF` gives.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Config {
@@ -182,6 +202,8 @@ pub struct Config {
     /// Large-heap growth maps whole chunks past the request while there is room
     /// (`grow_whole_chunks`).
     pub grow_whole_chunks: bool,
+    /// Which peer devices are granted access to every mapping (`peer_access`).
+    pub peer_access: PeerAccess,
     /// Requests up to this many bytes use the small heap.
     pub small_size: u64,
     /// Abort on invalid frees.
@@ -211,6 +233,7 @@ impl Default for Config {
             chunk_size: 20 << 20,
             chunk_split: Some(4),
             grow_whole_chunks: false,
+            peer_access: PeerAccess::None,
             small_size: 1 << 20,
             strict: false,
             record: None,
@@ -469,6 +492,18 @@ impl Config {
                 };
             }
             "grow_whole_chunks" => self.grow_whole_chunks = parse_bool(key, value)?,
+            "peer_access" => {
+                self.peer_access = match value.trim().to_ascii_lowercase().as_str() {
+                    "none" => PeerAccess::None,
+                    "all" => PeerAccess::All,
+                    other => {
+                        return Err(err(
+                            key,
+                            format!("`{other}` is not a peer_access mode: use all or none"),
+                        ))
+                    }
+                };
+            }
             "small_size" => {
                 self.small_size = parse_size(value).map_err(|m| err(key, m))?;
             }

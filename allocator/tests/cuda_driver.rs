@@ -142,7 +142,7 @@ fn gpu_vmm_round_trip() {
     d.map(0, va, g, a).unwrap();
     d.map(0, va + g, 2 * g, b).unwrap();
     // One set_access may span several mappings.
-    d.set_access(0, va, 3 * g).unwrap();
+    d.set_access(0, va, 3 * g, &[]).unwrap();
     // Mapping over a mapped range is refused.
     assert!(d.map(0, va, g, a).is_err());
     d.unmap(0, va + g, 2 * g).unwrap();

@@ -56,6 +56,15 @@ void cistern_empty_cache(void);
 // PyTorch's `memory_fraction_fn`.
 void cistern_set_memory_fraction(double fraction, int device);
 
+// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
+// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
+// give (for `vmm:false` pools that call is all a peer needs, and this one only records the
+// peer). Returns 1 on success (also when `peer` already had access), 0 on failure (`peer` is
+// `device`, does not exist or cannot access it, or the driver refused; see
+// `cistern_last_error`). PyTorch's `enablePeerAccess(dev, dev_to_access)` is this call with
+// `device = dev_to_access` and `peer = dev`.
+int cistern_enable_peer_access(int device, int peer);
+
 // Declares that `stream` uses the allocation containing `ptr` (its base or any address
 // inside it): once freed, it is not reused until the work queued on `stream` by then has
 // finished. An unknown pointer is reported (last error) and otherwise ignored. PyTorch's

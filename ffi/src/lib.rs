@@ -235,6 +235,43 @@ pub extern "C" fn cistern_set_memory_fraction(fraction: f64, device: c_int) {
     })
 }
 
+/// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
+/// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
+/// give (for `vmm:false` pools that call is all a peer needs, and this one only records the
+/// peer). Returns 1 on success (also when `peer` already had access), 0 on failure (`peer` is
+/// `device`, does not exist or cannot access it, or the driver refused; see
+/// `cistern_last_error`). PyTorch's `enablePeerAccess(dev, dev_to_access)` is this call with
+/// `device = dev_to_access` and `peer = dev`.
+#[no_mangle]
+pub extern "C" fn cistern_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    guard::call("cistern_enable_peer_access", 0, || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_enable_peer_access", why);
+                return 0;
+            }
+        };
+        let r = match usize::try_from(peer) {
+            Ok(peer) => with_pool!(pool, |p| global::device(p, device)
+                .and_then(|d| d.enable_peer_access(peer))),
+            Err(_) => Err(Error::InvalidArgument(format!(
+                "peer {peer} is negative: name a device ordinal"
+            ))),
+        };
+        match r {
+            Ok(()) => 1,
+            Err(e) => {
+                fail_with(
+                    format!("cistern_enable_peer_access(device {device}, peer {peer})"),
+                    &e,
+                );
+                0
+            }
+        }
+    })
+}
+
 /// Declares that `stream` uses the allocation containing `ptr` (its base or any address
 /// inside it): once freed, it is not reused until the work queued on `stream` by then has
 /// finished. An unknown pointer is reported (last error) and otherwise ignored. PyTorch's

@@ -410,6 +410,33 @@ fn memory_fraction_limits_growth() {
 }
 
 #[test]
+fn enable_peer_access_grants_or_says_why_not() {
+    let (abi, _g) = abi();
+    let p = malloc(abi, 8 << 20, 3, stream(0));
+    assert!(!p.is_null());
+    // SAFETY (each call): the export's documented types; bad ordinals are part of its contract.
+    let enable = |dev, peer| unsafe { (abi.enable_peer_access)(dev, peer) };
+    assert_eq!(enable(3, 4), 1, "{}", abi.last_error());
+    assert_eq!(enable(3, 4), 1, "granting twice is fine");
+    assert_eq!(enable(3, 3), 0);
+    assert!(
+        abi.last_error().contains("own device"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(enable(3, 99), 0);
+    assert!(abi.last_error().contains("99"), "{}", abi.last_error());
+    assert_eq!(enable(3, -1), 0);
+    assert!(
+        abi.last_error().contains("negative"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(enable(-2, 1), 0);
+    free(abi, p, 8 << 20, 3, stream(0));
+}
+
+#[test]
 fn stats_count_as_pytorch_does_and_peaks_reset() {
     // ACCEPTANCE E.20 and E.24, through the JSON.
     let (abi, _g) = abi();

@@ -31,6 +31,7 @@ from . import _lib
 from ._alloc import Allocation, alloc, check
 from ._lib import LibraryNotFoundError
 from ._memory import (
+    enable_peer_access,
     empty_cache,
     get_per_process_memory_fraction,
     max_memory_allocated,
@@ -76,6 +77,7 @@ __all__ = [
     "empty_cache",
     "set_per_process_memory_fraction",
     "get_per_process_memory_fraction",
+    "enable_peer_access",
     "record_stream",
     "tag",
     "tag_modules",

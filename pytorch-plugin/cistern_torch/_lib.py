@@ -36,6 +36,7 @@ __all__ = [
     "init",
     "empty_cache",
     "set_memory_fraction",
+    "enable_peer_access",
     "record_stream",
     "base_alloc",
     "stats_json",
@@ -99,6 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cistern_init": (None, [c.c_int]),
         "cistern_empty_cache": (None, []),
         "cistern_set_memory_fraction": (None, [c.c_double, c.c_int]),
+        "cistern_enable_peer_access": (c.c_int, [c.c_int, c.c_int]),
         "cistern_record_stream": (None, [c.c_void_p, c.c_void_p]),
         "cistern_base_alloc": (c.c_void_p, [c.c_void_p, c.POINTER(c.c_size_t)]),
         "cistern_stats_json": (c.c_size_t, [c.c_int, c.c_void_p, c.c_size_t]),
@@ -236,6 +238,19 @@ def get_memory_fraction(device: int) -> Optional[float]:
     if hasattr(lib, "cistern_get_memory_fraction"):
         return float(lib.cistern_get_memory_fraction(device))
     return None
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """``cistern_enable_peer_access``: ``peer`` may use every mapping of ``device``.
+
+    Raises:
+        ValueError: the library refused (its message: a bad ordinal, or devices that cannot
+            reach each other).
+    """
+    with errors_raised():
+        ok = load().cistern_enable_peer_access(device, peer)
+    if not ok:
+        raise ValueError(last_error())
 
 
 def record_stream(ptr: int, stream: int) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "empty_cache",
     "set_per_process_memory_fraction",
     "get_per_process_memory_fraction",
+    "enable_peer_access",
     "record_stream",
 ]
 
@@ -126,6 +127,21 @@ def get_per_process_memory_fraction(device: Any = None) -> float:
         if dev in _fractions:
             return _fractions[dev]
     return _configured_fraction()
+
+
+def enable_peer_access(device: Any, peer: Any) -> None:
+    """Lets device ``peer`` read and write every block cistern holds on ``device``, now and later.
+
+    ``torch.cuda``'s peer access (``cudaDeviceEnablePeerAccess``) does not cover memory mapped
+    with the CUDA VMM API, which is what cistern's blocks are: without this (or
+    ``peer_access:all`` in ``CISTERN_CONF``), a kernel on ``peer`` that touches them faults.
+    Granting twice is harmless.
+
+    Raises:
+        ValueError: a device does not exist, ``peer`` is ``device``, or the two cannot reach
+            each other (``cuDeviceCanAccessPeer``); the message is cistern's.
+    """
+    _lib.enable_peer_access(device_index(device), device_index(peer))
 
 
 def record_stream(ptr_or_tensor: Any, stream: Any) -> None:

@@ -130,3 +130,12 @@ def test_fraction_limits_allocations(restore_fraction, allocs) -> None:
     assert cistern_torch._lib.malloc(limit + (2 << 20), 0, 0) == 0
     assert "limit" in cistern_torch.last_error() or "out of memory" in cistern_torch.last_error()
     allocs.free(allocs.malloc(limit // 4))
+
+
+def test_enable_peer_access_raises_with_cisterns_reason(lib: object) -> None:
+    with pytest.raises(ValueError, match="own device"):
+        cistern_torch.enable_peer_access(0, "cuda:0")
+    with pytest.raises(ValueError, match="device 64"):
+        cistern_torch.enable_peer_access(0, 64)
+    with pytest.raises(ValueError, match="negative"):
+        cistern_torch.enable_peer_access(0, -1)

@@ -23,8 +23,11 @@
 //!     granularity-aligned). `unmap(dev, addr, size)` undoes exactly one earlier `map` (CUDA cannot
 //!     unmap part of a mapping). The caller must ensure that no queued work still touches the range
 //!     before unmapping (CUDA does not synchronise for us).
-//!   - `set_access(dev, addr, size)` grants read/write access to device `dev` over mapped memory;
-//!     it may span several mappings. A mapping is unusable until access is set.
+//!   - `set_access(dev, addr, size, peers)` grants read/write access to device `dev`, and to
+//!     each device of `peers`, over mapped memory of `dev`; it may span several mappings. A
+//!     mapping is unusable until access is set, and a peer device may touch it only once access
+//!     is set for that peer too (`cuCtxEnablePeerAccess` does not cover VMM mappings). A peer
+//!     must be one that `can_access_peer(dev, peer)` allows.
 //!   - `release_physical` frees a handle; it must no longer be mapped anywhere.
 //! * **Linear fallback**: `mem_alloc` / `mem_free` (`cuMemAlloc` / `cuMemFree`). `mem_free` may
 //!   synchronise the device: slow path only.
@@ -341,8 +344,22 @@ pub trait Driver: Send + Sync + 'static {
     fn map(&self, dev: DeviceId, addr: u64, size: u64, handle: PhysHandle) -> DriverResult<()>;
     /// Unmaps exactly one earlier mapping `[addr, addr + size)`.
     fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()>;
-    /// Grants device `dev` read/write access to mapped memory `[addr, addr + size)`.
-    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()>;
+    /// Grants device `dev`, and each device of `peers`, read/write access to mapped memory
+    /// `[addr, addr + size)` of device `dev` (one `cuMemSetAccess` with a descriptor per device).
+    fn set_access(
+        &self,
+        dev: DeviceId,
+        addr: u64,
+        size: u64,
+        peers: &[DeviceId],
+    ) -> DriverResult<()>;
+    /// Whether device `peer` can be granted access to memory of device `dev`
+    /// (`cuDeviceCanAccessPeer(peer, dev)`; counted as a [`DriverCall::Capabilities`] query).
+    /// `Ok(false)` for `peer == dev` and for drivers without peers.
+    fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let _ = (dev, peer);
+        Ok(false)
+    }
 
     /// Allocates linear device memory (`cuMemAlloc`), for devices without VMM.
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64>;
@@ -437,8 +454,17 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     fn unmap(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
         (**self).unmap(dev, addr, size)
     }
-    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
-        (**self).set_access(dev, addr, size)
+    fn set_access(
+        &self,
+        dev: DeviceId,
+        addr: u64,
+        size: u64,
+        peers: &[DeviceId],
+    ) -> DriverResult<()> {
+        (**self).set_access(dev, addr, size, peers)
+    }
+    fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        (**self).can_access_peer(dev, peer)
     }
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
         (**self).mem_alloc(dev, size)

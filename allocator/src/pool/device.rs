@@ -65,6 +65,8 @@ pub(super) struct DeviceState {
     /// Growth trusts the estimate when it shows room and reads the driver again when it does
     /// not; a failed creation forgets it (another process may have taken memory).
     pub(super) free_seen: Option<(u64, u64)>,
+    /// The devices granted access to every mapping (`peers.rs`).
+    pub(super) peers: Vec<DeviceId>,
 }
 
 impl DeviceState {
@@ -140,6 +142,7 @@ impl<D: Driver> DevicePool<D> {
         // Starts the provenance clock no later than the first pool.
         crate::provenance::now_ns();
         let limit = config.limit_for(caps.total_memory);
+        let peers = super::peers::initial_peers(&*driver, dev, config.peer_access)?;
         let recorder = match &config.record {
             Some(path) => Some(
                 crate::trace_writer::Recorder::create(path, dev).map_err(|e| {
@@ -183,6 +186,7 @@ impl<D: Driver> DevicePool<D> {
                 free_seen: None,
                 lost: Vec::new(),
                 stuck: Vec::new(),
+                peers,
             }),
         })
     }

@@ -69,6 +69,7 @@
 //! | `vmm.rs` | VMM growth in named phases (plan, feasibility, gather, map) and stitching |
 //! | `pages.rs` | chunks in and out of page tables: mapping, releasing, stealing |
 //! | `window.rs` | the pure window arithmetic (which pages a request needs, which pages are free) |
+//! | `peers.rs` | peer access: which other devices are granted every mapping |
 //! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
 //! | `report.rs` | statistics, invariant checks, live views, snapshots, reports |
 //! | `buffer.rs` | [`Buffer`], the owning handle |
@@ -119,6 +120,7 @@ mod buffer;
 mod device;
 mod grow;
 mod pages;
+mod peers;
 mod publish;
 mod release;
 mod report;
@@ -310,6 +312,12 @@ impl<D: Driver> Pool<D> {
         for d in self.devices() {
             d.empty_cache();
         }
+    }
+
+    /// Grants device `peer` read/write access to every mapping of device `dev`'s pool, present
+    /// and future (see [`DevicePool::enable_peer_access`]).
+    pub fn enable_peer_access(&self, dev: DeviceId, peer: DeviceId) -> Result<()> {
+        self.device(dev)?.enable_peer_access(peer)
     }
 
     /// Sets device `dev`'s per-process limit as a fraction of its memory.

@@ -94,7 +94,7 @@ impl<D: Driver> DevicePool<D> {
             }
             let lo = run[0].0;
             let hi = run.last().map_or(lo, |&(a, ch)| a + ch.pages as u64 * g);
-            match d.set_access(c.dev, lo, hi - lo) {
+            match d.set_access(c.dev, lo, hi - lo, &dev.peers) {
                 Ok(()) => {
                     if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
                         if let Backing::Vmm { pages } = &mut seg.backing {

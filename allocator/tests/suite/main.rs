@@ -9,6 +9,7 @@ mod acceptance;
 mod faults;
 mod interop;
 mod model;
+mod peers;
 mod provenance;
 mod registry;
 mod registry_pool;

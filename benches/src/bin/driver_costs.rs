@@ -135,7 +135,7 @@ impl Bench {
             let (r, us) = timed(|| d.map(dev, va, size, h));
             r?;
             t[1].push(us);
-            let (r, us) = timed(|| d.set_access(dev, va, size));
+            let (r, us) = timed(|| d.set_access(dev, va, size, &[]));
             r?;
             t[2].push(us);
             let (r, us) = timed(|| d.unmap(dev, va, size));
@@ -184,12 +184,12 @@ impl Bench {
             for batched in [rep % 2 == 0, rep % 2 != 0] {
                 map_all()?;
                 if batched {
-                    let (r, us) = timed(|| d.set_access(dev, va, len));
+                    let (r, us) = timed(|| d.set_access(dev, va, len, &[]));
                     r?;
                     one.push(us / n as f64);
                 } else {
                     let (r, us) =
-                        timed(|| (0..n).try_for_each(|i| d.set_access(dev, va + i * g, g)));
+                        timed(|| (0..n).try_for_each(|i| d.set_access(dev, va + i * g, g, &[])));
                     r?;
                     each.push(us / n as f64);
                 }

@@ -115,7 +115,9 @@ impl PytorchModel {
             let _ = self.driver.map(DEV, a, page, h);
         }
         let mapped = (end - begin) * page;
-        let _ = self.driver.set_access(DEV, base + begin * page, mapped);
+        let _ = self
+            .driver
+            .set_access(DEV, base + begin * page, mapped, &[]);
         if let Some(Some(s)) = self.segments.get_mut(seg_i) {
             let need = end as usize;
             if s.handles.len() < need {

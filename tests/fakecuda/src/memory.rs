@@ -477,7 +477,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
         }
         if owner_rw {
             f.sim
-                .set_access(owner, ptr, self::size(size))
+                .set_access(owner, ptr, self::size(size), &[])
                 .map_err(|e| code(&e))?;
         }
         for s in maps {

@@ -117,11 +117,15 @@ impl Cuda {
     }
 
     /// Work on `s` touching `[ptr, ptr + len)`.
+    #[track_caller]
     fn launch(&self, s: StreamId, ptr: u64, len: u64) {
+        self.ok("cisternFakeLaunch", self.try_launch(s, ptr, len));
+    }
+
+    /// [`Cuda::launch`], returning the fake's answer.
+    fn try_launch(&self, s: StreamId, ptr: u64, len: u64) -> c_uint {
         // SAFETY: plain values; the fake never dereferences device addresses.
-        self.ok("cisternFakeLaunch", unsafe {
-            (self.launch)(s.0 as usize as Ptr, ptr, len as usize)
-        });
+        unsafe { (self.launch)(s.0 as usize as Ptr, ptr, len as usize) }
     }
 
     /// The GPU finishes what `s` has queued.
@@ -348,6 +352,109 @@ fn child_record_stream_on_another_device() {
     pool.empty_cache();
     cuda.destroy(s0);
     cuda.destroy(s1);
+    // SAFETY: both primary contexts were retained once above.
+    unsafe {
+        (cuda.release)(0);
+        (cuda.release)(1);
+    }
+}
+
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`: what work touching memory without access gets.
+const ILLEGAL_ADDRESS: c_uint = 700;
+
+/// Device 1's work reaches device 0's pool memory only where access was granted to device 1 on
+/// each mapping (`cuCtxEnablePeerAccess` does not cover VMM mappings): with `peer_access:all`
+/// every mapping from the start; after `enable_peer_access`, every mapping present then and
+/// every later one (new growth, and pages stitched in from another stream's cache).
+#[test]
+fn peer_access_reaches_present_and_future_mappings() {
+    run_child("child_peer_access", &[("CISTERN_FAKECUDA_DEVICES", "2")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_peer_access() {
+    if !is_child("child_peer_access") {
+        return;
+    }
+    let new_pool = |conf: &str| {
+        Pool::new(
+            CudaDriver::new().expect("CudaDriver on the fake"),
+            Config::parse(conf).unwrap(),
+        )
+        .unwrap()
+    };
+    let all = new_pool("peer_access:all");
+    let cuda = Cuda::load();
+    let (c0, c1) = (cuda.context(0), cuda.context(1));
+    cuda.push(c0);
+    let (s0, s0b) = (cuda.stream(), cuda.stream());
+    cuda.pop();
+    cuda.push(c1);
+    let s1 = cuda.stream();
+    cuda.pop();
+    {
+        let pool = all;
+        assert_eq!(pool.device(0).unwrap().peers(), vec![1]);
+        let (large, small) = (
+            pool.alloc_raw(0, 8 * MIB, s0).unwrap(),
+            pool.alloc_raw(0, 4096, s0).unwrap(),
+        );
+        cuda.launch(s1, large, 8 * MIB);
+        cuda.launch(s1, small, 4096);
+        cuda.complete(s1);
+        pool.free_raw(large, s0).unwrap();
+        pool.free_raw(small, s0).unwrap();
+        pool.empty_cache();
+    }
+    let pool = new_pool("");
+    assert!(pool.device(0).unwrap().peers().is_empty());
+    let before = pool.alloc_raw(0, 8 * MIB, s0).unwrap();
+    let donor = pool.alloc_raw(0, 40 * MIB, s0b).unwrap();
+    pool.enable_peer_access(0, 1).unwrap();
+    pool.enable_peer_access(0, 1).unwrap();
+    assert_eq!(pool.device(0).unwrap().peers(), vec![1]);
+    let grown = pool.alloc_raw(0, 64 * MIB, s0).unwrap();
+    // The donor's pages, cached on s0b with no work queued, are stitched into s0's segment.
+    pool.free_raw(donor, s0b).unwrap();
+    let creates = pool
+        .stats(0)
+        .unwrap()
+        .get("num_driver_calls.create_physical");
+    let stitched = pool.alloc_raw(0, 40 * MIB, s0).unwrap();
+    assert_eq!(
+        pool.stats(0)
+            .unwrap()
+            .get("num_driver_calls.create_physical"),
+        creates,
+        "the request was not served from the donor's cached pages"
+    );
+    for (p, len) in [(before, 8 * MIB), (grown, 64 * MIB), (stitched, 40 * MIB)] {
+        cuda.launch(s1, p, len);
+    }
+    cuda.complete(s1);
+    for p in [before, grown, stitched] {
+        pool.free_raw(p, s0).unwrap();
+    }
+    let own = pool.enable_peer_access(0, 0).unwrap_err().to_string();
+    assert!(own.contains("own device"), "{own}");
+    let missing = pool.enable_peer_access(0, 2).unwrap_err();
+    assert!(
+        matches!(missing, cistern::Error::InvalidDevice { device: 2, .. }),
+        "{missing}"
+    );
+    pool.check_invariants().unwrap();
+    pool.empty_cache();
+    drop(pool);
+    // Without peer access, device 1's work on device 0's memory is an illegal address (the
+    // last check: it makes device 1's context unusable, as on a real GPU).
+    let pool = new_pool("");
+    let p = pool.alloc_raw(0, 8 * MIB, s0).unwrap();
+    assert_eq!(cuda.try_launch(s1, p, 8 * MIB), ILLEGAL_ADDRESS);
+    pool.free_raw(p, s0).unwrap();
+    pool.empty_cache();
+    cuda.destroy(s0);
+    cuda.destroy(s0b);
     // SAFETY: both primary contexts were retained once above.
     unsafe {
         (cuda.release)(0);

@@ -91,6 +91,7 @@ driver_api! {
     cuDeviceGetUuid_v2(*mut CUuuid, CUdevice);
     cuDeviceTotalMem_v2(*mut usize, CUdevice);
     cuDeviceGetAttribute(*mut c_int, CUdevice_attribute, CUdevice);
+    cuDeviceCanAccessPeer(*mut c_int, CUdevice, CUdevice);
     cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
     cuDevicePrimaryCtxRelease_v2(CUdevice);
     cuCtxGetCurrent(*mut CUcontext);

@@ -540,19 +540,45 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+    fn set_access(
+        &self,
+        dev: DeviceId,
+        addr: u64,
+        size: u64,
+        peers: &[DeviceId],
+    ) -> DriverResult<()> {
         let call = DriverCall::SetAccess;
         let size = to_usize(call, size)?;
         let _bound = self.bind(call, dev)?;
-        let desc = sys::CUmemAccessDesc {
-            location: device_location(self.device(call, dev)?.cu),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: `desc` is one fully initialised descriptor that outlives the call, matching
-        // the count of 1; the driver validates the range.
+        let descs = std::iter::once(dev)
+            .chain(peers.iter().copied().filter(|&p| p != dev))
+            .map(|d| {
+                Ok(sys::CUmemAccessDesc {
+                    location: device_location(self.device(call, d)?.cu),
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                })
+            })
+            .collect::<DriverResult<Vec<_>>>()?;
+        // SAFETY: `descs` holds `descs.len()` fully initialised descriptors and outlives the
+        // call; the driver validates the range and each location.
         cu(call, "cuMemSetAccess", || unsafe {
-            (self.api.cuMemSetAccess)(addr, size, &desc, 1)
+            (self.api.cuMemSetAccess)(addr, size, descs.as_ptr(), descs.len())
         })
+    }
+
+    fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let call = DriverCall::Capabilities;
+        let (d, p) = (self.device(call, dev)?.cu, self.device(call, peer)?.cu);
+        if dev == peer {
+            return Ok(false);
+        }
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a live, writable c_int; both devices came from cuDeviceGet. The
+        // query needs no context.
+        cu(call, "cuDeviceCanAccessPeer", || unsafe {
+            (self.api.cuDeviceCanAccessPeer)(&mut can, p, d)
+        })?;
+        Ok(can != 0)
     }
 
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {

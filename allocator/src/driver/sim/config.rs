@@ -86,6 +86,10 @@ pub struct SimConfig {
     /// Bytes used on each device by simulated other processes (default 0): subtracted from
     /// `mem_info`'s free memory and from what can be committed.
     pub other_process_bytes: u64,
+    /// Whether every pair of devices can access each other's memory (default true, as on an
+    /// NVLink machine): what [`Driver::can_access_peer`](crate::driver::Driver::can_access_peer)
+    /// answers, and whether `set_access` accepts peers.
+    pub peers: bool,
     /// The price of each call kind in modelled host time (default: the published figures,
     /// [`CostTable::default`]). Modelled time is accounted, never spent; see
     /// [`SimDriver::modelled_time_us`](super::SimDriver::modelled_time_us).
@@ -102,6 +106,7 @@ impl Default for SimConfig {
             backing: false,
             latencies: None,
             other_process_bytes: 0,
+            peers: true,
             costs: CostTable::default(),
         }
     }
@@ -179,6 +184,11 @@ impl SimConfig {
     /// Sets the bytes used on each device by simulated other processes.
     pub fn other_process_bytes(mut self, bytes: u64) -> Self {
         self.other_process_bytes = bytes;
+        self
+    }
+    /// Sets whether devices can access each other's memory.
+    pub fn peers(mut self, peers: bool) -> Self {
+        self.peers = peers;
         self
     }
     /// Sets the cost table of modelled host time.

@@ -5,14 +5,15 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::codes::CUDA_ERROR_INVALID_DEVICE;
 use super::memory::{
     round_up, LinearAlloc, Mapping, MemKey, PhysAlloc, Piece, Store, LINEAR_ALIGN,
 };
 use super::work::{merge_pos, Pos};
-use super::{invalid, invalid_handle, oom, DevState, Hazard, HazardKind, SimDriver, WorkId};
+use super::{err, invalid, invalid_handle, oom, DevState, Hazard, HazardKind, SimDriver, WorkId};
 use crate::driver::{
-    DeviceCaps, DeviceId, Driver, DriverCall, DriverResult, EventId, MemInfo, PhysHandle, StreamId,
-    StreamInfo,
+    DeviceCaps, DeviceId, Driver, DriverCall, DriverErrorKind, DriverResult, EventId, MemInfo,
+    PhysHandle, StreamId, StreamInfo,
 };
 
 impl Driver for SimDriver {
@@ -246,6 +247,9 @@ impl Driver for SimDriver {
         st.mappings.remove(&addr);
         st.mapped_bytes -= size;
         st.access.remove(addr, addr + size);
+        for set in st.peer_access.values_mut() {
+            set.remove(addr, addr + size);
+        }
         if let Some(p) = st.handles.get_mut(&handle) {
             p.map_count -= 1;
         }
@@ -268,21 +272,55 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn set_access(&self, dev: DeviceId, addr: u64, size: u64) -> DriverResult<()> {
+    fn set_access(
+        &self,
+        dev: DeviceId,
+        addr: u64,
+        size: u64,
+        peers: &[DeviceId],
+    ) -> DriverResult<()> {
         let call = DriverCall::SetAccess;
         let d = self.vmm_device_sized(call, dev, size)?;
         if size == 0 {
             return Err(invalid(call, "size is 0"));
+        }
+        let peers: Vec<DeviceId> = peers.iter().copied().filter(|&p| p != dev).collect();
+        if let Some(&p) = peers
+            .iter()
+            .find(|&&p| p >= self.devices.len() || !self.config.peers)
+        {
+            return Err(err(
+                call,
+                DriverErrorKind::InvalidDevice,
+                CUDA_ERROR_INVALID_DEVICE,
+                format!("device {p} cannot be granted access to device {dev}'s memory"),
+            ));
         }
         let mut st = d.state.lock();
         let pieces = st
             .translate(addr, size, false)
             .map_err(|m| invalid(call, m))?;
         st.access.insert(addr, addr + size);
+        for &p in &peers {
+            st.peer_access
+                .entry(p)
+                .or_default()
+                .insert(addr, addr + size);
+        }
         drop(st);
-        // cuMemSetAccess costs per mapping: price each mapping past the first, which entry priced.
-        self.charge(call, (pieces.len() as u64).saturating_sub(1), 0);
+        // cuMemSetAccess costs per mapping and per device: price each (mapping, device) pair
+        // past the first, which entry priced.
+        let units = pieces.len() as u64 * (1 + peers.len() as u64);
+        self.charge(call, units.saturating_sub(1), 0);
         Ok(())
+    }
+
+    fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let call = DriverCall::Capabilities;
+        self.enter(call)?;
+        self.device(call, dev)?;
+        self.device(call, peer)?;
+        Ok(self.config.peers && dev != peer)
     }
 
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {

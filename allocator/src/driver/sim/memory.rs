@@ -406,4 +406,24 @@ impl SimDriver {
         }
         Ok(out)
     }
+
+    /// Whether device `by` may touch `[ptr, ptr + len)` of device `dev`'s memory: for `by ==
+    /// dev`, mapped with access granted (or inside a live linear allocation); for a peer, mapped
+    /// with access granted to that peer by `set_access` (VMM mappings need it per peer; linear
+    /// memory is a context's peer access, which the simulator does not model: `false`).
+    pub fn accessible(&self, dev: DeviceId, ptr: u64, len: u64, by: DeviceId) -> bool {
+        let Some(d) = self.devices.get(dev) else {
+            return false;
+        };
+        let st = d.state.lock();
+        if by == dev {
+            return st.translate(ptr, len, true).is_ok();
+        }
+        let end = ptr.saturating_add(len);
+        st.translate(ptr, len, true).is_ok()
+            && st
+                .peer_access
+                .get(&by)
+                .is_some_and(|s| s.contains(ptr, end))
+    }
 }

@@ -123,6 +123,8 @@ struct DevState {
     mapped_bytes: u64,
     /// Address ranges with access granted.
     access: IntervalSet,
+    /// Peer device -> address ranges of this device's memory it was granted access to.
+    peer_access: FxHashMap<DeviceId, IntervalSet>,
     linear_free: IntervalSet,
     /// Linear allocation base -> allocation.
     linear: BTreeMap<u64, LinearAlloc>,
@@ -148,6 +150,7 @@ impl DevState {
             mappings: BTreeMap::new(),
             mapped_bytes: 0,
             access: IntervalSet::default(),
+            peer_access: FxHashMap::default(),
             linear_free: IntervalSet::with(linear, linear.saturating_add(REGION_SPAN)),
             linear: BTreeMap::new(),
             linear_ids: FxHashMap::default(),

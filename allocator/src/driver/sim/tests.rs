@@ -31,7 +31,7 @@ fn mapped(sim: &SimDriver, pages: u64) -> (u64, Vec<PhysHandle>) {
             h
         })
         .collect();
-    sim.set_access(0, base, pages * G).unwrap();
+    sim.set_access(0, base, pages * G, &[]).unwrap();
     (base, hs)
 }
 
@@ -176,11 +176,11 @@ fn map_contracts() {
     );
     // set_access may span mappings but not holes.
     assert_code(
-        sim.set_access(0, base, 4 * G),
+        sim.set_access(0, base, 4 * G, &[]),
         DriverErrorKind::InvalidValue,
         1,
     );
-    sim.set_access(0, base + G, 3 * G).unwrap();
+    sim.set_access(0, base + G, 3 * G, &[]).unwrap();
     // unmap must match exactly one mapping.
     assert_code(sim.unmap(0, base + G, G), DriverErrorKind::InvalidValue, 1);
     assert_code(
@@ -287,7 +287,11 @@ fn vmm_disabled_reports_not_supported() {
         801,
     );
     assert_code(sim.unmap(0, G, G), DriverErrorKind::NotSupported, 801);
-    assert_code(sim.set_access(0, G, G), DriverErrorKind::NotSupported, 801);
+    assert_code(
+        sim.set_access(0, G, G, &[]),
+        DriverErrorKind::NotSupported,
+        801,
+    );
     let p = sim.mem_alloc(0, 4096).unwrap();
     sim.mem_free(0, p).unwrap();
 }
@@ -350,7 +354,7 @@ fn launch_over_unmapped_or_inaccessible_memory_fails() {
     assert!(sim.launch(0, S1, &[(base, 1)]).is_err(), "unmapped");
     sim.map(0, base, G, h).unwrap();
     assert!(sim.launch(0, S1, &[(base, 1)]).is_err(), "no access");
-    sim.set_access(0, base, G).unwrap();
+    sim.set_access(0, base, G, &[]).unwrap();
     sim.launch(0, S1, &[(base, G)]).unwrap();
     assert!(sim.launch(0, S1, &[(base, G + 1)]).is_err(), "runs past");
     let p = sim.mem_alloc(0, 1000).unwrap();
@@ -484,7 +488,7 @@ fn handout_hazard_follows_a_remapped_page() {
     // The same physical page at a new address is still in use by S1's work.
     let other = sim.reserve_va(0, G, 0).unwrap();
     sim.map(0, other, G, hs[0]).unwrap();
-    sim.set_access(0, other, G).unwrap();
+    sim.set_access(0, other, G, &[]).unwrap();
     sim.note_handout(0, other + 4096, 4096, S2);
     let hz = sim.take_hazards();
     assert_eq!(hz.len(), 1);
@@ -543,7 +547,7 @@ fn backing_follows_a_remapped_page() {
     sim.map(0, other, G, hs[1]).unwrap();
     assert!(sim.read(0, other, 1).is_err(), "no access yet");
     assert!(sim.write(0, other, &[1]).is_err(), "no access yet");
-    sim.set_access(0, other, G).unwrap();
+    sim.set_access(0, other, G, &[]).unwrap();
     assert_eq!(sim.read(0, other, 100).unwrap(), data[100..]);
     assert_eq!(sim.read(0, base + G - 100, 100).unwrap(), data[..100]);
     // Linear memory is backed too.
@@ -855,7 +859,7 @@ fn threads_create_map_unmap_release_concurrently() {
                     let h = sim.create_physical(0, n * G).unwrap();
                     let addr = base + (i % 2) * 4 * G;
                     sim.map(0, addr, n * G, h).unwrap();
-                    sim.set_access(0, addr, n * G).unwrap();
+                    sim.set_access(0, addr, n * G, &[]).unwrap();
                     sim.launch(0, stream, &[(addr, 4096)]).unwrap();
                     sim.note_handout(0, addr, 4096, stream);
                     sim.complete_stream(0, stream);
