@@ -40,13 +40,13 @@ pub mod pool;
 
 pub use config::Config;
 pub use driver::cuda::CudaDriver;
-pub use driver::sim::{CallCost, CostTable, SimConfig, SimDriver};
+pub use driver::sim::{CallCost, CaptureViolation, CostTable, SimConfig, SimDriver, SimGraph};
 pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
 pub use open::{choice_from_env, open_driver, open_driver_from_env, DriverChoice};
 pub use pool::{
-    BlockInfo, BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, Pool, PoolReport,
-    SegmentSnapshot,
+    BlockInfo, BlockSnapshot, BlockState, Buffer, DevicePool, DeviceReport, GraphPoolInfo,
+    MempoolId, Pool, PoolReport, SegmentSnapshot, StreamFilter,
 };
 pub use provenance::{
     group_live, site_frames, tag_name, tag_pop, tag_push, with_tag, LedgerEntry, LiveBlock,

@@ -11,7 +11,7 @@
 //! ```text
 //! {"segments": [{"device", "address", "total_size", "allocated_size", "active_size",
 //!                "requested_size", "stream", "segment_type": "small"|"large",
-//!                "segment_pool_id": [0, 0], "is_expandable", "frames": [],
+//!                "segment_pool_id": [s.pool_id.0, s.pool_id.1], "is_expandable", "frames": [],
 //!                "blocks": [{"address", "size", "requested_size",
 //!                            "state": "active_allocated"|"active_pending_free"|"inactive",
 //!                            "frames": []}]}],
@@ -113,7 +113,7 @@ fn segment_json(s: &SegmentSnapshot) -> Value {
         "requested_size": requested,
         "stream": s.stream,
         "segment_type": if s.large { "large" } else { "small" },
-        "segment_pool_id": [0, 0],
+        "segment_pool_id": [s.pool_id.0, s.pool_id.1],
         "is_expandable": s.expandable,
         "frames": [],
         "blocks": blocks,

@@ -94,6 +94,36 @@ pub(crate) struct Pending {
     pub needs_device_sync: bool,
     /// The device to synchronise when `needs_device_sync`.
     pub sync_dev: DeviceId,
+    /// Streams whose events are not recorded yet: the block was freed while a graph capture
+    /// may have been underway, when an event recorded on a capturing stream would be part of
+    /// the graph and never complete. They are recorded at the first poll after the capture
+    /// (later than the free, so they order at least as much work: safe).
+    pub deferred: Vec<StreamRef>,
+}
+
+impl Pending {
+    /// Records an event on each of `streams` (other streams that used the block). A stream on
+    /// which no event can be recorded (another thread's per-thread stream, a driver fault) is
+    /// waited for by synchronising its whole device instead, so the block is still never
+    /// reused too early; if even that fails, the block waits for a later successful
+    /// synchronisation of that device.
+    fn record<D: Driver>(&mut self, streams: Vec<StreamRef>, core: &DeviceCore<D>) {
+        let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
+        for u in streams {
+            let recorded = u
+                .handle_here()
+                .and_then(|h| record_use(driver, events, dev, u.dev, h));
+            match recorded {
+                Some(ev) => self.events.push(((u.dev, u.id), ev)),
+                None => {
+                    if !self.needs_device_sync && driver.device_synchronize(u.dev).is_err() {
+                        self.needs_device_sync = true;
+                        self.sync_dev = u.dev;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Everything behind an arena's lock.
@@ -131,6 +161,12 @@ pub(crate) struct Arena<D: Driver> {
     /// Set when the stream is known to be gone (its handle now names another stream): the
     /// handle is never used again, and the arena only serves frees of its live blocks.
     pub(crate) retired: AtomicBool,
+    /// The graph pool (PyTorch's mempool id) whose allocations this arena serves, if any.
+    pub(crate) graph_pool: Option<(u64, u64)>,
+    /// Set while the graph pool lives: a replay may write any of the arena's memory at any
+    /// time, so its pages are never taken by another arena nor released (see
+    /// `crate::pool::graphs`).
+    pub(crate) pinned: AtomicBool,
     /// What every arena of the device shares.
     pub(crate) core: Arc<DeviceCore<D>>,
     /// The arena's books; see the lock order in [`crate::pool`].
@@ -140,10 +176,22 @@ pub(crate) struct Arena<D: Driver> {
 impl<D: Driver> Arena<D> {
     /// A new, empty arena for the stream `sref`.
     pub(crate) fn new(sref: StreamRef, core: Arc<DeviceCore<D>>) -> Self {
+        Self::for_pool(sref, core, None)
+    }
+
+    /// A new, empty arena for the stream `sref`, serving graph pool `graph_pool` when given
+    /// (pinned until the pool is released).
+    pub(crate) fn for_pool(
+        sref: StreamRef,
+        core: Arc<DeviceCore<D>>,
+        graph_pool: Option<(u64, u64)>,
+    ) -> Self {
         Arena {
             stream: sref.handle,
             sref,
             retired: AtomicBool::new(false),
+            graph_pool,
+            pinned: AtomicBool::new(graph_pool.is_some()),
             core,
             state: Mutex::new(ArenaState::default()),
         }
@@ -386,7 +434,7 @@ impl ArenaState {
         own: &StreamRef,
         core: &DeviceCore<D>,
     ) -> FreeOutcome {
-        let (dev, driver, events, shared) = (core.dev, &*core.driver, &core.events, &core.shared);
+        let (dev, shared) = (core.dev, &core.shared);
         let Some(r) = self.live.remove(&ptr) else {
             return FreeOutcome::Unknown;
         };
@@ -400,38 +448,25 @@ impl ArenaState {
             self.ledger.remove(slot - 1, len);
         }
         if let Some(streams) = self.uses.remove(&ptr) {
-            let mut evs = Vec::with_capacity(streams.len());
-            let mut sync_dev = dev;
-            let mut needs_device_sync = false;
-            for u in streams.into_iter().filter(|u| !u.same(own)) {
-                let recorded = u
-                    .handle_here()
-                    .and_then(|h| record_use(driver, events, dev, u.dev, h));
-                match recorded {
-                    Some(ev) => evs.push(((u.dev, u.id), ev)),
-                    // No event could be recorded (another thread's per-thread stream, a driver
-                    // fault): wait for the stream's whole device instead, so the block is still
-                    // never reused too early. If even that fails, the block stays pending until
-                    // a synchronisation of that device succeeds.
-                    None => {
-                        if !needs_device_sync && driver.device_synchronize(u.dev).is_err() {
-                            needs_device_sync = true;
-                            sync_dev = u.dev;
-                        }
-                    }
-                }
+            let streams: Vec<StreamRef> = streams.into_iter().filter(|u| !u.same(own)).collect();
+            let mut p = Pending {
+                kind,
+                span: r.span,
+                events: Vec::new(),
+                needs_device_sync: false,
+                sync_dev: dev,
+                deferred: Vec::new(),
+            };
+            if core.capturing() {
+                p.deferred = streams;
+            } else {
+                p.record(streams, core);
             }
-            if !evs.is_empty() || needs_device_sync {
+            if !p.events.is_empty() || p.needs_device_sync || !p.deferred.is_empty() {
                 let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
                 self.gauges.apply(kind.pool_index(), &d, shared);
                 self.kinds[kind].heap.set_pending(r.span);
-                self.pending.push(Pending {
-                    kind,
-                    span: r.span,
-                    events: evs,
-                    needs_device_sync,
-                    sync_dev,
-                });
+                self.pending.push(p);
                 return FreeOutcome::Pending;
             }
         }
@@ -447,7 +482,17 @@ impl ArenaState {
     /// `process_events` does: events recorded later on the same stream cannot have completed
     /// before it, so querying them would be a wasted driver call. A poll costs at most one
     /// query per stream with unfinished work, however many frees are pending.
+    ///
+    /// While a graph capture may be underway it does nothing (no query, no wait); after it,
+    /// the events of frees made during it are recorded first.
     pub fn process_pending<D: Driver>(&mut self, wait: bool, core: &DeviceCore<D>) -> usize {
+        if core.capturing() {
+            return 0;
+        }
+        for p in self.pending.iter_mut().filter(|p| !p.deferred.is_empty()) {
+            let streams = std::mem::take(&mut p.deferred);
+            p.record(streams, core);
+        }
         let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
         // Streams whose oldest pending event has not completed yet (small: one per stream).
         let mut blocked: Vec<(DeviceId, u64)> = Vec::new();
@@ -511,6 +556,9 @@ impl ArenaState {
     /// Retries the device synchronisation that blocks pending frees whose uses no event could
     /// capture (slow paths only: it blocks the host). Returns whether none is left waiting.
     pub fn retry_device_sync<D: Driver>(&mut self, core: &DeviceCore<D>) -> bool {
+        if core.capturing() {
+            return false;
+        }
         let driver = &*core.driver;
         let mut devs: Vec<DeviceId> = Vec::new();
         for p in self.pending.iter().filter(|p| p.needs_device_sync) {

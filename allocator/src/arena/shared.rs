@@ -3,7 +3,7 @@
 //! per device and hands an `Arc` of it to each arena, so that an arena can free, poll its
 //! pending frees and tear itself down without reaching back into the pool.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -77,10 +77,21 @@ pub(crate) struct DeviceCore<D: Driver> {
     pub(crate) events: EventCache,
     pub(crate) counters: Counters,
     pub(crate) closed: AtomicBool,
+    /// Allocation windows into graph pools now open (`begin_allocate_to_pool` without its
+    /// `end`): while any is, a stream of the device may be capturing a CUDA graph, and nothing
+    /// here queries or waits for an event, a stream or the device (see Note [Capture-safe]
+    /// in `crate::pool::graphs`).
+    pub(crate) capturing: AtomicUsize,
     pub(crate) recorder: Option<crate::trace_writer::Recorder>,
 }
 
 impl<D: Driver> DeviceCore<D> {
+    /// Whether a graph capture may be underway on the device: no event query, no host wait.
+    #[inline]
+    pub(crate) fn capturing(&self) -> bool {
+        self.capturing.load(Relaxed) != 0
+    }
+
     /// Counts, logs (or aborts, with `strict`) and describes the free of an unknown pointer.
     pub(crate) fn invalid_free(&self, ptr: u64, why: &str) -> Error {
         self.counters.num_invalid_frees.fetch_add(1, Relaxed);
@@ -111,10 +122,14 @@ impl<D: Driver> DeviceCore<D> {
     /// Whether all work queued on `stream` so far has finished, without blocking: records an
     /// event there and queries it. A failure to record or query counts as "busy", and so does
     /// a stream that cannot be named here (`None`: gone, or another thread's per-thread one).
+    /// While capturing it is "busy" without a call.
     pub(crate) fn stream_idle(&self, stream: Option<StreamId>) -> bool {
         let Some(stream) = stream else {
             return false;
         };
+        if self.capturing() {
+            return false;
+        }
         let d = &*self.driver;
         let Ok(ev) = self.events.get(d, self.dev) else {
             return false;
@@ -126,9 +141,13 @@ impl<D: Driver> DeviceCore<D> {
     }
 
     /// Records an event on `stream` and waits for it: all work queued there so far is done.
+    /// Never while capturing (false: not known to be done).
     /// When no event can be recorded there (or the stream cannot be named here: `None`), waits
     /// for the whole device instead, which never touches the stream's handle.
     pub(crate) fn sync_stream(&self, stream: Option<StreamId>) -> bool {
+        if self.capturing() {
+            return false;
+        }
         self.counters.num_stream_syncs.fetch_add(1, Relaxed);
         let d = &*self.driver;
         if let Some(stream) = stream {

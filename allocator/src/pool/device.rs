@@ -125,6 +125,8 @@ pub struct DevicePool<D: Driver> {
     /// Segment base -> (end, owning arena), to find a pointer's arena without its stream.
     pub(super) ranges: RwLock<RangeIndex<D>>,
     pub(super) state: Mutex<DeviceState>,
+    /// The graph pools and the allocation windows open into them (`graphs.rs`); a leaf lock.
+    pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -168,6 +170,7 @@ impl<D: Driver> DevicePool<D> {
                 events: EventCache::default(),
                 counters: Counters::default(),
                 closed: AtomicBool::new(false),
+                capturing: AtomicUsize::new(0),
                 recorder,
             }),
             arenas: RwLock::new(FxHashMap::default()),
@@ -188,6 +191,7 @@ impl<D: Driver> DevicePool<D> {
                 stuck: Vec::new(),
                 peers,
             }),
+            graphs: Mutex::new(super::graphs::GraphPools::default()),
         })
     }
 
@@ -259,7 +263,7 @@ impl<D: Driver> DevicePool<D> {
     /// may have it now). Its live blocks stay valid and can be freed; its free pages go to other
     /// streams only after a device synchronisation (the gone stream's last work may still run:
     /// `cuStreamDestroy` does not wait for it). Every thread's cached entries are invalidated.
-    fn retire(&self, arena: Arc<Arena<D>>) {
+    pub(super) fn retire(&self, arena: Arc<Arena<D>>) {
         arena.retired.store(true, Relaxed);
         self.generation.fetch_add(1, Relaxed);
         self.retired.lock().push(arena);
@@ -398,6 +402,12 @@ impl<D: Driver> DevicePool<D> {
             .ok_or_else(|| Error::InvalidArgument(format!("size {size} is too large to round")))?;
         let kind = self.kind_of(rounded);
         let o = self.origin();
+        if self.core.capturing() {
+            if let Some(arena) = self.graph_arena(stream)? {
+                let ptr = self.alloc_routed(arena.clone(), stream, kind, rounded, size, &o)?;
+                return Ok((ptr, Some(arena)));
+            }
+        }
         if let Some(Some(hit)) = self.with_cached(stream, |a| {
             self.fast_alloc(a, kind, rounded, size, o.as_ref())
                 .map(|p| (p, with_arena.then(|| a.clone())))
@@ -405,7 +415,22 @@ impl<D: Driver> DevicePool<D> {
             self.handed_out(hit.0, rounded, size, stream);
             return Ok(hit);
         }
-        let mut arena = self.arena_cached(stream)?;
+        let arena = self.arena_cached(stream)?;
+        let ptr = self.alloc_routed(arena.clone(), stream, kind, rounded, size, &o)?;
+        Ok((ptr, Some(arena)))
+    }
+
+    /// Allocates from `arena` (the stream's own, or a graph pool's): its hot path, else the
+    /// slow path; an arena retired meanwhile is looked up again.
+    fn alloc_routed(
+        &self,
+        mut arena: Arc<Arena<D>>,
+        stream: StreamId,
+        kind: HeapKind,
+        rounded: u64,
+        size: u64,
+        o: &Option<Origin>,
+    ) -> Result<u64> {
         let mut stale = 0;
         let ptr = loop {
             if let Some(p) = self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
@@ -431,7 +456,7 @@ impl<D: Driver> DevicePool<D> {
             }
         };
         self.handed_out(ptr, rounded, size, stream);
-        Ok((ptr, Some(arena)))
+        Ok(ptr)
     }
 
     /// What every successful allocation does last: the hazard hook and the recorder.
@@ -542,10 +567,20 @@ impl<D: Driver> DevicePool<D> {
         Ok(())
     }
 
+    /// Every arena: the live streams', the graph pools' and the retired ones.
     pub(super) fn all_arenas(&self) -> Vec<Arc<Arena<D>>> {
         let mut v: Vec<_> = self.arenas.read().values().cloned().collect();
         v.sort_by_key(|a| a.stream);
+        self.graphs.lock().extend_arenas(&mut v);
         v.extend(self.retired.lock().iter().cloned());
+        v
+    }
+
+    /// The arenas whose pages may be taken by others or released: all but the pinned arenas
+    /// of live graph pools (see `graphs.rs`).
+    pub(super) fn donors(&self) -> Vec<Arc<Arena<D>>> {
+        let mut v = self.all_arenas();
+        v.retain(|a| !a.pinned.load(Relaxed));
         v
     }
 }

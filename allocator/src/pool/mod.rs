@@ -70,6 +70,7 @@
 //! | `pages.rs` | chunks in and out of page tables: mapping, releasing, stealing |
 //! | `window.rs` | the pure window arithmetic (which pages a request needs, which pages are free) |
 //! | `peers.rs` | peer access: which other devices are granted every mapping |
+//! | `graphs.rs` | graph pools (CUDA graphs' private memory) and capture-safe operation |
 //! | `release.rs` | `empty_cache`, `trim`, the memory fraction, the release threshold |
 //! | `report.rs` | statistics, invariant checks, live views, snapshots, reports |
 //! | `buffer.rs` | [`Buffer`], the owning handle |
@@ -118,6 +119,7 @@
 
 mod buffer;
 mod device;
+mod graphs;
 mod grow;
 mod pages;
 mod peers;
@@ -139,6 +141,7 @@ use crate::stats::Stats;
 
 pub use buffer::Buffer;
 pub use device::DevicePool;
+pub use graphs::{GraphPoolInfo, MempoolId, StreamFilter};
 pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
 
 /// Rounds a request up to the pool's 512 B unit; `None` on overflow.
@@ -318,6 +321,29 @@ impl<D: Driver> Pool<D> {
     /// and future (see [`DevicePool::enable_peer_access`]).
     pub fn enable_peer_access(&self, dev: DeviceId, peer: DeviceId) -> Result<()> {
         self.device(dev)?.enable_peer_access(peer)
+    }
+
+    /// Opens an allocation window into graph pool `id` on device `dev` (see
+    /// [`DevicePool::begin_allocate_to_pool`]).
+    pub fn begin_allocate_to_pool(
+        &self,
+        dev: DeviceId,
+        id: MempoolId,
+        filter: Option<StreamFilter>,
+    ) -> Result<()> {
+        self.device(dev)?.begin_allocate_to_pool(id, filter);
+        Ok(())
+    }
+
+    /// Closes the allocation window into graph pool `id` on device `dev` (see
+    /// [`DevicePool::end_allocate_to_pool`]).
+    pub fn end_allocate_to_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
+        self.device(dev)?.end_allocate_to_pool(id)
+    }
+
+    /// Drops one use of graph pool `id` on device `dev` (see [`DevicePool::release_pool`]).
+    pub fn release_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
+        self.device(dev)?.release_pool(id)
     }
 
     /// Sets device `dev`'s per-process limit as a fraction of its memory.

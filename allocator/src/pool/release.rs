@@ -16,7 +16,7 @@ impl<D: Driver> DevicePool<D> {
     /// arena. Returns the bytes released.
     pub(super) fn release_cached(&self, dev: &mut DeviceState) -> u64 {
         let mut released = 0;
-        for arena in self.all_arenas() {
+        for arena in self.donors() {
             let mut st = arena.state.lock();
             released += self.release_arena(dev, arena.handle_here(), &mut st, u64::MAX, true);
         }
@@ -141,6 +141,11 @@ impl<D: Driver> DevicePool<D> {
         wait: bool,
     ) -> u64 {
         let c = &*self.core;
+        if c.capturing() {
+            // Knowing that the chunks are idle needs an event query or a wait (and `cuMemFree`
+            // synchronises): none of them while a graph may be capturing.
+            return 0;
+        }
         let g = c.granularity;
         let mut released = 0u64;
         if c.vmm {
@@ -232,7 +237,7 @@ impl<D: Driver> DevicePool<D> {
         }
         let mut budget = cached - threshold;
         let mut held = held;
-        for arena in self.all_arenas() {
+        for arena in self.donors() {
             if budget == 0 {
                 break;
             }
@@ -318,7 +323,7 @@ impl<D: Driver> DevicePool<D> {
         // the limit), and the invariant checker allows exactly that much.
         let mut over = (dev.reserved[0].current.max(0) as u64).saturating_sub(dev.limit);
         if over > 0 {
-            for arena in self.all_arenas() {
+            for arena in self.donors() {
                 if over == 0 {
                     break;
                 }

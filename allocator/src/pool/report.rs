@@ -293,6 +293,7 @@ impl<D: Driver> DevicePool<D> {
                             stream: arena.stream.0,
                             large: kind == HeapKind::Large,
                             expandable,
+                            pool_id: arena.graph_pool.unwrap_or((0, 0)),
                             blocks: Vec::new(),
                         });
                         r.total_size += s.len;
@@ -475,6 +476,9 @@ pub struct SegmentSnapshot {
     pub large: bool,
     /// Whether it is a run of mapped pages of a VMM extent (else one `cuMemAlloc` segment).
     pub expandable: bool,
+    /// The graph pool (PyTorch's mempool id) it belongs to; `(0, 0)` outside graph pools, as
+    /// PyTorch's `segment_pool_id` says.
+    pub pool_id: (u64, u64),
     /// The blocks that tile the range, in address order.
     pub blocks: Vec<BlockSnapshot>,
 }

@@ -307,8 +307,10 @@ impl<D: Driver> DevicePool<D> {
                 .map(|l| l.chunk.pages)
                 .filter(|&n| n <= longest)
                 .collect();
-            lens.extend(free_chunk_lens(a, Some(w.exclude(kind)), g, longest));
-            for other in self.all_arenas() {
+            if !arena.pinned.load(Relaxed) {
+                lens.extend(free_chunk_lens(a, Some(w.exclude(kind)), g, longest));
+            }
+            for other in self.donors() {
                 if !Arc::ptr_eq(&other, arena) {
                     lens.extend(free_chunk_lens(&other.state.lock(), None, g, longest));
                 }
@@ -619,7 +621,8 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from
-    /// this arena (outside the window) first, then from the other arenas. With `wait`, blocks
+    /// this arena (outside the window, unless it is a pinned graph pool's) first, then from the
+    /// other arenas (but the pinned ones). With `wait`, blocks
     /// on a busy stream's work; without, leaves busy streams' chunks. Returns the pages moved.
     #[allow(clippy::too_many_arguments)]
     fn stitch(
@@ -634,7 +637,8 @@ impl<D: Driver> DevicePool<D> {
     ) -> u64 {
         let c = &*self.core;
         let mut moved = 0u64;
-        if !place.full() {
+        // A graph pool's pages never move: a replay reads and writes them where they are.
+        if !place.full() && !arena.pinned.load(Relaxed) {
             moved += self.steal_pages(
                 a,
                 arena.handle_here(),
@@ -647,7 +651,7 @@ impl<D: Driver> DevicePool<D> {
             ) as u64;
         }
         if !place.full() {
-            for other in self.all_arenas() {
+            for other in self.donors() {
                 if Arc::ptr_eq(&other, arena) {
                     continue;
                 }

@@ -7,6 +7,7 @@ mod common;
 
 mod acceptance;
 mod faults;
+mod graphs;
 mod interop;
 mod model;
 mod peers;

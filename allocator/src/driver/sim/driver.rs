@@ -355,6 +355,7 @@ impl Driver for SimDriver {
         let call = DriverCall::MemFree;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, None)?;
         let mut st = d.state.lock();
         if !st.linear.contains_key(&ptr) {
             return Err(invalid(
@@ -389,6 +390,7 @@ impl Driver for SimDriver {
         let call = DriverCall::EventRecord;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, Some(stream))?;
         let mut st = d.state.lock();
         if !st.events.contains_key(&event.0) {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
@@ -402,6 +404,7 @@ impl Driver for SimDriver {
         let call = DriverCall::EventQuery;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, None)?;
         let st = d.state.lock();
         let Some(positions) = st.events.get(&event.0) else {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
@@ -413,6 +416,7 @@ impl Driver for SimDriver {
         let call = DriverCall::EventSynchronize;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, None)?;
         let mut st = d.state.lock();
         let Some(positions) = st.events.get(&event.0).cloned() else {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
@@ -428,6 +432,7 @@ impl Driver for SimDriver {
         let call = DriverCall::StreamSynchronize;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, None)?;
         let mut st = d.state.lock();
         // What an event recorded now would capture, completed now.
         let positions = st.capture(stream.0);
@@ -457,6 +462,7 @@ impl Driver for SimDriver {
         let call = DriverCall::StreamWaitEvent;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, Some(stream))?;
         let mut st = d.state.lock();
         let Some(positions) = st.events.get(&event.0).cloned() else {
             return Err(invalid_handle(call, format!("unknown event {}", event.0)));
@@ -499,6 +505,7 @@ impl Driver for SimDriver {
         let call = DriverCall::DeviceSynchronize;
         self.enter(call)?;
         let d = self.device(call, dev)?;
+        self.capture_check(call, dev, None)?;
         self.complete_with(d, DevState::complete_all);
         Ok(())
     }

@@ -13,7 +13,8 @@
 //! each call in modelled host time), `memory` (address
 //! space, physical handles, mappings, linear allocations, host backing), `work` (streams, work,
 //! completion, events' ordering, hazards), `faults` (call entry, fault injection, counters and
-//! gauges), `driver` (the [`Driver`] calls themselves) and `tests`.
+//! gauges), `capture` (stream capture: the calls it forbids, graphs that replay), `driver` (the
+//! [`Driver`] calls themselves) and `tests`.
 //!
 //! # Model
 //!
@@ -64,6 +65,7 @@ use rustc_hash::FxHashMap;
 
 use super::{DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId};
 
+mod capture;
 mod config;
 pub mod cost;
 mod driver;
@@ -71,6 +73,7 @@ mod faults;
 mod memory;
 mod work;
 
+pub use capture::{CaptureViolation, SimGraph, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED};
 pub use config::{SimConfig, SimLatencies, MAX_CAPACITY, MAX_DEVICES, MAX_PAGES, MIN_GRANULARITY};
 pub use cost::{CallCost, CostTable};
 pub use work::{Hazard, HazardKind, WorkId};
@@ -195,6 +198,10 @@ pub struct SimDriver {
     /// Handles whose stream was destroyed and given to a new stream ([`SimDriver::recreate_stream`]):
     /// how many times.
     stream_generations: Mutex<FxHashMap<u64, u64>>,
+    /// Stream captures underway and the calls they refused (`capture.rs`).
+    captures: Mutex<capture::Captures>,
+    /// How many captures are underway: one relaxed load decides that none is.
+    captures_active: AtomicUsize,
 }
 
 impl fmt::Debug for SimDriver {
@@ -315,6 +322,8 @@ impl SimDriver {
             hazards: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             stream_generations: Mutex::new(FxHashMap::default()),
+            captures: Mutex::new(capture::Captures::default()),
+            captures_active: AtomicUsize::new(0),
         }
     }
 

@@ -900,3 +900,77 @@ fn interval_set() {
     assert_eq!(s.alloc(1, 1), Some(35));
     assert_eq!(s.alloc(10, 1), None);
 }
+
+#[test]
+fn a_capture_records_launches_and_refuses_what_it_forbids() {
+    let sim = small();
+    let (base, hs) = mapped(&sim, 2);
+    let ev = sim.event_create(0).unwrap();
+    sim.begin_capture(0, S1).unwrap();
+    assert!(sim.begin_capture(0, S1).is_err(), "captured twice");
+    assert!(sim.capturing());
+    // Launches on the capturing stream are recorded, not queued; others run.
+    assert_eq!(sim.launch(0, S1, &[(base, G)]).unwrap(), WorkId(0));
+    sim.launch(0, S2, &[(base + G, G)]).unwrap();
+    assert_eq!(sim.unfinished_work(0), 1);
+    // Allowed: VMM calls, cuMemAlloc (the backend relaxes it), events on other streams.
+    let h = sim.create_physical(0, G).unwrap();
+    sim.release_physical(0, h).unwrap();
+    let lin = sim.mem_alloc(0, 4096).unwrap();
+    sim.event_record(0, ev, S2).unwrap();
+    sim.stream_wait_event(0, S2, ev).unwrap();
+    assert!(sim.capture_violations().is_empty());
+    // Graph-joining calls on the capturing stream, and every query or wait, are refused.
+    let code = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    assert_code(sim.event_record(0, ev, S1), DriverErrorKind::Other, code);
+    assert_code(
+        sim.stream_wait_event(0, S1, ev),
+        DriverErrorKind::Other,
+        code,
+    );
+    assert_code(sim.event_query(0, ev), DriverErrorKind::Other, code);
+    assert_code(sim.event_synchronize(0, ev), DriverErrorKind::Other, code);
+    assert_code(sim.stream_synchronize(0, S2), DriverErrorKind::Other, code);
+    assert_code(sim.device_synchronize(0), DriverErrorKind::Other, code);
+    assert_code(sim.mem_free(0, lin), DriverErrorKind::Other, code);
+    let calls: Vec<DriverCall> = sim.capture_violations().iter().map(|v| v.call).collect();
+    assert_eq!(
+        calls,
+        [
+            DriverCall::EventRecord,
+            DriverCall::StreamWaitEvent,
+            DriverCall::EventQuery,
+            DriverCall::EventSynchronize,
+            DriverCall::StreamSynchronize,
+            DriverCall::DeviceSynchronize,
+            DriverCall::MemFree,
+        ]
+    );
+    let e = sim.end_capture(0, S1).unwrap_err();
+    assert!(e.contains("cuEventQuery"), "{e}");
+    assert!(!sim.capturing());
+    assert!(sim.end_capture(0, S1).is_err(), "not capturing any more");
+    sim.mem_free(0, lin).unwrap();
+    sim.device_synchronize(0).unwrap();
+
+    // A valid capture's graph replays over the memory it captured, translated at launch: once
+    // that memory is unmapped, the replay fails.
+    sim.begin_capture(0, S1).unwrap();
+    sim.launch(0, S1, &[(base, 2 * G)]).unwrap();
+    sim.launch(0, S1, &[(base, 4096)]).unwrap();
+    let graph = sim.end_capture(0, S1).unwrap();
+    assert_eq!(
+        graph.launches,
+        vec![vec![(base, 2 * G)], vec![(base, 4096)]]
+    );
+    assert_eq!(sim.launch_graph(&graph, S2).unwrap().len(), 2);
+    assert_eq!(sim.unfinished_work(0), 2);
+    sim.complete_all(0);
+    sim.unmap(0, base + G, G).unwrap();
+    assert!(sim.launch_graph(&graph, S2).is_err());
+    sim.unmap(0, base, G).unwrap();
+    for h in hs {
+        sim.release_physical(0, h).unwrap();
+    }
+    sim.event_destroy(0, ev).unwrap();
+}

@@ -239,7 +239,9 @@ impl SimDriver {
     /// Queues one unit of synthetic work on `stream` touching the address ranges
     /// `(ptr, len)`. Every byte must be mapped with access granted, or inside a live linear
     /// allocation (else `InvalidValue`); ranges are translated to physical memory now, so a
-    /// later remap of the same pages elsewhere is still tracked. Empty ranges are ignored.
+    /// later remap of the same pages elsewhere is still tracked. Empty ranges are ignored. On
+    /// a capturing stream the launch is recorded into the capture's graph instead
+    /// ([`SimDriver::begin_capture`]) and its id is `WorkId(0)`.
     pub fn launch(
         &self,
         dev: DeviceId,
@@ -247,7 +249,7 @@ impl SimDriver {
         ranges: &[(u64, u64)],
     ) -> Result<WorkId, DriverError> {
         let d = self.device(LAUNCH_CALL, dev)?;
-        let mut st = d.state.lock();
+        let st = d.state.lock();
         let mut pieces = Vec::new();
         for &(ptr, len) in ranges {
             let p = st
@@ -255,6 +257,12 @@ impl SimDriver {
                 .map_err(|m| invalid(LAUNCH_CALL, format!("launch: {m}")))?;
             pieces.extend(p);
         }
+        drop(st);
+        if self.record_into_capture(dev, stream, ranges) {
+            // Recorded into the capture's graph, not run (`capture.rs`): no work item.
+            return Ok(WorkId(0));
+        }
+        let mut st = d.state.lock();
         let id = st.next_work;
         st.next_work += 1;
         let ss = st.streams.entry(stream.0).or_default();

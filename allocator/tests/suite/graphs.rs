@@ -1,0 +1,348 @@
+//! Graph pools (CUDA graphs' private memory) on the simulator, whose captures record launches
+//! into graphs that replay later and refuse every call a global-mode capture forbids: memory
+//! of a graph is reused inside it and never outside, its pages are never moved, taken or
+//! released while the pool lives, and nothing the pool does during a capture invalidates it.
+
+use std::sync::Arc;
+
+use cistern::driver::DriverCall;
+use cistern::{Error, MempoolId, SimConfig, SimDriver, StreamFilter, StreamId};
+
+use crate::common::*;
+
+const S: u64 = 1;
+const T: u64 = 2;
+const U: u64 = 3;
+const GRAPH: MempoolId = MempoolId(1, 0);
+
+/// A window filter that accepts only `stream` (PyTorch's accepts the capturing streams).
+fn only(stream: u64) -> Option<StreamFilter> {
+    Some(Arc::new(move |s: StreamId| s.0 == stream))
+}
+
+/// Opens a window into `id` for stream `stream` and begins capturing there.
+fn begin(sim: &SimDriver, pool: &SimPool, id: MempoolId, stream: u64) {
+    pool.begin_allocate_to_pool(0, id, only(stream)).unwrap();
+    sim.begin_capture(0, StreamId(stream)).unwrap();
+}
+
+/// Ends the capture on `stream` (failing the test if it was invalidated) and the window.
+#[track_caller]
+fn end(sim: &SimDriver, pool: &SimPool, id: MempoolId, stream: u64) -> cistern::SimGraph {
+    let graph = sim
+        .end_capture(0, StreamId(stream))
+        .unwrap_or_else(|e| panic!("{e}"));
+    pool.end_allocate_to_pool(0, id).unwrap();
+    assert!(sim.capture_violations().is_empty());
+    graph
+}
+
+/// The address ranges of graph pool `id`'s segments.
+fn pool_ranges(pool: &SimPool, id: MempoolId) -> Vec<(u64, u64)> {
+    pool.device(0)
+        .unwrap()
+        .segments_snapshot()
+        .into_iter()
+        .filter(|s| s.pool_id == (id.0, id.1))
+        .map(|s| (s.address, s.address + s.total_size))
+        .collect()
+}
+
+#[track_caller]
+fn assert_outside(ranges: &[(u64, u64)], p: u64, len: u64) {
+    for &(lo, hi) in ranges {
+        assert!(
+            p + len <= lo || p >= hi,
+            "{p:#x}+{len} lies in the graph pool's [{lo:#x}, {hi:#x})"
+        );
+    }
+}
+
+#[test]
+fn a_graph_reuses_its_memory_inside_and_never_outside() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), vmm, "");
+        // Memory cached on the capturing stream before the capture: not the graph's.
+        let x = alloc(&pool, 8 * MIB, S);
+        free(&pool, x, S);
+
+        begin(&sim, &pool, GRAPH, S);
+        let a = alloc(&pool, 4 * MIB, S);
+        sim.launch(0, StreamId(S), &[(a, 4 * MIB)]).unwrap();
+        let b = alloc(&pool, MIB, S);
+        sim.launch(0, StreamId(S), &[(a, 4 * MIB), (b, MIB)])
+            .unwrap();
+        free(&pool, a, S);
+        // Reused inside the capture: the graph orders it after the work on `a`.
+        let c = alloc(&pool, 4 * MIB, S);
+        assert_eq!(c, a, "the graph's own freed block is not reused inside it");
+        sim.launch(0, StreamId(S), &[(c, 4 * MIB), (b, MIB)])
+            .unwrap();
+        let d = alloc(&pool, 4 * KIB, S);
+        sim.launch(0, StreamId(S), &[(d, 4 * KIB), (c, 4 * MIB)])
+            .unwrap();
+        free(&pool, c, S);
+        // Another stream, not captured, allocates meanwhile from its own arena.
+        let t = alloc(&pool, 4 * MIB, T);
+        let graph = end(&sim, &pool, GRAPH, S);
+        assert_eq!(graph.launches.len(), 4);
+        assert_eq!(
+            sim.unfinished_work(0),
+            0,
+            "captured work ran instead of being recorded"
+        );
+
+        let ranges = pool_ranges(&pool, GRAPH);
+        assert!(!ranges.is_empty());
+        for &(p, len) in &[(a, 4 * MIB), (b, MIB), (d, 4 * KIB)] {
+            assert!(ranges.iter().any(|&(lo, hi)| lo <= p && p + len <= hi));
+        }
+        assert_outside(&ranges, x, 8 * MIB);
+        assert_outside(&ranges, t, 4 * MIB);
+        let info = pool.device(0).unwrap().graph_pools();
+        assert_eq!(info.len(), 1);
+        assert_eq!((info[0].id, info[0].uses, info[0].open), (GRAPH, 1, false));
+
+        // After the capture, on the capturing stream and on others: never the graph's memory,
+        // though `c` is free in it.
+        let mut outside = Vec::new();
+        for stream in [S, T, U] {
+            for size in [4 * MIB, MIB, 4 * KIB, 512] {
+                let p = alloc(&pool, size, stream);
+                assert_outside(&ranges, p, size);
+                outside.push((p, stream));
+            }
+        }
+        // A replay runs over the graph's memory while another stream allocates: no hazard.
+        sim.launch_graph(&graph, StreamId(S)).unwrap();
+        for size in [4 * MIB, 8 * MIB, 4 * KIB] {
+            let p = alloc(&pool, size, T);
+            outside.push((p, T));
+        }
+        assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+        // Releasing the cache does not touch the graph's pages: it replays again.
+        sim.complete_all(0);
+        pool.empty_cache();
+        check(&pool);
+        assert_eq!(pool_ranges(&pool, GRAPH), ranges);
+        sim.launch_graph(&graph, StreamId(S))
+            .expect("the graph's memory was unmapped while its pool lived");
+        sim.complete_all(0);
+
+        for (p, stream) in outside {
+            free(&pool, p, stream);
+        }
+        free(&pool, t, T);
+        // The pool is released while its outputs live: they stay valid and can be freed.
+        pool.release_pool(0, GRAPH).unwrap();
+        assert!(pool.device(0).unwrap().graph_pools().is_empty());
+        free(&pool, b, S);
+        free(&pool, d, S);
+        assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+        assert_no_leak(&sim, pool);
+    });
+}
+
+#[test]
+fn a_graphs_pages_are_never_taken_under_pressure() {
+    // VMM: another stream's growth stitches cached pages from anywhere but a live graph pool.
+    let (sim, pool) = pool_with(SimConfig::default().capacity(128 * MIB), true, "");
+    begin(&sim, &pool, GRAPH, S);
+    let a = alloc(&pool, 40 * MIB, S);
+    sim.launch(0, StreamId(S), &[(a, 40 * MIB)]).unwrap();
+    free(&pool, a, S);
+    let graph = end(&sim, &pool, GRAPH, S);
+    let ranges = pool_ranges(&pool, GRAPH);
+    // The rest of the device, and more: the graph's 40 MiB must not be taken.
+    let mut held = Vec::new();
+    loop {
+        match pool.alloc_raw(0, 8 * MIB, StreamId(T)) {
+            Ok(p) => {
+                check(&pool);
+                assert_outside(&ranges, p, 8 * MIB);
+                held.push(p);
+            }
+            Err(Error::OutOfMemory(_)) => break,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(held.len() < 64, "the device never ran out");
+    }
+    // A stream of a new pool may not take them either.
+    pool.begin_allocate_to_pool(0, MempoolId(2, 0), only(U))
+        .unwrap();
+    assert!(pool.alloc_raw(0, 8 * MIB, StreamId(U)).is_err());
+    pool.end_allocate_to_pool(0, MempoolId(2, 0)).unwrap();
+    pool.release_pool(0, MempoolId(2, 0)).unwrap();
+    sim.launch_graph(&graph, StreamId(S))
+        .expect("the graph's pages were unmapped");
+    sim.complete_all(0);
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    // Released, its pages serve the others again.
+    pool.release_pool(0, GRAPH).unwrap();
+    let p = alloc(&pool, 8 * MIB, T);
+    held.push(p);
+    for p in held {
+        free(&pool, p, T);
+    }
+    assert_no_leak(&sim, pool);
+}
+
+#[test]
+fn nothing_the_pool_does_during_a_capture_invalidates_it() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(512 * MIB), vmm, "");
+        let (s, t, u, v) = (StreamId(S), StreamId(T), StreamId(U), StreamId(4));
+        // Before the capture: a free of stream T waiting on stream U's work, and memory cached
+        // on stream T (what growth would poll, wait for and steal).
+        let p = alloc(&pool, 16 * MIB, T);
+        sim.launch(0, u, &[(p, 16 * MIB)]).unwrap();
+        pool.record_stream(p, u).unwrap();
+        free(&pool, p, T);
+        let q = alloc(&pool, 32 * MIB, T);
+        sim.launch(0, t, &[(q, 16 * MIB)]).unwrap();
+        free(&pool, q, T);
+
+        // The capture begins on S; stream 4 joins it (a side stream of the graph).
+        begin(&sim, &pool, GRAPH, S);
+        sim.begin_capture(0, v).unwrap();
+        let mut inside = Vec::new();
+        for size in [64 * MIB, 3 * MIB, 700 * KIB, 4 * KIB, 20 * MIB] {
+            let b = alloc(&pool, size, S);
+            sim.launch(0, s, &[(b, size)]).unwrap();
+            inside.push(b);
+        }
+        // A block of the graph used by the side stream, freed during the capture: an event
+        // recorded on the side stream now would join the graph, so it waits for the capture's
+        // end.
+        let r = alloc(&pool, 2 * MIB, S);
+        sim.launch(0, v, &[(r, 2 * MIB)]).unwrap();
+        pool.record_stream(r, v).unwrap();
+        free(&pool, r, S);
+        free(&pool, inside.pop().unwrap(), S);
+        // Streams outside the capture grow past their caches (stealing T's cached pages needs
+        // a query; T's pending free too), free, and the cache is trimmed.
+        let o = alloc(&pool, 100 * MIB, U);
+        free(&pool, o, U);
+        let o = alloc(&pool, 48 * MIB, T);
+        free(&pool, o, T);
+        pool.empty_cache();
+        pool.device(0).unwrap().trim();
+        // More than the device has: an error, not a wait.
+        assert!(matches!(
+            pool.alloc_raw(0, 600 * MIB, s),
+            Err(Error::OutOfMemory(_))
+        ));
+        check(&pool);
+        assert!(
+            sim.capture_violations().is_empty(),
+            "{:?}",
+            sim.capture_violations()
+        );
+        sim.end_capture(0, v).unwrap();
+        let graph = end(&sim, &pool, GRAPH, S);
+        assert_eq!(graph.launches.len(), 5);
+
+        // After the capture the deferred events are recorded, and everything frees.
+        sim.complete_all(0);
+        let queries = sim.calls(DriverCall::EventQuery);
+        let x = alloc(&pool, 64 * MIB, T);
+        assert!(sim.calls(DriverCall::EventQuery) > queries);
+        free(&pool, x, T);
+        for b in inside {
+            free(&pool, b, S);
+        }
+        pool.release_pool(0, GRAPH).unwrap();
+        assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+        assert_no_leak(&sim, pool);
+    });
+}
+
+#[test]
+fn a_block_freed_during_capture_waits_for_its_other_streams_after_it() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    begin(&sim, &pool, GRAPH, S);
+    let r = alloc(&pool, 2 * MIB, S);
+    // Stream U (not capturing) uses the graph's block: its work runs now.
+    sim.launch(0, StreamId(U), &[(r, 4096)]).unwrap();
+    pool.record_stream(r, StreamId(U)).unwrap();
+    free(&pool, r, S);
+    // Pending inside the capture (its event is not even recorded): not handed out again.
+    let again = alloc(&pool, 2 * MIB, S);
+    assert_ne!(again, r);
+    // The window's end records the deferred event on U, after U's work.
+    end(&sim, &pool, GRAPH, S);
+    // A second window into the same pool (no capture is needed to route allocations). Its
+    // opening polls the pool's pending frees: U's work is not done.
+    pool.begin_allocate_to_pool(0, GRAPH, only(S)).unwrap();
+    let busy = alloc(&pool, 2 * MIB, S);
+    assert_ne!(busy, r, "reused while stream U's work may still touch it");
+    pool.end_allocate_to_pool(0, GRAPH).unwrap();
+    sim.complete_all(0);
+    // Now it is, and the next window's opening finds it so.
+    pool.begin_allocate_to_pool(0, GRAPH, only(S)).unwrap();
+    let reused = alloc(&pool, 2 * MIB, S);
+    assert_eq!(reused, r, "the deferred free never completed");
+    pool.end_allocate_to_pool(0, GRAPH).unwrap();
+    assert_eq!(pool.device(0).unwrap().graph_pools()[0].uses, 3);
+    // Outside a window, the stream's allocations are not the graph's.
+    let outside = alloc(&pool, 2 * MIB, S);
+    assert_outside(&pool_ranges(&pool, GRAPH), outside, 2 * MIB);
+    for p in [again, busy, reused, outside] {
+        free(&pool, p, S);
+    }
+    pool.release_pool(0, GRAPH).unwrap();
+    pool.release_pool(0, GRAPH).unwrap();
+    assert_eq!(pool.device(0).unwrap().graph_pools()[0].uses, 1);
+    pool.release_pool(0, GRAPH).unwrap();
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+#[test]
+fn pool_calls_out_of_order_are_clear_errors() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    let e = pool.end_allocate_to_pool(0, GRAPH).unwrap_err().to_string();
+    assert!(e.contains("begin_allocate_to_pool"), "{e}");
+    let e = pool.release_pool(0, GRAPH).unwrap_err().to_string();
+    assert!(e.contains("no graph pool (1, 0)"), "{e}");
+    assert!(pool.begin_allocate_to_pool(5, GRAPH, None).is_err());
+    // A window with no filter routes every stream; releasing the pool closes it.
+    pool.begin_allocate_to_pool(0, GRAPH, None).unwrap();
+    let a = alloc(&pool, MIB, S);
+    let b = alloc(&pool, MIB, T);
+    assert_eq!(pool.device(0).unwrap().graph_pools()[0].streams, 2);
+    pool.release_pool(0, GRAPH).unwrap();
+    assert!(pool.device(0).unwrap().graph_pools().is_empty());
+    let c = alloc(&pool, MIB, S);
+    assert_outside(&pool_ranges(&pool, GRAPH), c, MIB);
+    for (p, s) in [(a, S), (b, T), (c, S)] {
+        free(&pool, p, s);
+    }
+    assert_no_leak(&sim, pool);
+}
+
+#[test]
+fn faults_during_a_capture_lose_nothing_and_invalidate_nothing() {
+    for vmm in MODES {
+        for call in DriverCall::ALL {
+            let (sim, pool) = pool_with(SimConfig::default().capacity(256 * MIB), vmm, "");
+            begin(&sim, &pool, GRAPH, S);
+            sim.fail_nth(call, 1);
+            let mut live = Vec::new();
+            for size in [30 * MIB, 4 * KIB, 3 * MIB] {
+                if let Ok(p) = pool.alloc_raw(0, size, StreamId(S)) {
+                    check(&pool);
+                    live.push(p);
+                }
+            }
+            sim.clear_faults();
+            end(&sim, &pool, GRAPH, S);
+            for p in live {
+                free(&pool, p, S);
+            }
+            pool.release_pool(0, GRAPH).unwrap();
+            eprintln!("-- vmm:{vmm} {call}");
+            assert_no_leak(&sim, pool);
+        }
+    }
+}
