@@ -436,6 +436,103 @@ fn enable_peer_access_grants_or_says_why_not() {
     free(abi, p, 8 << 20, 3, stream(0));
 }
 
+/// The filter of the graph-pool test: accepts the stream its context names.
+unsafe extern "C" fn only_stream(ctx: *mut c_void, s: Stream) -> c_int {
+    std::ptr::eq(ctx, s) as c_int
+}
+
+/// Counts the releases of filter contexts.
+static RELEASED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn count_release(_ctx: *mut c_void) {
+    RELEASED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether the snapshot puts `p` in a segment of graph pool `(a, b)`.
+fn in_pool(abi: &Abi, p: *mut c_void, a: u64, b: u64) -> bool {
+    let snap = abi.snapshot();
+    snap["segments"].as_array().unwrap().iter().any(|s| {
+        let lo = s["address"].as_u64().unwrap();
+        let hi = lo + s["total_size"].as_u64().unwrap();
+        let id = &s["segment_pool_id"];
+        (lo..hi).contains(&(p as u64)) && id[0] == a && id[1] == b
+    })
+}
+
+#[test]
+fn graph_pools_route_a_windows_streams_and_release_their_filters() {
+    let (abi, _g) = abi();
+    use std::sync::atomic::Ordering::SeqCst;
+    let dev = 9;
+    let released = RELEASED.load(SeqCst);
+    // SAFETY (each call): the exports' documented types; bad ids are part of their contract.
+    let begin = |d, a, b| unsafe {
+        (abi.begin_allocate_to_pool)(
+            d,
+            a,
+            b,
+            Some(only_stream),
+            7 as *mut c_void,
+            Some(count_release),
+        )
+    };
+    let end = |d, a, b| unsafe { (abi.end_allocate_to_pool)(d, a, b) };
+    let release = |d, a, b| unsafe { (abi.release_pool)(d, a, b) };
+    assert_eq!(begin(dev, 4, 0), 1, "{}", abi.last_error());
+    let inside = malloc(abi, MIB, dev, stream(7));
+    let outside = malloc(abi, MIB, dev, stream(8));
+    assert!(!inside.is_null() && !outside.is_null());
+    assert!(in_pool(abi, inside, 4, 0), "not served from the graph pool");
+    assert!(!in_pool(abi, outside, 4, 0), "a stream the filter refused");
+    assert_eq!(
+        RELEASED.load(SeqCst),
+        released,
+        "released while the window is open"
+    );
+    assert_eq!(end(dev, 4, 0), 1, "{}", abi.last_error());
+    assert_eq!(
+        RELEASED.load(SeqCst),
+        released + 1,
+        "the window's filter was not released"
+    );
+    // Freed, the block stays the graph's: the same stream outside a window gets other memory.
+    free(abi, inside, MIB, dev, stream(7));
+    let after = malloc(abi, MIB, dev, stream(7));
+    assert_ne!(after, inside);
+    assert!(!in_pool(abi, after, 4, 0));
+    assert_eq!(end(dev, 4, 0), 0);
+    assert!(
+        abi.last_error().contains("begin_allocate_to_pool"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(release(dev, 4, 0), 1, "{}", abi.last_error());
+    assert_eq!(release(dev, 4, 0), 0);
+    assert!(
+        abi.last_error().contains("no graph pool (4, 0)"),
+        "{}",
+        abi.last_error()
+    );
+    // A failed call releases the context at once.
+    assert_eq!(begin(99, 4, 0), 0);
+    assert!(abi.last_error().contains("99"), "{}", abi.last_error());
+    assert_eq!(RELEASED.load(SeqCst), released + 2);
+    // NULL filter and release: every stream is routed.
+    // SAFETY: as above.
+    let r = unsafe { (abi.begin_allocate_to_pool)(dev, 0, 9, None, ptr::null_mut(), None) };
+    assert_eq!(r, 1);
+    let any = malloc(abi, MIB, dev, stream(8));
+    assert!(in_pool(abi, any, 0, 9));
+    assert_eq!(
+        release(dev, 0, 9),
+        1,
+        "releasing the pool closes its window"
+    );
+    for (p, s) in [(after, 7), (outside, 8), (any, 8)] {
+        free(abi, p, MIB, dev, stream(s));
+    }
+}
+
 #[test]
 fn stats_count_as_pytorch_does_and_peaks_reset() {
     // ACCEPTANCE E.20 and E.24, through the JSON.

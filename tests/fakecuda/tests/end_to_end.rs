@@ -865,3 +865,97 @@ fn child_capture_pool() {
     assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
     drain(&pool, vec![(q.unwrap(), sa)]);
 }
+
+/// A graph pool over the real backend under the fake's strict capture rules: a capture that
+/// forks a side stream, allocates, frees a block the side stream used (its event must wait for
+/// the capture's end: an event recorded on a capturing stream is a captured event, which no
+/// query may touch) and allocates again, grows on a stream outside the capture meanwhile, and
+/// ends valid; then the pool's memory stays apart from the rest until released.
+#[test]
+fn a_graph_pool_keeps_a_forked_capture_valid() {
+    run_child("child_graph_pool", &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")]);
+}
+
+#[test]
+#[ignore = "child process of a_graph_pool_keeps_a_forked_capture_valid"]
+fn child_graph_pool() {
+    use cudarc::driver::sys::{self, CUresult::*};
+    use std::sync::Arc;
+    if !is_child("child_graph_pool") {
+        return;
+    }
+    let d = driver();
+    let (sa, sb, sc) = (new_stream(&d, 0), new_stream(&d, 0), new_stream(&d, 0));
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let dev = pool.device(0).unwrap();
+    let id = cistern::MempoolId(1, 0);
+    // Before the capture: a free on sc waiting on sb's work, and cached memory on sc.
+    let p = pool.alloc_raw(0, 8 * MIB, sc).unwrap();
+    pool.record_stream(p, sb).unwrap();
+    pool.free_raw(p, sc).unwrap();
+    let q = pool.alloc_raw(0, 32 * MIB, sc).unwrap();
+    pool.free_raw(q, sc).unwrap();
+
+    let (a, b) = (
+        sa.0 as usize as sys::CUstream,
+        sb.0 as usize as sys::CUstream,
+    );
+    let mut fork: sys::CUevent = std::ptr::null_mut();
+    let mut join: sys::CUevent = std::ptr::null_mut();
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let filter: cistern::StreamFilter = Arc::new(move |s: StreamId| s == sa || s == sb);
+    dev.begin_allocate_to_pool(id, Some(filter));
+    // SAFETY: streams the fake created, live events created here, valid enum values; the
+    // primary context is current on this thread for the events, and popped at the end.
+    unsafe {
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventCreate(&mut fork, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventCreate(&mut join, 0), CUDA_SUCCESS);
+        let global = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        assert_eq!(sys::cuStreamBeginCapture_v2(a, global), CUDA_SUCCESS);
+        // The side stream joins the capture.
+        assert_eq!(sys::cuEventRecord(fork, a), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamWaitEvent(b, fork, 0), CUDA_SUCCESS);
+    }
+    let x = pool.alloc_raw(0, 16 * MIB, sa).unwrap();
+    let y = pool.alloc_raw(0, 4 * MIB, sb).unwrap();
+    pool.record_stream(x, sb).unwrap();
+    pool.free_raw(x, sa).unwrap();
+    let z = pool.alloc_raw(0, 16 * MIB, sa).unwrap();
+    assert_ne!(z, x, "a block the side stream may still use was reused");
+    // A stream outside the capture grows past its cache and polls its pending free.
+    let o = pool.alloc_raw(0, 64 * MIB, sc).unwrap();
+    pool.free_raw(o, sc).unwrap();
+    pool.empty_cache();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: as above; `graph` is a live, writable CUgraph.
+    unsafe {
+        assert_eq!(sys::cuEventRecord(join, b), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamWaitEvent(a, join, 0), CUDA_SUCCESS);
+        let r = sys::cuStreamEndCapture(a, &mut graph);
+        assert_eq!(r, CUDA_SUCCESS, "the pool's calls invalidated the capture");
+        assert_eq!(sys::cuGraphDestroy(graph), CUDA_SUCCESS);
+    }
+    dev.end_allocate_to_pool(id).unwrap();
+    check(&pool);
+    // Outside the window the graph's memory is not handed out.
+    let pools: Vec<(u64, u64)> = dev
+        .segments_snapshot()
+        .into_iter()
+        .filter(|s| s.pool_id == (1, 0))
+        .map(|s| (s.address, s.address + s.total_size))
+        .collect();
+    assert!(!pools.is_empty());
+    let w = pool.alloc_raw(0, 16 * MIB, sa).unwrap();
+    assert!(pools.iter().all(|&(lo, hi)| w + 16 * MIB <= lo || w >= hi));
+    dev.release_pool(id).unwrap();
+    // SAFETY: events created above, no longer used.
+    unsafe {
+        assert_eq!(sys::cuEventDestroy_v2(fork), CUDA_SUCCESS);
+        assert_eq!(sys::cuEventDestroy_v2(join), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+    }
+    drain(&pool, vec![(y, sb), (z, sa), (w, sa)]);
+}
