@@ -40,6 +40,21 @@ run_pytest() {
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
 }
 
+# The native allocator's compile tests build against torch's headers, fetched without torch by
+# scripts/torch-headers.sh (.ci/run runs it); without them those tests skip and say so.
+th="$target_dir/torch-headers"
+if [ -z "${CISTERN_TORCH_TORCH_DIRS:-}" ]; then
+  dirs=""
+  for t in "$th/torch-newest/torch" "$th/torch-2.5/torch"; do
+    [ -f "$t/lib/libc10.so" ] && dirs="${dirs:+$dirs:}$t"
+  done
+  [ -n "$dirs" ] && export CISTERN_TORCH_TORCH_DIRS="$dirs"
+fi
+if [ -z "${CISTERN_TORCH_CUDA_INCLUDE:-}" ] && [ -d "$th/cuda-runtime" ]; then
+  inc=$(dirname "$(find "$th/cuda-runtime" -name cuda_runtime_api.h | head -1)")
+  [ -f "$inc/crt/host_defines.h" ] && export CISTERN_TORCH_CUDA_INCLUDE="$inc"
+fi
+
 # The library publishes each process in the registry; the tests' processes go to a private
 # directory, not the user's (/dev/shm/cistern-<uid>), and it is removed at the end.
 regdir=$(mktemp -d)

@@ -103,6 +103,15 @@ int cistern_end_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_i
 // pool (last error).
 int cistern_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
 
+// One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
+// opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by
+// `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
+int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
+// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
+int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
 // Declares that `stream` uses the allocation containing `ptr` (its base or any address
 // inside it): once freed, it is not reused until the work queued on `stream` by then has
 // finished. An unknown pointer is reported (last error) and otherwise ignored. PyTorch's

@@ -408,13 +408,60 @@ pub extern "C" fn cistern_release_pool(device: c_int, pool_id_0: u64, pool_id_1:
     })
 }
 
+/// One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
+/// opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by
+/// `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
+#[no_mangle]
+pub extern "C" fn cistern_create_or_incref_pool(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+) -> c_int {
+    guard::call("cistern_create_or_incref_pool", 0, || {
+        pool_call(
+            "cistern_create_or_incref_pool",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                d.create_or_incref_pool(id);
+                Ok(())
+            },
+        )
+    })
+}
+
+/// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
+/// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
+#[no_mangle]
+pub extern "C" fn cistern_pool_use_count(device: c_int, pool_id_0: u64, pool_id_1: u64) -> i64 {
+    guard::call("cistern_pool_use_count", -1, || {
+        let mut n = 0u64;
+        let ok = pool_call(
+            "cistern_pool_use_count",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                n = d.pool_use_count(id);
+                Ok(())
+            },
+        );
+        if ok == 1 {
+            n.min(i64::MAX as u64) as i64
+        } else {
+            -1
+        }
+    })
+}
+
 /// Runs a graph-pool call `f` on device `device`: 1 on success, 0 with a last error.
 fn pool_call(
     name: &str,
     device: c_int,
     a: u64,
     b: u64,
-    f: impl Fn(&dyn GraphPools, cistern_alloc::MempoolId) -> cistern_alloc::Result<()>,
+    mut f: impl FnMut(&dyn GraphPools, cistern_alloc::MempoolId) -> cistern_alloc::Result<()>,
 ) -> c_int {
     let what = format!("{name}(device {device}, pool ({a}, {b}))");
     let pool = match global::pool() {
@@ -440,6 +487,8 @@ fn pool_call(
 trait GraphPools {
     fn end_allocate_to_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
     fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
+    fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId);
+    fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64;
 }
 
 impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
@@ -448,6 +497,12 @@ impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
     }
     fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()> {
         cistern_alloc::DevicePool::release_pool(self, id)
+    }
+    fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId) {
+        cistern_alloc::DevicePool::create_or_incref_pool(self, id)
+    }
+    fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64 {
+        cistern_alloc::DevicePool::pool_use_count(self, id)
     }
 }
 

@@ -513,6 +513,18 @@ fn graph_pools_route_a_windows_streams_and_release_their_filters() {
         "{}",
         abi.last_error()
     );
+    // MemPool's bookkeeping: a use without a window.
+    // SAFETY (each call): the exports' documented types.
+    let uses = |d, a, b| unsafe { (abi.pool_use_count)(d, a, b) };
+    assert_eq!(uses(dev, 0, 3), 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { (abi.create_or_incref_pool)(dev, 0, 3) }, 1);
+    assert_eq!(uses(dev, 0, 3), 1);
+    assert_eq!(release(dev, 0, 3), 1);
+    assert_eq!(uses(dev, 0, 3), 0);
+    assert_eq!(uses(99, 0, 3), -1);
+    // SAFETY: as above; a bad device is part of the contract.
+    assert_eq!(unsafe { (abi.create_or_incref_pool)(99, 0, 3) }, 0);
     // A failed call releases the context at once.
     assert_eq!(begin(99, 4, 0), 0);
     assert!(abi.last_error().contains("99"), "{}", abi.last_error());

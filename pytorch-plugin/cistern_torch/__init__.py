@@ -21,8 +21,8 @@ Everything but :func:`install` and :func:`mem_pool` works without torch (ctypes 
 ``CISTERN_LIB=/path/to/libcistern.so``, else the copy bundled by ``pip install``.
 
 Layout: ``_lib`` (the C ABI through ctypes), ``_alloc`` (alloc, check), ``_memory`` (stats and
-limits), ``_tags``, ``_snapshot``, ``_torch`` (install, mem_pool, OOM) and ``_shim`` (the C++
-OOM shim).
+limits), ``_tags``, ``_snapshot``, ``_torch`` (install, mem_pool, OOM) and ``_shim`` (building
+the C++ pieces: the native allocator and the OOM shim).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from ._torch import (
     CisternWarning,
     InstallError,
     OutOfMemoryError,
+    allocator_mode,
     check_oom,
     install,
     is_installed,
@@ -67,6 +68,7 @@ __all__ = [
     "install",
     "is_installed",
     "oom_mode",
+    "allocator_mode",
     "mem_pool",
     "memory_stats",
     "memory_allocated",

@@ -1,6 +1,13 @@
-"""Building and loading the OOM shim (``_shim.cpp``): the piece that makes an OOM raise.
+"""Building and loading cistern_torch's C++ pieces, compiled against the installed torch.
 
-See the note at the top of ``_shim.cpp`` for why it exists. This module compiles it with the
+* The *native allocator* (``_native.cpp``, with ``_native_json.h``): cistern as PyTorch's own
+  ``CUDAAllocator``, so that every ``torch.cuda`` memory API and CUDA graphs' private pools
+  work. It needs torch's C++ headers, CUDA's runtime headers (found next to torch: a CUDA
+  toolkit, or the copy triton bundles) and ``libtorch_cuda.so``.
+* The *OOM shim* (``_shim.cpp``): for the pluggable-allocator fallback, the piece that makes
+  an OOM raise. It needs only torch's headers and ``libc10.so``.
+
+See the notes at the top of each C++ file for why they exist. This module compiles it with the
 system C++ compiler against the headers of the installed torch (``<torch>/include``, shipped in
 every torch wheel) and links it against ``<torch>/lib/libc10.so``. Builds are cached per
 (shim source, torch version and location, C++ ABI, compiler) under
@@ -23,19 +30,33 @@ from typing import List, Optional, Sequence
 
 from . import _lib
 
-__all__ = ["ShimBuildError", "source_path", "cache_dir", "build", "build_for_torch", "bind"]
+__all__ = [
+    "ShimBuildError", "source_path", "cache_dir", "build", "build_for_torch", "bind",
+    "find_cuda_include", "build_native", "build_native_for_torch", "bind_native",
+    "NATIVE_FUNCTIONS",
+]
 
 #: What ``cistern_torch_bind`` returns; bumped when the shim's exports change.
 SHIM_ABI = 1
+
+#: The library's exports the native allocator calls, in the order of its ``Api`` struct.
+NATIVE_FUNCTIONS = (
+    "cistern_malloc", "cistern_free", "cistern_last_error", "cistern_init",
+    "cistern_empty_cache", "cistern_set_memory_fraction", "cistern_record_stream",
+    "cistern_base_alloc", "cistern_stats_json", "cistern_snapshot_json",
+    "cistern_reset_peak_stats", "cistern_enable_peer_access", "cistern_begin_allocate_to_pool",
+    "cistern_end_allocate_to_pool", "cistern_release_pool", "cistern_create_or_incref_pool",
+    "cistern_pool_use_count",
+)
 
 
 class ShimBuildError(RuntimeError):
     """The OOM shim could not be built or loaded; the message says why and what to install."""
 
 
-def source_path() -> str:
-    """The shim's C++ source, shipped inside the package."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim.cpp")
+def source_path(name: str = "_shim.cpp") -> str:
+    """A C++ source shipped inside the package (the OOM shim by default)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
 
 
 def cache_dir() -> str:
@@ -64,7 +85,7 @@ def build(
     tag: str,
     extra_flags: Sequence[str] = (),
 ) -> str:
-    """Compiles the shim (or reuses the cached build) and returns the path of the ``.so``.
+    """Compiles the OOM shim (or reuses the cached build) and returns the path of the ``.so``.
 
     Args:
         torch_include: ``<torch>/include`` (holds ``c10/util/Exception.h``).
@@ -77,37 +98,56 @@ def build(
         ShimBuildError: no compiler, no torch headers, or the compiler failed (its output is
             in the message).
     """
-    src = source_path()
     if not os.path.isfile(os.path.join(torch_include, "c10", "util", "Exception.h")):
         raise ShimBuildError(f"torch's C++ headers are missing ({torch_include}/c10/util)")
+    return _compile(
+        "cistern_torch_shim", [source_path()], ["-I", torch_include], torch_lib, ["c10"],
+        cxx11_abi, tag, extra_flags,
+    )
+
+
+def _compile(
+    stem: str,
+    sources: Sequence[str],
+    includes: Sequence[str],
+    torch_lib: str,
+    libs: Sequence[str],
+    cxx11_abi: bool,
+    tag: str,
+    extra_flags: Sequence[str],
+) -> str:
+    """Compiles ``sources[0]`` (the others are headers it includes, part of the cache key)
+    into ``<cache>/<stem>-<key>.so``, linked against ``libs`` in ``torch_lib``."""
     cxx = _compiler()
     flags: List[str] = list(extra_flags) + os.environ.get("CISTERN_TORCH_CXXFLAGS", "").split()
-    with open(src, "rb") as f:
-        source = f.read()
+    parts = []
+    for src in sources:
+        with open(src, "rb") as f:
+            parts.append(f.read())
     key = hashlib.sha256(
         b"\0".join(
-            [source, tag.encode(), torch_include.encode(), str(int(cxx11_abi)).encode(),
-             cxx.encode(), " ".join(flags).encode()]
+            parts + [tag.encode(), " ".join(includes).encode(), str(int(cxx11_abi)).encode(),
+                     cxx.encode(), " ".join(flags).encode(), " ".join(libs).encode()]
         )
     ).hexdigest()[:20]
     out_dir = cache_dir()
-    out = os.path.join(out_dir, f"cistern_torch_shim-{key}.so")
+    out = os.path.join(out_dir, f"{stem}-{key}.so")
     if os.path.isfile(out):
         return out
     os.makedirs(out_dir, exist_ok=True)
     errors = []
-    # torch's headers need C++17; newer ones may want C++20: try both.
+    # torch's headers need C++17; newer ones (2.10 on) want C++20: try both.
     for std in ("c++17", "c++20"):
         fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=out_dir)
         os.close(fd)
         cmd = [
             cxx, f"-std={std}", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
-            "-I", torch_include, *flags, src, "-o", tmp,
-            "-L", torch_lib, "-lc10", f"-Wl,-rpath,{torch_lib}",
+            *includes, *flags, sources[0], "-o", tmp,
+            "-L", torch_lib, *[f"-l{lib}" for lib in libs], f"-Wl,-rpath,{torch_lib}",
         ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
             os.unlink(tmp)
             raise ShimBuildError(f"running {cxx} failed: {e}") from e
@@ -116,7 +156,7 @@ def build(
             return out
         os.unlink(tmp)
         errors.append(f"-std={std}: " + (proc.stderr or proc.stdout).strip()[-1500:])
-    raise ShimBuildError("compiling the OOM shim failed:\n" + "\n".join(errors))
+    raise ShimBuildError(f"compiling {os.path.basename(sources[0])} failed:\n" + "\n".join(errors))
 
 
 def build_for_torch(torch: object) -> str:
@@ -151,6 +191,156 @@ def bind(shim_path: str) -> ctypes.CDLL:
     if got != SHIM_ABI:
         raise ShimBuildError(f"{shim_path} speaks shim ABI {got}, this package {SHIM_ABI}")
     return shim
+
+
+def _has_cuda_headers(d: str) -> bool:
+    return os.path.isfile(os.path.join(d, "cuda_runtime_api.h")) and os.path.isfile(
+        os.path.join(d, "crt", "host_defines.h")
+    )
+
+
+def find_cuda_include(torch_root: str) -> Optional[str]:
+    """A directory with CUDA's runtime headers (``cuda_runtime_api.h`` and the
+    ``crt/host_defines.h`` it includes), which torch's CUDA headers need.
+
+    Looked for in ``CISTERN_TORCH_CUDA_INCLUDE``, ``CUDA_HOME`` / ``CUDA_PATH``,
+    ``/usr/local/cuda``, then beside torch (``torch_root``'s parent, the site-packages): the
+    headers triton bundles (triton is a dependency of torch on Linux), and NVIDIA's wheels.
+    The runtime wheel alone lacks ``crt/``, so it counts only when ``nvidia-cuda-crt`` (or
+    nvcc's wheel) is installed too. ``None`` when none is found.
+    """
+    env = os.environ.get("CISTERN_TORCH_CUDA_INCLUDE")
+    if env:
+        return env if _has_cuda_headers(env) else None
+    site = os.path.dirname(os.path.abspath(torch_root))
+    candidates = [
+        os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH")
+        if os.environ.get(v)
+    ]
+    candidates += [
+        "/usr/local/cuda/include",
+        os.path.join(site, "triton", "backends", "nvidia", "include"),
+        os.path.join(site, "nvidia", "cu13", "include"),
+        os.path.join(site, "nvidia", "cuda_runtime", "include"),
+        os.path.join(site, "nvidia", "cuda_nvcc", "include"),
+    ]
+    for d in candidates:
+        if _has_cuda_headers(d):
+            return d
+    return None
+
+
+def build_native(
+    torch_root: str,
+    cxx11_abi: bool,
+    tag: str,
+    cuda_include: Optional[str] = None,
+    extra_flags: Sequence[str] = (),
+) -> str:
+    """Compiles the native allocator (``_native.cpp``) against the torch at ``torch_root``
+    (or reuses the cached build) and returns the path of the ``.so``.
+
+    Links ``libc10``, ``libc10_cuda`` and ``libtorch_cuda`` from ``<torch_root>/lib`` when they
+    are there (a test against an unpacked wheel's headers may leave them out: the library then
+    resolves those symbols from the torch already loaded).
+
+    Raises:
+        ShimBuildError: no compiler, no torch headers, no CUDA headers (the message says where
+            they were looked for and how to name them), or the compiler failed.
+    """
+    include = os.path.join(torch_root, "include")
+    header = os.path.join(include, "torch", "csrc", "cuda", "CUDAPluggableAllocator.h")
+    if not os.path.isfile(header):
+        raise ShimBuildError(
+            f"torch's CUDA allocator header is missing ({header}): the native allocator needs a "
+            "CUDA build of torch"
+        )
+    cuda = cuda_include or find_cuda_include(torch_root)
+    if cuda is None or not _has_cuda_headers(cuda):
+        raise ShimBuildError(
+            "no CUDA runtime headers (cuda_runtime_api.h with crt/host_defines.h) were found in "
+            "CISTERN_TORCH_CUDA_INCLUDE, CUDA_HOME, /usr/local/cuda, triton's bundled headers or "
+            "NVIDIA's wheels: install a CUDA toolkit or `pip install nvidia-cuda-crt`, or set "
+            "CISTERN_TORCH_CUDA_INCLUDE to a directory that has them"
+        )
+    lib = os.path.join(torch_root, "lib")
+    libs = [n for n in ("c10", "c10_cuda", "torch_cuda")
+            if os.path.isfile(os.path.join(lib, f"lib{n}.so"))]
+    if "c10" not in libs:
+        raise ShimBuildError(f"torch's libc10.so is missing ({lib})")
+    api = os.path.join(include, "torch", "csrc", "api", "include")
+    return _compile(
+        "cistern_torch_native", [source_path("_native.cpp"), source_path("_native_json.h")],
+        ["-I", include, "-I", api, "-I", cuda], lib, libs, cxx11_abi, tag, extra_flags,
+    )
+
+
+def build_native_for_torch(torch: object) -> str:
+    """:func:`build_native` for an imported torch module."""
+    where = getattr(torch, "__file__", None)
+    if not where:
+        raise ShimBuildError("this torch module has no location (__file__) to build against")
+    root = os.path.dirname(os.path.abspath(where))
+    abi = bool(getattr(torch, "compiled_with_cxx11_abi", lambda: True)())
+    version = str(getattr(torch, "__version__", "?"))
+    return build_native(root, abi, f"{version}@{root}")
+
+
+def bind_native(path: str) -> ctypes.CDLL:
+    """Loads a built native allocator and points it at the loaded ``libcistern.so``.
+
+    Torch (with its CUDA library) must be imported first. The returned handle must stay alive
+    for the life of the process.
+
+    Raises:
+        ShimBuildError: it does not load, or is from another version of this package.
+    """
+    try:
+        lib = ctypes.CDLL(path)
+        fn = lib.cistern_torch_native_bind
+    except (OSError, AttributeError) as e:
+        raise ShimBuildError(f"could not load the native allocator {path}: {e}") from e
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    addrs = (ctypes.c_void_p * len(NATIVE_FUNCTIONS))(
+        *[_lib.function_address(n) for n in NATIVE_FUNCTIONS]
+    )
+    got = fn(addrs, len(NATIVE_FUNCTIONS))
+    if got != 1:
+        raise ShimBuildError(
+            f"{path} expects {-got} functions, this package gives {len(NATIVE_FUNCTIONS)}: a "
+            "stale build (remove it from the cache)" if got < 0 and -got != len(NATIVE_FUNCTIONS)
+            else f"{path} refused the library's functions ({got})"
+        )
+    return lib
+
+
+def install_native(lib: ctypes.CDLL) -> None:
+    """Makes the bound native allocator PyTorch's current allocator.
+
+    Raises:
+        RuntimeError: PyTorch refused (its message, e.g. CUDA already initialised).
+    """
+    fn = lib.cistern_torch_native_install
+    fn.restype = ctypes.c_int
+    err = lib.cistern_torch_native_error
+    err.restype = ctypes.c_char_p
+    if fn() != 1:
+        raise RuntimeError((err() or b"").decode(errors="replace"))
+
+
+def cxx11_abi_of(torch_root: str) -> bool:
+    """Whether the torch at ``torch_root`` was built with the C++11 ABI, read off its
+    ``libc10.so`` without importing it: how ``c10::Error(SourceLocation, std::string)`` is
+    mangled (``std::__cxx11::basic_string`` or the old ``Ss``). Other ``__cxx11`` symbols do
+    not tell: libstdc++ parts are linked in statically either way."""
+    with open(os.path.join(torch_root, "lib", "libc10.so"), "rb") as f:
+        data = f.read()
+    if b"_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx11" in data:
+        return True
+    if b"_ZN3c105ErrorC1ENS_14SourceLocationESs" in data:
+        return False
+    return True
 
 
 def find_unpacked_torch(root: Optional[str]) -> Optional[str]:

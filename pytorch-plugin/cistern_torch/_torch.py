@@ -2,6 +2,23 @@
 
 The only module that imports torch, and only inside its functions.
 
+Two modes
+---------
+* **native** (preferred): ``install()`` compiles ``_native.cpp`` against the installed torch's
+  headers (cached after the first time) and installs it with PyTorch's own
+  ``changeCurrentAllocator``: a ``CUDAAllocator`` that answers ``torch.cuda.memory_stats()``,
+  ``memory_allocated()``, ``max_memory_allocated()``, ``reset_peak_memory_stats()``,
+  ``memory_summary()``, ``memory_snapshot()`` and ``empty_cache()`` from cistern, gives CUDA
+  graphs private pools (memory a capture allocates is reused only inside the graph, and nothing
+  cistern does during a capture invalidates it), grants peers access to VMM mappings, and
+  raises ``torch.OutOfMemoryError`` with cistern's report on OOM.
+* **pluggable** (fallback, when the native allocator cannot be built: no CUDA headers, no
+  compiler): ``CUDAPluggableAllocator``, with the OOM shim below. PyTorch's memory APIs raise
+  in this mode (use ``cistern_torch.memory_stats()``), and CUDA graphs get no private pools.
+  ``install()`` says so once, with the fix.
+
+:func:`allocator_mode` says which is in use.
+
 How an out-of-memory error reaches Python
 -----------------------------------------
 PyTorch's ``CUDAPluggableAllocator`` stores whatever the allocation function returns, NULL
@@ -42,6 +59,7 @@ __all__ = [
     "install",
     "is_installed",
     "oom_mode",
+    "allocator_mode",
     "check_oom",
     "mem_pool",
     "current_device",
@@ -131,6 +149,45 @@ def is_installed() -> bool:
     return "allocator" in _state
 
 
+def allocator_mode() -> Optional[str]:
+    """``"native"`` (cistern is PyTorch's own allocator), ``"pluggable"`` (the fallback), or
+    None (not installed)."""
+    return _state.get("mode")
+
+
+def _native_wanted(native: Optional[bool]) -> Optional[bool]:
+    """True: required; False: off; None: try, fall back with a warning."""
+    if native is not None:
+        return native
+    env = os.environ.get("CISTERN_TORCH_NATIVE", "auto").strip().lower()
+    if env in ("1", "true", "yes", "on", "required"):
+        return True
+    if env in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def _install_native(torch: Any) -> Any:
+    """Builds, binds and installs the native allocator; returns PyTorch's handle on it.
+
+    Raises:
+        ShimBuildError: it cannot be built or loaded.
+        InstallError: PyTorch refused the swap (CUDA already initialised).
+    """
+    path = _shim.build_native_for_torch(torch)
+    handle = _shim.bind_native(path)
+    try:
+        _shim.install_native(handle)
+    except RuntimeError as e:
+        if "initialized" in str(e) or "initialised" in str(e):
+            raise InstallError(TOO_LATE) from e
+        raise _shim.ShimBuildError(f"PyTorch refused the native allocator: {e}") from e
+    _state["native_handle"] = handle
+    _state["native_path"] = path
+    getter = getattr(torch.cuda.memory, "_get_current_allocator", None)
+    return getter() if getter is not None else handle
+
+
 def oom_mode() -> Optional[str]:
     """``"raise"`` (the shim is in place), ``"after-the-fact"`` (fallback), None (not installed)."""
     return _state.get("oom_mode")
@@ -156,30 +213,37 @@ def _set_hook(raw: Any, method: str, symbol: str, missing: list) -> None:
     setter(_lib.function_address(symbol))
 
 
-def install(*, shim: Optional[bool] = None) -> Any:
+def install(*, native: Optional[bool] = None, shim: Optional[bool] = None) -> Any:
     """Makes cistern PyTorch's CUDA allocator for the rest of the process.
 
     Must run before CUDA is initialised (before the first CUDA tensor or ``torch.cuda`` call):
-    put it at the top of the script. Sets PyTorch's init, reset (``empty_cache``),
-    memory-fraction, record-stream and base-alloc hooks, so ``torch.cuda.empty_cache()``,
-    ``torch.cuda.set_per_process_memory_fraction`` and ``Tensor.record_stream`` reach cistern.
-    PyTorch's ``torch.cuda.memory_stats()`` and snapshots raise under a pluggable allocator:
-    use ``cistern_torch.memory_stats()`` and ``cistern_torch.snapshot()`` instead.
+    put it at the top of the script. In native mode (see the module documentation) every
+    ``torch.cuda`` memory API answers from cistern and CUDA graphs get private pools. In the
+    pluggable fallback it sets PyTorch's init, reset (``empty_cache``), memory-fraction,
+    record-stream and base-alloc hooks, so ``torch.cuda.empty_cache()``,
+    ``torch.cuda.set_per_process_memory_fraction`` and ``Tensor.record_stream`` reach cistern;
+    PyTorch's ``torch.cuda.memory_stats()`` and snapshots raise there: use
+    ``cistern_torch.memory_stats()`` and ``cistern_torch.snapshot()`` instead.
 
     Calling it again is a no-op that returns the same allocator.
 
     Args:
-        shim: True: require the OOM shim (raise if it cannot be built); False: do not use it
-            (OOM detected after the fact only); None (default, or ``CISTERN_TORCH_SHIM``):
-            build it, and fall back with a :class:`CisternWarning` if that fails.
+        native: True: require the native allocator (raise if it cannot be built); False: use
+            the pluggable allocator; None (default, or ``CISTERN_TORCH_NATIVE``): try native,
+            and fall back with a :class:`CisternWarning` that says why.
+        shim: for the pluggable mode. True: require the OOM shim (raise if it cannot be
+            built); False: do not use it (OOM detected after the fact only); None (default, or
+            ``CISTERN_TORCH_SHIM``): build it, and fall back with a :class:`CisternWarning`.
 
     Returns:
-        The ``torch.cuda.memory.CUDAPluggableAllocator`` now in use.
+        PyTorch's handle on the allocator now in use (``torch.cuda.memory._CUDAAllocator``
+        in native mode, the ``CUDAPluggableAllocator`` in the fallback).
 
     Raises:
         InstallError: CUDA is already initialised, or this torch has no CUDA support.
         cistern_torch.LibraryNotFoundError: no ``libcistern.so`` (set ``CISTERN_LIB``).
-        cistern_torch.ShimBuildError: ``shim=True`` and the shim could not be built.
+        cistern_torch.ShimBuildError: ``native=True`` or ``shim=True`` and that part could
+            not be built.
     """
     with _lock:
         if "allocator" in _state:
@@ -194,6 +258,27 @@ def install(*, shim: Optional[bool] = None) -> Any:
         _lib.load()
         lib_path = _lib.loaded_path()
         assert lib_path is not None
+
+        want_native = _native_wanted(native)
+        if want_native is not False:
+            try:
+                allocator = _install_native(torch)
+            except _shim.ShimBuildError as e:
+                if want_native:
+                    raise
+                warnings.warn(
+                    "cistern_torch: the native allocator could not be built, so cistern is "
+                    "installed as a pluggable allocator: torch.cuda.memory_stats(), "
+                    "memory_snapshot() and friends raise (use cistern_torch.memory_stats()), "
+                    f"and CUDA graphs get no private pools. Fix: {e}",
+                    CisternWarning,
+                    stacklevel=2,
+                )
+            else:
+                _state["allocator"] = allocator
+                _state["mode"] = "native"
+                _state["oom_mode"] = "raise"
+                return allocator
 
         want = _shim_wanted(shim)
         shim_path: Optional[str] = None
@@ -242,6 +327,7 @@ def install(*, shim: Optional[bool] = None) -> Any:
                 raise InstallError(TOO_LATE) from e
             raise
         _state["allocator"] = allocator
+        _state["mode"] = "pluggable"
         _state["oom_mode"] = "raise" if shim_path is not None else "after-the-fact"
         _state["shim_path"] = shim_path
         if shim_path is None:

@@ -87,7 +87,62 @@ def fake_env(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(_lib, "function_address", lambda n: addrs[n])
     monkeypatch.setattr(_torch, "_state", {})
     monkeypatch.setattr(cistern_torch._tags, "after_scope", None)
+    # The pluggable path unless a test asks for the native one.
+    monkeypatch.setenv("CISTERN_TORCH_NATIVE", "0")
     return addrs
+
+
+def test_install_native_when_it_builds(fake_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = make_fake_torch()
+    torch.cuda.memory._get_current_allocator = lambda: "torch's handle"
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.delenv("CISTERN_TORCH_NATIVE")
+    calls: List[str] = []
+    monkeypatch.setattr(_shim, "build_native_for_torch", lambda t: "/cache/native.so")
+    monkeypatch.setattr(_shim, "bind_native", lambda p: calls.append(p) or "handle")
+    monkeypatch.setattr(_shim, "install_native", lambda h: calls.append(h))
+    assert cistern_torch.install() == "torch's handle"
+    assert calls == ["/cache/native.so", "handle"]
+    assert cistern_torch.allocator_mode() == "native" and cistern_torch.oom_mode() == "raise"
+    assert torch.cuda.swapped == [], "the pluggable allocator was installed too"
+    assert cistern_torch.install() == "torch's handle"  # idempotent
+    assert calls == ["/cache/native.so", "handle"]
+
+
+def test_install_falls_back_to_pluggable_and_says_why(fake_env, monkeypatch) -> None:
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.delenv("CISTERN_TORCH_NATIVE")
+
+    def fail(t: Any) -> str:
+        raise _shim.ShimBuildError("no CUDA runtime headers (...): install a CUDA toolkit")
+
+    monkeypatch.setattr(_shim, "build_native_for_torch", fail)
+    with pytest.warns(cistern_torch.CisternWarning, match="pluggable allocator.*install a CUDA toolkit"):
+        alloc = cistern_torch.install(shim=False)
+    assert cistern_torch.allocator_mode() == "pluggable"
+    assert torch.cuda.swapped == [alloc]
+
+
+def test_install_with_required_native_raises(fake_env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", make_fake_torch())
+    with pytest.raises(cistern_torch.ShimBuildError, match="location"):
+        cistern_torch.install(native=True)
+    assert not cistern_torch.is_installed()
+
+
+def test_native_install_too_late_says_what_to_do(fake_env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", make_fake_torch())
+    monkeypatch.setattr(_shim, "build_native_for_torch", lambda t: "/cache/native.so")
+    monkeypatch.setattr(_shim, "bind_native", lambda p: "handle")
+
+    def refuse(h: Any) -> None:
+        raise RuntimeError("Can't swap an already initialized allocator")
+
+    monkeypatch.setattr(_shim, "install_native", refuse)
+    with pytest.raises(cistern_torch.InstallError, match="before any CUDA work"):
+        cistern_torch.install(native=True)
+    assert not cistern_torch.is_installed()
 
 
 def test_install_sets_every_hook(fake_env: Dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,9 +246,13 @@ int main(int, char** argv) {
 
 
 def _torch_dirs() -> "tuple[str, str, bool, str]":
-    root = _shim.find_unpacked_torch(os.environ.get("CISTERN_TORCH_TORCH_DIR"))
-    if root is not None:
-        return os.path.join(root, "include"), os.path.join(root, "lib"), True, f"dir@{root}"
+    named = os.environ.get("CISTERN_TORCH_TORCH_DIRS", "").split(os.pathsep)
+    named.append(os.environ.get("CISTERN_TORCH_TORCH_DIR", ""))
+    for candidate in named:
+        root = _shim.find_unpacked_torch(candidate)
+        if root is not None:
+            return (os.path.join(root, "include"), os.path.join(root, "lib"),
+                    _shim.cxx11_abi_of(root), f"dir@{root}")
     torch = pytest.importorskip(
         "torch", reason="needs torch, or CISTERN_TORCH_TORCH_DIR=<unpacked torch package>"
     )

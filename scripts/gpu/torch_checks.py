@@ -67,7 +67,7 @@ def torch_or_skip(mode: str):
         import cistern_torch
 
         cistern_torch.install()  # before anything that could initialise CUDA
-        key(oom_mode=cistern_torch.oom_mode())
+        key(oom_mode=cistern_torch.oom_mode(), allocator_mode=cistern_torch.allocator_mode())
     if not torch.cuda.is_available():
         raise Skip("torch.cuda.is_available() is False")
     torch.cuda.init()
@@ -428,17 +428,61 @@ def cmd_graphs(_a) -> None:
         raise Fail(f"replay: output correct={correct}, {corrupted} of 6 later blocks overwritten")
 
 
+def cmd_memory_apis(_a) -> None:
+    """Every torch.cuda memory API answers from cistern (native mode), with cistern's numbers."""
+    torch = torch_or_skip("cistern")
+    import cistern_torch
+
+    mode = cistern_torch.allocator_mode()
+    if mode != "native":
+        raise Fail(f"allocator_mode() is {mode!r}: the native allocator did not install")
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    y = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    results = {}
+    problems = []
+    stats = torch.cuda.memory_stats()
+    ours = cistern_torch.memory_stats()
+    for k in ("allocated_bytes.all.current", "reserved_bytes.all.current", "allocation.all.current"):
+        results[k] = (stats.get(k), ours.get(k))
+        if stats.get(k) != ours.get(k):
+            problems.append(f"memory_stats()[{k}] {stats.get(k)} != cistern's {ours.get(k)}")
+    if torch.cuda.memory_allocated() != ours["allocated_bytes.all.current"]:
+        problems.append("memory_allocated() differs from cistern's")
+    peak = torch.cuda.max_memory_allocated()
+    del x
+    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.max_memory_allocated() >= peak:
+        problems.append("reset_peak_memory_stats() left the peak")
+    torch.cuda.reset_accumulated_memory_stats()
+    if torch.cuda.memory_stats().get("allocation.all.allocated", -1) != 0:
+        problems.append("reset_accumulated_memory_stats() left allocation.all.allocated")
+    summary = torch.cuda.memory_summary()
+    if "PyTorch CUDA memory summary" not in summary:
+        problems.append("memory_summary() has no table")
+    snap = torch.cuda.memory_snapshot()
+    if not any(b["state"] == "active_allocated" for s in snap for b in s["blocks"]):
+        problems.append("memory_snapshot() shows no allocated block")
+    name = torch.cuda.get_allocator_backend()
+    torch.cuda.empty_cache()
+    del y
+    emit("memory_apis", mode=mode, backend=name, stats=results, problems=problems)
+    key(memory_apis_problems=len(problems))
+    if problems:
+        raise Fail("; ".join(problems))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
     p.add_argument("--mode", choices=["native", "cistern"], required=True)
-    for name in ("shim", "oom", "record_stream", "snapshot", "ipc", "graphs"):
+    for name in ("shim", "oom", "record_stream", "snapshot", "ipc", "graphs", "memory_apis"):
         sub.add_parser(name)
     a = ap.parse_args()
     cmds = {"train": cmd_train, "shim": cmd_shim, "oom": cmd_oom, "record_stream": cmd_record_stream,
             "snapshot": cmd_snapshot,
-            "ipc": cmd_ipc, "graphs": cmd_graphs}
+            "ipc": cmd_ipc, "graphs": cmd_graphs, "memory_apis": cmd_memory_apis}
     try:
         cmds[a.cmd](a)
     except Skip as e:

@@ -141,6 +141,26 @@ impl<D: Driver> DevicePool<D> {
         self.core.capturing.fetch_add(1, Relaxed);
     }
 
+    /// One more use of graph pool `id`, made if new, without opening a window (PyTorch's
+    /// `createOrIncrefPool`, when a `MemPool` is made). Released by [`DevicePool::release_pool`].
+    pub fn create_or_incref_pool(&self, id: MempoolId) {
+        self.graphs
+            .lock()
+            .pools
+            .entry(id)
+            .or_insert_with(|| GraphPool {
+                uses: 0,
+                arenas: FxHashMap::default(),
+            })
+            .uses += 1;
+    }
+
+    /// The uses of graph pool `id` not yet released (0 when there is no such pool: PyTorch's
+    /// `getPoolUseCount`).
+    pub fn pool_use_count(&self, id: MempoolId) -> u64 {
+        self.graphs.lock().pools.get(&id).map_or(0, |p| p.uses)
+    }
+
     /// Closes the allocation window into graph pool `id` (its latest, when several are open).
     /// The pool's memory stays the graph's until [`DevicePool::release_pool`].
     pub fn end_allocate_to_pool(&self, id: MempoolId) -> Result<()> {

@@ -306,6 +306,18 @@ fn pool_calls_out_of_order_are_clear_errors() {
     let e = pool.release_pool(0, GRAPH).unwrap_err().to_string();
     assert!(e.contains("no graph pool (1, 0)"), "{e}");
     assert!(pool.begin_allocate_to_pool(5, GRAPH, None).is_err());
+    // PyTorch's MemPool: a use without a window, counted with the windows' uses.
+    let dev = pool.device(0).unwrap();
+    assert_eq!(dev.pool_use_count(MempoolId(0, 7)), 0);
+    dev.create_or_incref_pool(MempoolId(0, 7));
+    dev.begin_allocate_to_pool(MempoolId(0, 7), None);
+    dev.end_allocate_to_pool(MempoolId(0, 7)).unwrap();
+    assert_eq!(dev.pool_use_count(MempoolId(0, 7)), 2);
+    dev.release_pool(MempoolId(0, 7)).unwrap();
+    assert_eq!(dev.pool_use_count(MempoolId(0, 7)), 1);
+    dev.release_pool(MempoolId(0, 7)).unwrap();
+    assert_eq!(dev.pool_use_count(MempoolId(0, 7)), 0);
+    assert!(dev.graph_pools().is_empty());
     // A window with no filter routes every stream; releasing the pool closes it.
     pool.begin_allocate_to_pool(0, GRAPH, None).unwrap();
     let a = alloc(&pool, MIB, S);

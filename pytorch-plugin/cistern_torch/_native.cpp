@@ -1,0 +1,327 @@
+// cistern_torch native mode: cistern as PyTorch's own CUDA allocator.
+//
+// Why. Installed through torch.cuda.memory.CUDAPluggableAllocator, cistern is reached for
+// malloc/free and a few hooks, and every other torch.cuda memory API raises
+// ("CUDAPluggableAllocator does not yet support ..."): memory_stats, memory_allocated,
+// max_memory_allocated, reset_peak_memory_stats, memory_summary, memory_snapshot, and CUDA
+// graphs get no private pools (memory freed during a capture would be reused outside it).
+// The loggers of Lightning, Hugging Face's Trainer and DeepSpeed call those APIs.
+//
+// What. A subclass of PyTorch's CUDAPluggableAllocator, compiled at install() against the
+// installed torch's headers (so its interface is the installed torch's, whatever the version),
+// that answers those APIs from libcistern.so:
+//   getDeviceStats / resetPeakStats / resetAccumulatedStats   cistern_stats_json, cistern_reset_peak_stats
+//   snapshot (every version's signature)                       cistern_snapshot_json
+//   emptyCache (every version's signature), cacheInfo          cistern_empty_cache, the snapshot
+//   beginAllocateToPool / endAllocateToPool / releasePool,
+//   createOrIncrefPool / getPoolUseCount                       cistern's graph pools
+//   enablePeerAccess                                           cistern_enable_peer_access
+//   name()                                                     "cistern"
+// and allocates through cistern_malloc, throwing c10::OutOfMemoryError with cistern's report
+// on OOM (never a NULL tensor). It is installed with PyTorch's own changeCurrentAllocator.
+// Not here yet: history (recordHistory keeps the pluggable allocator's answer), IPC handles.
+//
+// Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
+// emptyCache(), emptyCache(MempoolId_t)) are all declared without `override`: the one the
+// installed torch declares virtual is overridden, the others are plain overloads.
+//
+// Exports: cistern_torch_native_bind, cistern_torch_native_install, cistern_torch_native_error.
+
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include "_native_json.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#define CISTERN_SHIM_EXPORT __attribute__((visibility("default")))
+
+namespace {
+
+using Stream = void*;
+using FilterFn = int (*)(void*, Stream);
+using ReleaseFn = void (*)(void*);
+
+// libcistern.so's exports, bound at run time (addresses from ctypes), so one build of this
+// file serves whichever libcistern.so is loaded. A plain struct of function pointers, filled
+// by cistern_torch_native_bind in this order.
+struct Api {
+  void* (*malloc)(size_t, int, Stream);
+  void (*free)(void*, size_t, int, Stream);
+  const char* (*last_error)();
+  void (*init)(int);
+  void (*empty_cache)();
+  void (*set_memory_fraction)(double, int);
+  void (*record_stream)(void*, Stream);
+  void* (*base_alloc)(void*, size_t*);
+  size_t (*stats_json)(int, char*, size_t);
+  size_t (*snapshot_json)(char*, size_t);
+  void (*reset_peak_stats)(int);
+  int (*enable_peer_access)(int, int);
+  int (*begin_allocate_to_pool)(int, uint64_t, uint64_t, FilterFn, void*, ReleaseFn);
+  int (*end_allocate_to_pool)(int, uint64_t, uint64_t);
+  int (*release_pool)(int, uint64_t, uint64_t);
+  int (*create_or_incref_pool)(int, uint64_t, uint64_t);
+  int64_t (*pool_use_count)(int, uint64_t, uint64_t);
+};
+
+Api g_api{};
+std::string g_error;
+
+std::string last_error() {
+  const char* raw = g_api.last_error ? g_api.last_error() : nullptr;
+  std::string s = raw ? raw : "";
+  return s.empty() ? std::string("cistern gave no reason") : s;
+}
+
+bool is_oom(const std::string& message) {
+  return message.find("out of memory") != std::string::npos ||
+      message.find("limit exceeded") != std::string::npos;
+}
+
+// A JSON document from one of cistern's snprintf-like exports.
+template <class F>
+std::string read_json(F call) {
+  size_t n = call(nullptr, 0);
+  std::string buf(n + 1, '\0');
+  size_t m = call(&buf[0], buf.size());
+  buf.resize(std::min(m, n));
+  return buf;
+}
+
+void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
+  void* ptr = g_api.malloc(size, device, stream);
+  if (ptr != nullptr || size == 0) {
+    return ptr;
+  }
+  std::string report = last_error();
+  if (is_oom(report)) {
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, false, "CUDA out of memory. cistern could not allocate ", size,
+        " bytes on device ", device, ": ", report);
+  }
+  TORCH_CHECK(false, "cistern could not allocate ", size, " bytes on device ", device, ": ", report);
+  return nullptr;
+}
+
+void cistern_dealloc(void* ptr, size_t size, int device, cudaStream_t stream) {
+  g_api.free(ptr, size, device, stream);
+}
+
+// PyTorch's filter, owned by cistern's window until it calls `release`.
+struct FilterBox {
+  std::function<bool(cudaStream_t)> filter;
+};
+
+int filter_trampoline(void* ctx, Stream stream) noexcept {
+  try {
+    return static_cast<FilterBox*>(ctx)->filter(static_cast<cudaStream_t>(stream)) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+void filter_release(void* ctx) noexcept {
+  delete static_cast<FilterBox*>(ctx);
+}
+
+using PluggableBase = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using c10::cuda::MempoolId_t;
+
+class CisternAllocator : public PluggableBase {
+ public:
+  CisternAllocator() : PluggableBase(cistern_alloc, cistern_dealloc) {
+    set_init_fn([](int n) { g_api.init(n); });
+    set_reset_fn([]() { g_api.empty_cache(); });
+    set_memory_fraction_fn([](double f, int d) { g_api.set_memory_fraction(f, d); });
+    set_base_alloc_fn([](void* p, size_t* s) { return g_api.base_alloc(p, s); });
+    set_record_stream_fn([](void* p, cudaStream_t s) { g_api.record_stream(p, s); });
+  }
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    cistern_native::Json flat;
+    std::string text = stats_text(device);
+    TORCH_CHECK(cistern_native::parse(text, flat), "cistern: unreadable statistics: ", text);
+    std::lock_guard<std::mutex> g(mu_);
+    return cistern_native::stats_from_json(flat, baselines_[device]);
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    cistern_native::Json flat;
+    std::string text = stats_text(device);
+    TORCH_CHECK(cistern_native::parse(text, flat), "cistern: unreadable statistics: ", text);
+    std::lock_guard<std::mutex> g(mu_);
+    baselines_[device] = cistern_native::baseline_of(flat);
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    g_api.reset_peak_stats(device);
+  }
+
+  // torch <= 2.5: snapshot().
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() {
+    return snapshot_of({0, 0});
+  }
+  // Later torch: snapshot(MempoolId_t), then snapshot(MempoolId_t, bool include_traces).
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(MempoolId_t pool) {
+    return snapshot_of(pool);
+  }
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(MempoolId_t pool, bool /*traces*/) {
+    return snapshot_of(pool);
+  }
+
+  // torch <= 2.7: emptyCache(); later emptyCache(MempoolId_t). A graph pool's memory is the
+  // graph's until the pool is released, so a pool's own emptyCache keeps it.
+  void emptyCache() {
+    g_api.empty_cache();
+  }
+  void emptyCache(MempoolId_t pool) {
+    if (pool.first == 0 && pool.second == 0) {
+      g_api.empty_cache();
+    }
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    // The largest free block cached on the device (cuDNN sizes its workspace with it).
+    auto info = snapshot_of({0, 0});
+    size_t largest = 0;
+    for (const auto& seg : info.segments) {
+      if (seg.device != device) {
+        continue;
+      }
+      for (const auto& b : seg.blocks) {
+        if (!b.active && b.size > largest) {
+          largest = b.size;
+        }
+      }
+    }
+    *largestBlock = largest;
+  }
+
+  void beginAllocateToPool(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::function<bool(cudaStream_t)> filter) override {
+    auto* box = new FilterBox{std::move(filter)};
+    int ok = g_api.begin_allocate_to_pool(
+        device, mempool_id.first, mempool_id.second, filter_trampoline, box, filter_release);
+    TORCH_CHECK(ok == 1, "cistern: beginAllocateToPool: ", last_error());
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    int ok = g_api.end_allocate_to_pool(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(ok == 1, "cistern: endAllocateToPool: ", last_error());
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    int ok = g_api.release_pool(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(ok == 1, "cistern: releasePool: ", last_error());
+  }
+
+  // torch with MemPool's pool bookkeeping (later than 2.5): a pool made or shared by a MemPool
+  // is one more use, released by releasePool. A MemPool with an allocator of its own cannot be
+  // served while cistern is PyTorch's allocator: refused with the reason.
+  using AllocatorBase = c10::cuda::CUDACachingAllocator::CUDAAllocator;
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::shared_ptr<AllocatorBase> allocator = nullptr) {
+    createOrIncrefPool(device, mempool_id, allocator.get());
+  }
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id, AllocatorBase* allocator) {
+    TORCH_CHECK(
+        allocator == nullptr || allocator == this,
+        "cistern: a MemPool with an allocator of its own cannot be used while cistern is "
+        "PyTorch's allocator (cistern_torch.install()); make the MemPool without one");
+    int ok = g_api.create_or_incref_pool(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(ok == 1, "cistern: createOrIncrefPool: ", last_error());
+  }
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    int64_t n = g_api.pool_use_count(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(n >= 0, "cistern: getPoolUseCount: ", last_error());
+    return static_cast<int>(n);
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    // cudaDeviceEnablePeerAccess (the base) for kernels; cistern's grant for VMM mappings,
+    // which that call does not cover: `dev` may access `dev_to_access`'s memory.
+    PluggableBase::enablePeerAccess(dev, dev_to_access);
+    int ok = g_api.enable_peer_access(dev_to_access, dev);
+    TORCH_CHECK(ok == 1, "cistern: enablePeerAccess: ", last_error());
+  }
+
+  std::string name() override {
+    return "cistern";
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int, cistern_native::Baseline> baselines_;
+
+  static std::string stats_text(c10::DeviceIndex device) {
+    std::string text =
+        read_json([&](char* buf, size_t cap) { return g_api.stats_json(device, buf, cap); });
+    TORCH_CHECK(!text.empty(), "cistern: no statistics for device ", device, ": ", last_error());
+    return text;
+  }
+
+  static c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_of(MempoolId_t pool) {
+    std::string text = read_json([](char* buf, size_t cap) { return g_api.snapshot_json(buf, cap); });
+    cistern_native::Json snap;
+    TORCH_CHECK(
+        !text.empty() && cistern_native::parse(text, snap), "cistern: no snapshot: ", last_error());
+    return cistern_native::snapshot_from_json(snap, {pool.first, pool.second});
+  }
+};
+
+std::shared_ptr<CisternAllocator> g_allocator;
+
+} // namespace
+
+extern "C" {
+
+// Binds the library's exports, in the order of `Api` (addresses from ctypes). Returns this
+// file's ABI version so that Python can refuse a stale cached build.
+CISTERN_SHIM_EXPORT int cistern_torch_native_bind(void** fns, int n) noexcept {
+  constexpr int kFns = sizeof(Api) / sizeof(void*);
+  if (fns == nullptr || n != kFns) {
+    return -kFns;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (fns[i] == nullptr) {
+      return -1 - i;
+    }
+  }
+  std::memcpy(&g_api, fns, sizeof(Api));
+  return 1;
+}
+
+// Makes cistern PyTorch's allocator (changeCurrentAllocator). Returns 1, or 0 with the reason
+// in cistern_torch_native_error().
+CISTERN_SHIM_EXPORT int cistern_torch_native_install() noexcept {
+  try {
+    TORCH_CHECK(g_api.malloc != nullptr, "cistern_torch: the native allocator was not bound");
+    if (!g_allocator) {
+      g_allocator = std::make_shared<CisternAllocator>();
+    }
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(g_allocator);
+    return 1;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+  } catch (...) {
+    g_error = "unknown C++ exception";
+  }
+  return 0;
+}
+
+CISTERN_SHIM_EXPORT const char* cistern_torch_native_error() noexcept {
+  return g_error.c_str();
+}
+
+} // extern "C"

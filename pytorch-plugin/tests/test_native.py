@@ -1,0 +1,335 @@
+"""The native allocator (``_native.cpp``): cistern as PyTorch's own ``CUDAAllocator``.
+
+Without a GPU:
+
+- it is compiled against real torch headers: every torch named by ``CISTERN_TORCH_TORCH_DIRS``
+  (unpacked wheels, separated by ``os.pathsep``; ``scripts/torch-headers.sh`` fetches the newest
+  and 2.5), else ``CISTERN_TORCH_TORCH_DIR``, else the installed torch. A torch whose allocator
+  interface the class does not match fails to compile, so each version is checked;
+- a C++ harness includes ``_native_json.h`` and converts cistern's statistics and snapshot (from
+  the library, on the simulated GPU) into PyTorch's ``DeviceStats`` and ``SnapshotInfo``; the
+  test compares every field with the JSON as Python reads it.
+
+With torch and a GPU, ``test_torch.py``'s subprocess tests and ``scripts/gpu-check.sh`` run it
+for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import subprocess
+from typing import Dict, List, Tuple
+
+import pytest
+
+from cistern_torch import _lib, _shim
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cxx() -> str:
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    return cxx
+
+
+def _torch_roots() -> List[str]:
+    """Every torch to build against (unpacked packages, or the installed one)."""
+    names = os.environ.get("CISTERN_TORCH_TORCH_DIRS", "")
+    roots = [r for r in names.split(os.pathsep) if _shim.find_unpacked_torch(r)]
+    if not roots:
+        one = _shim.find_unpacked_torch(os.environ.get("CISTERN_TORCH_TORCH_DIR"))
+        if one:
+            roots = [one]
+    if not roots:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pytest.skip(
+                "needs torch's headers: run scripts/torch-headers.sh (it sets "
+                "CISTERN_TORCH_TORCH_DIRS) or install torch"
+            )
+        roots = [os.path.dirname(os.path.abspath(torch.__file__))]
+    return roots
+
+
+def _cuda_include(root: str) -> str:
+    inc = _shim.find_cuda_include(root)
+    if inc is None:
+        pytest.skip(
+            f"no CUDA runtime headers for {root}: set CISTERN_TORCH_CUDA_INCLUDE "
+            "(scripts/torch-headers.sh unpacks triton's)"
+        )
+    return inc
+
+
+def _exports(path: str) -> List[str]:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the built library's symbols")
+    out = subprocess.run([nm, "-D", "--defined-only", path], capture_output=True, text=True,
+                         check=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.strip()]
+
+
+def test_native_allocator_compiles_against_each_torch(tmp_path, monkeypatch) -> None:
+    _cxx()
+    monkeypatch.setenv("CISTERN_TORCH_CACHE", str(tmp_path / "cache"))
+    built: Dict[str, str] = {}
+    for root in _torch_roots():
+        inc = _cuda_include(root)
+        abi = _shim.cxx11_abi_of(root)
+        path = _shim.build_native(root, abi, f"test@{root}", cuda_include=inc)
+        assert _shim.build_native(root, abi, f"test@{root}", cuda_include=inc) == path  # cached
+        exports = _exports(path)
+        for sym in ("cistern_torch_native_bind", "cistern_torch_native_install",
+                    "cistern_torch_native_error"):
+            assert sym in exports, (root, exports)
+        # cistern's own C++ stays inside the library (built with -fvisibility=hidden; torch's
+        # inline functions keep the visibility torch's headers give them).
+        assert not [e for e in exports if "cistern_native" in e or "CisternAllocator" in e]
+        built[root] = path
+    assert built
+
+
+def test_native_build_errors_name_the_fix(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CISTERN_TORCH_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(_shim.ShimBuildError, match="CUDA build of torch"):
+        _shim.build_native(str(tmp_path), True, "none")
+    fake = tmp_path / "torch"
+    (fake / "include" / "torch" / "csrc" / "cuda").mkdir(parents=True)
+    (fake / "include" / "torch" / "csrc" / "cuda" / "CUDAPluggableAllocator.h").write_text("")
+    monkeypatch.setenv("CISTERN_TORCH_CUDA_INCLUDE", str(tmp_path / "nowhere"))
+    with pytest.raises(_shim.ShimBuildError, match="CISTERN_TORCH_CUDA_INCLUDE"):
+        _shim.build_native(str(fake), True, "none")
+
+
+HARNESS = r"""
+#include "_native_json.h"
+#include <dlfcn.h>
+#include <cstdio>
+#include <string>
+
+using Malloc = void* (*)(size_t, int, void*);
+using Free = void (*)(void*, size_t, int, void*);
+using Json = size_t (*)(int, char*, size_t);
+using Snap = size_t (*)(char*, size_t);
+using Begin = int (*)(int, uint64_t, uint64_t, void*, void*, void*);
+using PoolCall = int (*)(int, uint64_t, uint64_t);
+
+template <class T> T sym(void* lib, const char* name) {
+  void* p = dlsym(lib, name);
+  if (!p) { std::printf("MISSING|%s\n", name); std::exit(3); }
+  return reinterpret_cast<T>(p);
+}
+
+static std::string read(size_t (*f)(int, char*, size_t), int dev) {
+  size_t n = f(dev, nullptr, 0);
+  std::string s(n + 1, '\0');
+  f(dev, &s[0], s.size());
+  s.resize(n);
+  return s;
+}
+
+static std::string read_snap(Snap f) {
+  size_t n = f(nullptr, 0);
+  std::string s(n + 1, '\0');
+  f(&s[0], s.size());
+  s.resize(n);
+  return s;
+}
+
+static void print_stats(const char* tag, const c10::CachingDeviceAllocator::DeviceStats& s) {
+  const char* pools[3] = {"all", "small_pool", "large_pool"};
+  struct { const char* name; const c10::CachingDeviceAllocator::StatArray* arr; } arrays[] = {
+    {"allocation", &s.allocation}, {"segment", &s.segment}, {"active", &s.active},
+    {"inactive_split", &s.inactive_split}, {"allocated_bytes", &s.allocated_bytes},
+    {"reserved_bytes", &s.reserved_bytes}, {"active_bytes", &s.active_bytes},
+    {"inactive_split_bytes", &s.inactive_split_bytes}, {"requested_bytes", &s.requested_bytes},
+  };
+  for (auto& a : arrays) {
+    for (int i = 0; i < 3; ++i) {
+      const auto& st = (*a.arr)[i];
+      std::printf("%s|%s.%s.current|%lld\n", tag, a.name, pools[i], (long long)st.current);
+      std::printf("%s|%s.%s.peak|%lld\n", tag, a.name, pools[i], (long long)st.peak);
+      std::printf("%s|%s.%s.allocated|%lld\n", tag, a.name, pools[i], (long long)st.allocated);
+      std::printf("%s|%s.%s.freed|%lld\n", tag, a.name, pools[i], (long long)st.freed);
+    }
+  }
+  std::printf("%s|num_alloc_retries|%lld\n", tag, (long long)s.num_alloc_retries);
+  std::printf("%s|num_ooms|%lld\n", tag, (long long)s.num_ooms);
+  std::printf("%s|num_device_alloc|%lld\n", tag, (long long)s.num_device_alloc);
+  std::printf("%s|num_device_free|%lld\n", tag, (long long)s.num_device_free);
+  std::printf("%s|num_sync_all_streams|%lld\n", tag, (long long)s.num_sync_all_streams);
+  std::printf("%s|max_split_size|%lld\n", tag, (long long)s.max_split_size);
+  std::printf("%s|oversize_allocations.all.current|%lld\n", tag,
+              (long long)s.oversize_allocations.current);
+}
+
+int main(int argc, char** argv) {
+  void* lib = dlopen(argv[1], RTLD_NOW);
+  if (!lib) { std::printf("DLOPEN|%s\n", dlerror()); return 2; }
+  auto m = sym<Malloc>(lib, "cistern_malloc");
+  auto f = sym<Free>(lib, "cistern_free");
+  auto stats = sym<Json>(lib, "cistern_stats_json");
+  auto snap = sym<Snap>(lib, "cistern_snapshot_json");
+  auto begin = sym<Begin>(lib, "cistern_begin_allocate_to_pool");
+  auto end = sym<PoolCall>(lib, "cistern_end_allocate_to_pool");
+  void* s1 = reinterpret_cast<void*>(0x10);
+  void* a = m(3 << 20, 0, s1);
+  void* b = m(1000, 0, s1);
+  void* c = m(40 << 20, 0, s1);
+  f(b, 1000, 0, s1);
+  if (begin(0, 5, 0, nullptr, nullptr, nullptr) != 1 || !m(2 << 20, 0, reinterpret_cast<void*>(0x20))) return 4;
+  end(0, 5, 0);
+
+  std::string st = read(stats, 0);
+  std::printf("STATS_JSON|%s\n", st.c_str());
+  cistern_native::Json flat;
+  if (!cistern_native::parse(st, flat)) return 5;
+  print_stats("STAT", cistern_native::stats_from_json(flat));
+  // resetAccumulatedStats: counters from the reset on.
+  auto base = cistern_native::baseline_of(flat);
+  f(c, 40 << 20, 0, s1);
+  void* d = m(5 << 20, 0, s1);
+  std::string st2 = read(stats, 0);
+  std::printf("STATS2_JSON|%s\n", st2.c_str());
+  cistern_native::Json flat2;
+  if (!cistern_native::parse(st2, flat2)) return 6;
+  print_stats("RESET", cistern_native::stats_from_json(flat2, base));
+
+  std::string sn = read_snap(snap);
+  std::printf("SNAP_JSON|%s\n", sn.c_str());
+  cistern_native::Json sj;
+  if (!cistern_native::parse(sn, sj)) return 7;
+  auto info = cistern_native::snapshot_from_json(sj);
+  std::printf("TRACES|%zu\n", info.device_traces.size());
+  for (const auto& seg : info.segments) {
+    std::printf("SEG|%zu|%zu|%zu|%zu|%zu|%llu|%d|%d|%llu|%llu|%zu|%d\n", seg.address,
+                seg.total_size, seg.allocated_size, seg.active_size, seg.requested_size,
+                (unsigned long long)(uintptr_t)seg.stream, (int)seg.is_large,
+                (int)seg.is_expandable, (unsigned long long)seg.owner_private_pool_id.first,
+                (unsigned long long)seg.owner_private_pool_id.second, seg.blocks.size(),
+                (int)seg.device);
+    for (const auto& bl : seg.blocks) {
+      std::printf("BLK|%zu|%zu|%d|%d\n", bl.size, bl.requested_size, (int)bl.allocated,
+                  (int)bl.active);
+    }
+  }
+  auto pool = cistern_native::snapshot_from_json(sj, {5, 0});
+  std::printf("POOLSEGS|%zu\n", pool.segments.size());
+  // Documents that are not JSON are refused, not misread.
+  cistern_native::Json bad;
+  std::printf("BAD|%d|%d|%d\n", (int)cistern_native::parse("{\"a\": }", bad),
+              (int)cistern_native::parse("[1, 2", bad), (int)cistern_native::parse("{} x", bad));
+  f(a, 3 << 20, 0, s1);
+  f(d, 5 << 20, 0, s1);
+  return 0;
+}
+"""
+
+
+def _run_harness(tmp_path, root: str) -> Tuple[Dict[str, List[str]], str]:
+    cxx = _cxx()
+    inc = os.path.join(root, "include")
+    cuda = _cuda_include(root)
+    libdir = os.path.join(root, "lib")
+    abi = _shim.cxx11_abi_of(root)
+    src = tmp_path / "harness.cpp"
+    src.write_text(HARNESS)
+    exe = tmp_path / "harness"
+    pkg = os.path.dirname(_shim.source_path())
+    errors = []
+    for std in ("c++17", "c++20"):
+        proc = subprocess.run(
+            [cxx, f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}", "-I", pkg, "-I", inc,
+             "-I", cuda, str(src), "-o", str(exe), "-L", libdir, "-lc10", "-ldl",
+             f"-Wl,-rpath,{libdir}"],
+            capture_output=True, text=True,
+        )
+        if proc.returncode == 0:
+            break
+        errors.append(proc.stderr[-2000:])
+    else:
+        raise AssertionError("the harness did not compile:\n" + "\n".join(errors))
+    env = dict(os.environ, CISTERN_DRIVER="sim", CISTERN_CONF="registry:off",
+               CISTERN_SIM="capacity:8GiB")
+    out = subprocess.run([str(exe), _lib.library_path()], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])
+    lines: Dict[str, List[str]] = {}
+    for line in out.stdout.splitlines():
+        kind, _, rest = line.partition("|")
+        lines.setdefault(kind, []).append(rest)
+    return lines, out.stdout
+
+
+def test_stats_and_snapshot_convert_to_pytorchs_types(tmp_path, lib) -> None:
+    for i, root in enumerate(_torch_roots()):
+        work = tmp_path / str(i)
+        work.mkdir()
+        _check_conversion(*_run_harness(work, root))
+
+
+def _check_conversion(lines: Dict[str, List[str]], _out: str) -> None:
+    stats = json.loads(lines["STATS_JSON"][0])
+    stats2 = json.loads(lines["STATS2_JSON"][0])
+    got = {k: int(v) for k, v in (r.rsplit("|", 1) for r in lines["STAT"])}
+    assert got, lines
+    for key, value in got.items():
+        assert value == stats[key], (key, value, stats[key])
+    assert got["allocated_bytes.all.current"] == (3 << 20) + (40 << 20) + (2 << 20)
+    assert got["allocation.all.allocated"] == 4
+    # After resetAccumulatedStats: current and peak as cistern has them, "allocated" and
+    # "freed" and the event counts from the reset on.
+    reset = {k: int(v) for k, v in (r.rsplit("|", 1) for r in lines["RESET"])}
+    for key, value in reset.items():
+        accumulated = key.endswith((".allocated", ".freed")) or key in (
+            "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+            "num_sync_all_streams")
+        want = stats2[key] - stats[key] if accumulated else stats2[key]
+        assert value == want, (key, value, want)
+    assert reset["allocation.all.allocated"] == 1
+    assert reset["allocation.all.freed"] == 1
+
+    snap = json.loads(lines["SNAP_JSON"][0])
+    segs = [r.split("|") for r in lines["SEG"]]
+    assert len(segs) == len(snap["segments"]) > 0
+    blocks = iter(r.split("|") for r in lines["BLK"])
+    states = {"active_allocated": (1, 1), "active_pending_free": (0, 1), "inactive": (0, 0)}
+    for seg, want in zip(segs, snap["segments"]):
+        assert [int(x) for x in seg] == [
+            want["address"], want["total_size"], want["allocated_size"], want["active_size"],
+            want["requested_size"], want["stream"], int(want["segment_type"] == "large"),
+            int(want["is_expandable"]), want["segment_pool_id"][0], want["segment_pool_id"][1],
+            len(want["blocks"]), want["device"],
+        ]
+        for b in want["blocks"]:
+            size, req, allocated, active = (int(x) for x in next(blocks))
+            assert (size, req) == (b["size"], b["requested_size"])
+            assert (allocated, active) == states[b["state"]], b
+    in_pool = [s for s in snap["segments"] if s["segment_pool_id"] == [5, 0]]
+    assert int(lines["POOLSEGS"][0]) == len(in_pool) > 0
+    assert int(lines["TRACES"][0]) == len(snap["device_traces"])
+    assert lines["BAD"] == ["0|0|0"]
+
+
+def test_build_shim_command_builds_against_a_torch_on_disk(tmp_path) -> None:
+    _cxx()
+    root = _torch_roots()[0]
+    cuda = _cuda_include(root)
+    env = dict(os.environ, CISTERN_TORCH_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "cistern_torch", "build-shim", "--torch-root", root,
+           "--cuda-include", cuda]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    parts = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert set(parts) == {"native", "shim"}
+    assert all(os.path.isfile(p) for p in parts.values()), parts
+    bad = subprocess.run(cmd[:4] + ["--torch-root", str(tmp_path)], capture_output=True,
+                         text=True, env=env)
+    assert bad.returncode == 1 and "is not a torch package" in bad.stderr, bad.stderr
