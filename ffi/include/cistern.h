@@ -44,6 +44,20 @@ extern "C" {
 // PyTorch's `alloc_fn` signature.
 void *cistern_malloc(size_t size, int device, cistern_stream_t stream);
 
+// Makes every later failed `cistern_malloc` of a non-zero size print its error (the OOM report)
+// on stderr and abort the process instead of returning NULL (`on` non-zero), or return NULL
+// again (`on` 0). For callers that cannot handle NULL: PyTorch's pluggable-allocator mode
+// builds a tensor on a NULL pointer, so a later kernel fails with an illegal address far from
+// the cause. Returns the previous setting.
+int cistern_abort_on_failure(int on);
+
+// Frees `ptr` as `cistern_free` does, then returns device `device`'s cached memory to the
+// driver (as `cistern_empty_cache` does for that device). For callers that cache memory
+// themselves and give it back only to release it: PyTorch's caching allocator frees a
+// `MemPool`'s segments to their allocator on `torch.cuda.empty_cache()`, on its OOM retry and
+// when the pool goes away, and expects the memory to be free for `cudaMalloc` then.
+void cistern_free_and_release(void *ptr, size_t size, int device, cistern_stream_t stream);
+
 // Frees `ptr`, returned by `cistern_malloc` for device `device`.
 //
 // `stream` should be the allocation's stream (PyTorch passes it); work already queued on it

@@ -144,12 +144,66 @@ pub extern "C" fn cistern_malloc(
         match r {
             Ok(p) => p as usize as *mut c_void,
             Err(e) => {
-                fail_with(
-                    format!("cistern_malloc({size} bytes, device {device}, stream {stream:p})"),
-                    &e,
-                );
+                let what =
+                    format!("cistern_malloc({size} bytes, device {device}, stream {stream:p})");
+                if ABORT_ON_FAILURE.load(std::sync::atomic::Ordering::Relaxed) {
+                    abort_with(&what, &e);
+                }
+                fail_with(what, &e);
                 ptr::null_mut()
             }
+        }
+    })
+}
+
+/// Set by `cistern_abort_on_failure`: a failed `cistern_malloc` aborts instead of returning NULL.
+static ABORT_ON_FAILURE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Prints the failure with its report and aborts the process (`cistern_abort_on_failure`).
+#[cold]
+#[inline(never)]
+fn abort_with(what: &str, e: &Error) -> ! {
+    stderr_line!(
+        "cistern: {what} failed: {e}\ncistern: aborting, as cistern_abort_on_failure asked: the \
+         caller cannot handle a NULL pointer (for PyTorch, install a C++ compiler so that \
+         cistern_torch raises torch.OutOfMemoryError instead)"
+    );
+    std::process::abort()
+}
+
+/// Makes every later failed `cistern_malloc` of a non-zero size print its error (the OOM report)
+/// on stderr and abort the process instead of returning NULL (`on` non-zero), or return NULL
+/// again (`on` 0). For callers that cannot handle NULL: PyTorch's pluggable-allocator mode
+/// builds a tensor on a NULL pointer, so a later kernel fails with an illegal address far from
+/// the cause. Returns the previous setting.
+#[no_mangle]
+pub extern "C" fn cistern_abort_on_failure(on: c_int) -> c_int {
+    ABORT_ON_FAILURE.swap(on != 0, std::sync::atomic::Ordering::Relaxed) as c_int
+}
+
+/// Frees `ptr` as `cistern_free` does, then returns device `device`'s cached memory to the
+/// driver (as `cistern_empty_cache` does for that device). For callers that cache memory
+/// themselves and give it back only to release it: PyTorch's caching allocator frees a
+/// `MemPool`'s segments to their allocator on `torch.cuda.empty_cache()`, on its OOM retry and
+/// when the pool goes away, and expects the memory to be free for `cudaMalloc` then.
+#[no_mangle]
+pub extern "C" fn cistern_free_and_release(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: cistern_stream_t,
+) {
+    cistern_free(ptr, size, device, stream);
+    guard::call("cistern_free_and_release", (), || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => return fail_no_pool("cistern_free_and_release", why),
+        };
+        if let Err(e) = with_pool!(pool, |p| global::device(p, device).map(|d| d.empty_cache())) {
+            fail(
+                format!("cistern_free_and_release(device {device}): {e}"),
+                true,
+            );
         }
     })
 }

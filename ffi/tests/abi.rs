@@ -543,6 +543,71 @@ fn graph_pools_route_a_windows_streams_and_release_their_filters() {
     for (p, s) in [(after, 7), (outside, 8), (any, 8)] {
         free(abi, p, MIB, dev, stream(s));
     }
+    // A MemPool's segment given back: its memory goes back to the driver at once.
+    let seg = malloc(abi, 64 * MIB, dev, stream(7));
+    assert!(
+        abi.stats(dev)["reserved_bytes.all.current"]
+            .as_u64()
+            .unwrap()
+            >= 64 * MIB as u64
+    );
+    // SAFETY: a pointer from cistern_malloc, freed once.
+    unsafe { (abi.free_and_release)(seg, 64 * MIB, dev, stream(7)) };
+    let st = abi.stats(dev);
+    assert_eq!(st["allocated_bytes.all.current"], 0);
+    assert_eq!(st["reserved_bytes.all.current"], 0, "cached memory kept");
+}
+
+/// With `cistern_abort_on_failure`, a failed allocation aborts the process with the report
+/// instead of returning NULL (for PyTorch's pluggable mode without the OOM shim).
+#[test]
+fn abort_on_failure_aborts_with_the_report_instead_of_null() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "child_abort_on_failure",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("CISTERN_ABI_CHILD", "1")
+    .env("CISTERN_LIB", common::library_path())
+    .env("CISTERN_DRIVER", "sim")
+    .env("CISTERN_SIM", "capacity:1GiB")
+    .env("CISTERN_CONF", "registry:off");
+    let out = cmd.output().expect("run the child test");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(6), "not aborted: {out:?}");
+    assert!(
+        err.contains("out of memory") && err.contains("aborting"),
+        "{err}"
+    );
+    assert!(
+        err.contains("REACHED"),
+        "the switch off was not honoured: {err}"
+    );
+}
+
+#[test]
+fn child_abort_on_failure() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    // SAFETY (each call): the export's documented types.
+    unsafe {
+        assert_eq!((abi.abort_on_failure)(1), 0);
+        assert_eq!((abi.abort_on_failure)(0), 1);
+    }
+    assert!(
+        malloc(abi, 4 * GIB, 0, stream(0)).is_null(),
+        "NULL while it is off"
+    );
+    eprintln!("REACHED");
+    // SAFETY: as above.
+    unsafe { (abi.abort_on_failure)(1) };
+    let p = malloc(abi, 4 * GIB, 0, stream(0));
+    panic!("returned {p:p} instead of aborting");
 }
 
 #[test]

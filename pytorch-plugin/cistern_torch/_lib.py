@@ -97,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "cistern_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
         "cistern_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
+        "cistern_free_and_release": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
+        "cistern_abort_on_failure": (c.c_int, [c.c_int]),
         "cistern_init": (None, [c.c_int]),
         "cistern_empty_cache": (None, []),
         "cistern_set_memory_fraction": (None, [c.c_double, c.c_int]),
@@ -210,6 +212,13 @@ def malloc(size: int, device: int = 0, stream: int = 0) -> int:
     ``stream`` is a ``cudaStream_t`` value (0: the legacy default stream).
     """
     return load().cistern_malloc(size, device, stream or None) or 0
+
+
+def abort_on_failure(on: bool) -> bool:
+    """``cistern_abort_on_failure``: from now on a failed :func:`malloc` prints its report and
+    aborts the process instead of returning 0 (``on``), or returns 0 again. Returns the
+    previous setting."""
+    return bool(load().cistern_abort_on_failure(1 if on else 0))
 
 
 def free(ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:

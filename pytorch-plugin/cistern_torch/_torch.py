@@ -30,16 +30,19 @@ PyTorch converts that exception exactly as it converts its own allocator's OOM: 
 ``torch.OutOfMemoryError`` (the same class as ``torch.cuda.OutOfMemoryError``) with the message
 ``CUDA out of memory. cistern could not allocate N bytes on device D: <cistern's report>``.
 
-When the shim cannot be built (no C++ compiler), ``install()`` warns and falls back to plain
-``cistern_malloc``: an OOM then yields a null tensor, cistern logs its report on stderr, and
-:func:`check_oom` (called automatically when a :func:`~cistern_torch.tag` scope or a
-:func:`~cistern_torch.tag_modules` root forward ends) raises ``OutOfMemoryError`` after the fact.
-A kernel that touched the null tensor before that may already have failed with an illegal
-address error. Build the shim (``python -m cistern_torch build-shim``) to avoid this mode.
+When the shim cannot be built either (no C++ compiler), ``install()`` warns and falls back to
+plain ``cistern_malloc``, which PyTorch would turn into a tensor on a NULL pointer: so in that
+mode cistern never returns NULL to PyTorch. A failed allocation prints cistern's report and
+aborts the process (``cistern_abort_on_failure``; ``oom_mode() == "abort"``) rather than let a
+kernel fail later with an illegal address far from the cause. Build the shim (``python -m
+cistern_torch build-shim``) to get the exception instead.
 
 In ``mem_pool()`` mode PyTorch's own caching allocator calls cistern for whole segments and does
 check for NULL: it frees its cache, retries, then raises its own ``OutOfMemoryError``; cistern's
-report is then in :func:`cistern_torch.last_error` on the allocating thread.
+report is then in :func:`cistern_torch.last_error` on the allocating thread. PyTorch gives a
+segment back only to release it (``empty_cache``, its OOM retry, the pool's end), so cistern
+returns the memory to the driver at once (``cistern_free_and_release``), where PyTorch's own
+``cudaMalloc`` can have it.
 """
 
 from __future__ import annotations
@@ -189,7 +192,9 @@ def _install_native(torch: Any) -> Any:
 
 
 def oom_mode() -> Optional[str]:
-    """``"raise"`` (the shim is in place), ``"after-the-fact"`` (fallback), None (not installed)."""
+    """``"raise"`` (native mode, or the shim is in place), ``"abort"`` (the pluggable fallback
+    without the shim: a failed allocation aborts with cistern's report rather than give PyTorch
+    a NULL pointer), None (not installed)."""
     return _state.get("oom_mode")
 
 
@@ -292,9 +297,9 @@ def install(*, native: Optional[bool] = None, shim: Optional[bool] = None) -> An
                 shim_path = None
                 warnings.warn(
                     "cistern_torch: the OOM shim could not be built, so an out-of-memory "
-                    "error will not raise at the allocation: PyTorch gets a null tensor and "
-                    "cistern_torch raises OutOfMemoryError only when a tag scope ends or on "
-                    f"check_oom(). Fix: {e}",
+                    "error cannot raise at the allocation: a failed allocation will print "
+                    "cistern's report and abort the process (PyTorch would otherwise build a "
+                    f"tensor on a NULL pointer). Fix: {e}",
                     CisternWarning,
                     stacklevel=2,
                 )
@@ -328,11 +333,11 @@ def install(*, native: Optional[bool] = None, shim: Optional[bool] = None) -> An
             raise
         _state["allocator"] = allocator
         _state["mode"] = "pluggable"
-        _state["oom_mode"] = "raise" if shim_path is not None else "after-the-fact"
+        _state["oom_mode"] = "raise" if shim_path is not None else "abort"
         _state["shim_path"] = shim_path
         if shim_path is None:
-            _state["oom_seen"] = {}
-            _tags.after_scope = _check_quietly
+            # Never a NULL pointer to PyTorch (see the module documentation).
+            _lib.abort_on_failure(True)
         return allocator
 
 
@@ -358,9 +363,11 @@ def _oom_class() -> type:
 def check_oom(device: Any = None) -> None:
     """Raises :class:`OutOfMemoryError` if cistern failed an allocation since the last check.
 
-    Needed only when the OOM shim is not in use (``oom_mode() == "after-the-fact"``); with the
-    shim, the failing allocation itself raises. The message is this thread's last cistern error
-    when it is an OOM report (allocations on other threads leave theirs on those threads).
+    For code that allocates through cistern without raising (``cistern_torch.alloc`` callers
+    that checked a pointer, other libraries over ``libcistern.so``); under ``install()`` the
+    failing allocation itself raises (or, without the shim, aborts). The message is this
+    thread's last cistern error when it is an OOM report (allocations on other threads leave
+    theirs on those threads).
     """
     dev = device_index(device)
     seen: Dict[int, int] = _state.setdefault("oom_seen", {})
@@ -375,11 +382,6 @@ def check_oom(device: Any = None) -> None:
                 "memory (the report is on the thread that allocated; see cistern's log)"
             )
         raise _oom_class()(f"CUDA out of memory. {report}")
-
-
-def _check_quietly() -> None:
-    """The after-scope check in fallback mode."""
-    check_oom()
 
 
 def mem_pool(**kwargs: Any) -> Any:
@@ -410,7 +412,7 @@ def mem_pool(**kwargs: Any) -> Any:
         raise InstallError(f"mem_pool() needs torch >= 2.5 (torch.cuda.MemPool); this is {torch.__version__}")
     _lib.load()
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        _lib.loaded_path(), "cistern_malloc", "cistern_free"
+        _lib.loaded_path(), "cistern_malloc", "cistern_free_and_release"
     )
     # Kept alive with the process: PyTorch may free segments through it late.
     _state.setdefault("pool_allocators", []).append(allocator)

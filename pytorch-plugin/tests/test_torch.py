@@ -89,6 +89,9 @@ def fake_env(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cistern_torch._tags, "after_scope", None)
     # The pluggable path unless a test asks for the native one.
     monkeypatch.setenv("CISTERN_TORCH_NATIVE", "0")
+    aborts: List[bool] = []
+    monkeypatch.setattr(_lib, "abort_on_failure", lambda on: aborts.append(on) or False)
+    addrs["aborts"] = aborts  # type: ignore[assignment]
     return addrs
 
 
@@ -158,7 +161,8 @@ def test_install_sets_every_hook(fake_env: Dict[str, int], monkeypatch: pytest.M
         "set_base_alloc_fn": fake_env["cistern_base_alloc"],
     }
     assert torch.cuda.swapped == [alloc]
-    assert cistern_torch.is_installed() and cistern_torch.oom_mode() == "after-the-fact"
+    assert cistern_torch.is_installed() and cistern_torch.oom_mode() == "abort"
+    assert fake_env["aborts"] == [True], "the library would hand PyTorch NULL pointers"
     assert cistern_torch.install() is alloc  # idempotent
     assert torch.cuda.swapped == [alloc]
     with pytest.raises(cistern_torch.InstallError):
@@ -172,6 +176,7 @@ def test_install_uses_the_shim_when_it_builds(fake_env, monkeypatch: pytest.Monk
     alloc = cistern_torch.install()
     assert alloc.args == ("/cache/shim.so", "cistern_torch_malloc", "cistern_torch_free")
     assert cistern_torch.oom_mode() == "raise"
+    assert fake_env["aborts"] == []
 
 
 def test_install_warns_and_falls_back_without_a_compiler(fake_env, monkeypatch) -> None:
@@ -181,10 +186,10 @@ def test_install_warns_and_falls_back_without_a_compiler(fake_env, monkeypatch) 
         raise _shim.ShimBuildError("no C++ compiler")
 
     monkeypatch.setattr(_shim, "build_for_torch", fail)
-    with pytest.warns(cistern_torch.CisternWarning, match="no C.. compiler"):
+    with pytest.warns(cistern_torch.CisternWarning, match="abort the process.*no C.. compiler"):
         alloc = cistern_torch.install()
     assert alloc.args[1] == "cistern_malloc"
-    assert cistern_torch._tags.after_scope is not None
+    assert cistern_torch.oom_mode() == "abort" and fake_env["aborts"] == [True]
 
 
 def test_install_with_required_shim_raises(fake_env, monkeypatch) -> None:
