@@ -19,7 +19,9 @@
 //   name()                                                     "cistern"
 // and allocates through cistern_malloc, throwing c10::OutOfMemoryError with cistern's report
 // on OOM (never a NULL tensor). It is installed with PyTorch's own changeCurrentAllocator.
-// Not here yet: history (recordHistory keeps the pluggable allocator's answer), IPC handles.
+//   recordHistory (every version's signature), isHistoryEnabled   _native_history.h
+//   attachOutOfMemoryObserver                                    called on each OOM
+// Not here yet: IPC handles (shareIpcHandle), checkpointing (cudagraph trees).
 //
 // Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
 // emptyCache(), emptyCache(MempoolId_t)) are all declared without `override`: the one the
@@ -29,6 +31,7 @@
 
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include "_native_history.h"
 #include "_native_json.h"
 
 #include <c10/util/Exception.h>
@@ -95,13 +98,39 @@ std::string read_json(F call) {
   return buf;
 }
 
+// The allocation history (torch.cuda.memory._record_memory_history), shared by the allocation
+// functions below and the allocator's snapshot.
+cistern_native::History g_history;
+
+// OOM observers (attachOutOfMemoryObserver: PyTorch's OOM snapshot hooks).
+std::mutex g_observers_mu;
+std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> g_observers;
+
+int64_t allocated_now(int device);
+
 void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
   void* ptr = g_api.malloc(size, device, stream);
   if (ptr != nullptr || size == 0) {
+    if (ptr != nullptr) {
+      g_history.alloc(static_cast<c10::DeviceIndex>(device), ptr, size, stream);
+    }
     return ptr;
   }
   std::string report = last_error();
   if (is_oom(report)) {
+    g_history.oom(static_cast<c10::DeviceIndex>(device), size, 0, stream);
+    std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> g(g_observers_mu);
+      observers = g_observers;
+    }
+    if (!observers.empty()) {
+      // The device's total and free bytes are in cistern's report (the text); 0 here.
+      int64_t allocated = allocated_now(device);
+      for (const auto& obs : observers) {
+        obs(device, static_cast<size_t>(allocated), 0, 0);
+      }
+    }
     TORCH_CHECK_WITH(
         OutOfMemoryError, false, "CUDA out of memory. cistern could not allocate ", size,
         " bytes on device ", device, ": ", report);
@@ -111,6 +140,7 @@ void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
 }
 
 void cistern_dealloc(void* ptr, size_t size, int device, cudaStream_t stream) {
+  g_history.free(static_cast<c10::DeviceIndex>(device), ptr, size, stream);
   g_api.free(ptr, size, device, stream);
 }
 
@@ -260,6 +290,32 @@ class CisternAllocator : public PluggableBase {
     return "cistern";
   }
 
+  // History, in every form torch has had: (enabled, recorder, max_entries, when) in 2.5, then
+  // with clearHistory, then with skip_actions.
+  using CreateContextFn = c10::cuda::CUDACachingAllocator::CreateContextFn;
+  using RecordContext = c10::cuda::CUDACachingAllocator::RecordContext;
+  void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries, RecordContext when) {
+    g_history.record(enabled, recorder, max_entries, when, false);
+  }
+  void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
+                     RecordContext when, bool clearHistory) {
+    g_history.record(enabled, recorder, max_entries, when, clearHistory);
+  }
+  void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
+                     RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) {
+    g_history.record(enabled, recorder, max_entries, when, clearHistory, skip_actions);
+  }
+  bool isHistoryEnabled() override {
+    return g_history.enabled();
+  }
+
+  void attachOutOfMemoryObserver(
+      c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(g_observers_mu);
+    g_observers.push_back(std::move(observer));
+  }
+
  private:
   std::mutex mu_;
   std::unordered_map<int, cistern_native::Baseline> baselines_;
@@ -276,11 +332,31 @@ class CisternAllocator : public PluggableBase {
     cistern_native::Json snap;
     TORCH_CHECK(
         !text.empty() && cistern_native::parse(text, snap), "cistern: no snapshot: ", last_error());
-    return cistern_native::snapshot_from_json(snap, {pool.first, pool.second});
+    auto info = cistern_native::snapshot_from_json(snap, {pool.first, pool.second});
+    // The history: each live block's stack, and each device's trace.
+    for (auto& seg : info.segments) {
+      size_t addr = seg.address;
+      for (auto& b : seg.blocks) {
+        if (b.allocated) {
+          b.context_when_allocated = g_history.context_of(addr);
+        }
+        addr += b.size;
+      }
+    }
+    size_t devices = std::max(info.device_traces.size(), g_history.devices());
+    info.device_traces = g_history.traces(devices);
+    return info;
   }
 };
 
 std::shared_ptr<CisternAllocator> g_allocator;
+
+int64_t allocated_now(int device) {
+  std::string text =
+      read_json([&](char* buf, size_t cap) { return g_api.stats_json(device, buf, cap); });
+  cistern_native::Json flat;
+  return cistern_native::parse(text, flat) ? flat["allocated_bytes.all.current"].as_i64() : 0;
+}
 
 } // namespace
 

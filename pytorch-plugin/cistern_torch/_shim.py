@@ -270,7 +270,9 @@ def build_native(
         raise ShimBuildError(f"torch's libc10.so is missing ({lib})")
     api = os.path.join(include, "torch", "csrc", "api", "include")
     return _compile(
-        "cistern_torch_native", [source_path("_native.cpp"), source_path("_native_json.h")],
+        "cistern_torch_native",
+        [source_path("_native.cpp"), source_path("_native_json.h"),
+         source_path("_native_history.h")],
         ["-I", include, "-I", api, "-I", cuda], lib, libs, cxx11_abi, tag, extra_flags,
     )
 

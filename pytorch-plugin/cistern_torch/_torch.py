@@ -8,7 +8,8 @@ Two modes
   headers (cached after the first time) and installs it with PyTorch's own
   ``changeCurrentAllocator``: a ``CUDAAllocator`` that answers ``torch.cuda.memory_stats()``,
   ``memory_allocated()``, ``max_memory_allocated()``, ``reset_peak_memory_stats()``,
-  ``memory_summary()``, ``memory_snapshot()`` and ``empty_cache()`` from cistern, gives CUDA
+  ``memory_summary()``, ``memory_snapshot()``, ``_record_memory_history()`` and
+  ``empty_cache()`` from cistern, gives CUDA
   graphs private pools (memory a capture allocates is reused only inside the graph, and nothing
   cistern does during a capture invalidates it), grants peers access to VMM mappings, and
   raises ``torch.OutOfMemoryError`` with cistern's report on OOM.

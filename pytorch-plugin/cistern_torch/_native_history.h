@@ -1,0 +1,233 @@
+// cistern_torch native mode: allocation history in PyTorch's own terms, for
+// torch.cuda.memory._record_memory_history() and the memory viewer.
+//
+// PyTorch's allocator keeps a ring of TraceEntry per device (alloc, free_requested,
+// free_completed, oom, ...) with the stack (GatheredContext) its context recorder captured, and a
+// context per live block; snapshot() returns both. This keeps the same for cistern, on the
+// allocating thread, in the C++ layer where PyTorch's recorder can be called: cistern's Rust pool
+// never sees Python frames. Header-only and free of CUDA calls, so that a test harness can drive
+// it without a GPU. _native.cpp includes it.
+//
+// What it records: every allocation and free made through PyTorch (alloc, then free_requested and
+// free_completed together: cistern completes a free whose block other streams used only once
+// their work is done, which this layer cannot see), and OOMs. Not recorded: segment_map/unmap and
+// the snapshot marker (cistern's pages are mapped by the pool, not here).
+
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace cistern_native {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using TraceEntry = cca::TraceEntry;
+using RecordContext = cca::RecordContext;
+using Context = std::shared_ptr<c10::GatheredContext>;
+
+// A TraceEntry whichever constructor this torch has: (..., stream, mempool, time, context) in
+// later versions, (..., stream, time, context) in 2.5. Its time is set in microseconds since the
+// epoch (the `t_` that snapshot() hands to PyTorch, which prints it as `time_us`).
+template <class TE>
+TE construct_entry(
+    typename TE::Action action,
+    c10::DeviceIndex device,
+    size_t addr,
+    size_t size,
+    cudaStream_t stream,
+    Context context) {
+  using Time = c10::approx_time_t;
+  // A template, so that only the branch this torch can compile is instantiated.
+  if constexpr (std::is_constructible_v<TE, typename TE::Action, c10::DeviceIndex, size_t, size_t,
+                                        void*, c10::cuda::MempoolId_t, Time, Context>) {
+    return TE(action, device, addr, size, stream, c10::cuda::MempoolId_t{0, 0}, Time{},
+              std::move(context));
+  } else {
+    return TE(action, device, addr, size, stream, Time{}, std::move(context));
+  }
+}
+
+inline TraceEntry make_entry(
+    TraceEntry::Action action,
+    c10::DeviceIndex device,
+    size_t addr,
+    size_t size,
+    cudaStream_t stream,
+    Context context) {
+  TraceEntry e = construct_entry<TraceEntry>(action, device, addr, size, stream, std::move(context));
+  e.time_.t_ = std::chrono::duration_cast<std::chrono::microseconds>(
+                   std::chrono::system_clock::now().time_since_epoch())
+                   .count();
+  return e;
+}
+
+// The history of every device: what recordHistory switched on, the rings, and the context of each
+// live block. Thread-safe.
+class History {
+ public:
+  // recordHistory(enabled, recorder, max_entries, when[, clear[, skip_actions]]), as PyTorch's
+  // allocator takes it: the trace is kept while `enabled`, stacks as `when` says, at least one
+  // entry per device; `skip` names actions not to record ("alloc", "free_requested", ...).
+  void record(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
+              bool clear, const std::vector<std::string>& skip = {}) {
+    std::lock_guard<std::mutex> g(mu_);
+    enabled_ = enabled;
+    recorder_ = enabled ? recorder : nullptr;
+    when_ = enabled ? when : RecordContext::NEVER;
+    max_entries_ = std::max<size_t>(1, max_entries);
+    skip_alloc_ = skip_free_requested_ = skip_free_completed_ = skip_oom_ = false;
+    for (const auto& a : skip) {
+      skip_alloc_ |= a == "alloc";
+      skip_free_requested_ |= a == "free_requested";
+      skip_free_completed_ |= a == "free_completed";
+      skip_oom_ |= a == "oom";
+    }
+    // As PyTorch: switching off keeps what was recorded (a snapshot taken after still shows
+    // it); only clearHistory drops the trace.
+    if (clear) {
+      rings_.clear();
+    }
+    for (auto& kv : rings_) {
+      trim(kv.second);
+    }
+  }
+
+  bool enabled() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return enabled_;
+  }
+
+  // An allocation of `size` bytes at `ptr` on `device` (called after it succeeded).
+  void alloc(c10::DeviceIndex device, void* ptr, size_t size, cudaStream_t stream) {
+    if (!on()) {
+      return;
+    }
+    Context ctx = capture(RecordContext::STATE);
+    std::lock_guard<std::mutex> g(mu_);
+    if (!enabled_) {
+      return;
+    }
+    if (ctx) {
+      contexts_[ptr] = ctx;
+    }
+    if (!skip_alloc_) {
+      push(device, make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
+                              stream, when_ >= RecordContext::ALLOC ? ctx : nullptr));
+    }
+  }
+
+  // A free of the block at `ptr` (called before the block is given back).
+  void free(c10::DeviceIndex device, void* ptr, size_t size, cudaStream_t stream) {
+    if (!on()) {
+      return;
+    }
+    Context ctx = capture(RecordContext::ALL);
+    std::lock_guard<std::mutex> g(mu_);
+    contexts_.erase(ptr);
+    if (!enabled_) {
+      return;
+    }
+    auto addr = reinterpret_cast<size_t>(ptr);
+    if (!skip_free_requested_) {
+      push(device, make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+    }
+    if (!skip_free_completed_) {
+      push(device, make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+    }
+  }
+
+  // A request of `size` bytes that failed for lack of memory (`device_free`: the device's free
+  // bytes as the driver reports them, what PyTorch records in addr_).
+  void oom(c10::DeviceIndex device, size_t size, size_t device_free, cudaStream_t stream) {
+    if (!on()) {
+      return;
+    }
+    Context ctx = capture(RecordContext::ALLOC);
+    std::lock_guard<std::mutex> g(mu_);
+    if (enabled_ && !skip_oom_) {
+      push(device, make_entry(TraceEntry::OOM, device, device_free, size, stream, ctx));
+    }
+  }
+
+  // The context a live block was allocated with (nullptr when none was recorded).
+  Context context_of(size_t addr) const {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = contexts_.find(reinterpret_cast<void*>(addr));
+    return it == contexts_.end() ? nullptr : it->second;
+  }
+
+  // The ring of every device in `0..devices`, oldest first.
+  std::vector<std::vector<TraceEntry>> traces(size_t devices) const {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::vector<TraceEntry>> out(devices);
+    for (const auto& kv : rings_) {
+      if (kv.first >= 0 && static_cast<size_t>(kv.first) < devices) {
+        out[kv.first].assign(kv.second.begin(), kv.second.end());
+      }
+    }
+    return out;
+  }
+
+  // The number of devices with an entry (the highest device + 1).
+  size_t devices() const {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t n = 0;
+    for (const auto& kv : rings_) {
+      n = std::max(n, static_cast<size_t>(kv.first) + 1);
+    }
+    return n;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  bool enabled_ = false;
+  cca::CreateContextFn recorder_ = nullptr;
+  RecordContext when_ = RecordContext::NEVER;
+  size_t max_entries_ = 1;
+  bool skip_alloc_ = false, skip_free_requested_ = false, skip_free_completed_ = false,
+       skip_oom_ = false;
+  std::unordered_map<int, std::deque<TraceEntry>> rings_;
+  std::unordered_map<void*, Context> contexts_;
+
+  bool on() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return enabled_;
+  }
+
+  // The recorder's context when recording at `level` or above is asked for (outside the lock:
+  // it takes the GIL and walks Python's stack).
+  Context capture(RecordContext level) {
+    cca::CreateContextFn f;
+    RecordContext when;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      f = recorder_;
+      when = when_;
+    }
+    return f != nullptr && when != RecordContext::NEVER && when >= level ? f() : nullptr;
+  }
+
+  void push(c10::DeviceIndex device, TraceEntry e) {
+    auto& ring = rings_[device];
+    ring.push_back(std::move(e));
+    trim(ring);
+  }
+
+  void trim(std::deque<TraceEntry>& ring) const {
+    while (ring.size() > max_entries_) {
+      ring.pop_front();
+    }
+  }
+};
+
+} // namespace cistern_native
