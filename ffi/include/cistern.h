@@ -22,14 +22,17 @@
 // stream). cistern never dereferences it; it identifies the stream to the driver.
 typedef void *cistern_stream_t;
 
-// A stream filter of an allocation window (`cistern_begin_allocate_to_pool`): returns non-zero
-// for the streams whose allocations go to the graph pool. It is called with `ctx` from any
-// thread that allocates while the window is open, with no lock of cistern's held; it must be
-// thread-safe, must not unwind or throw, and must not call cistern.
+// A stream filter of an allocation window (`cistern_begin_allocate_to_pool`): returns 1 for the
+// streams whose allocations go to the graph pool, 0 for the others, and a negative value when
+// it cannot tell (the allocation then fails, rather than be served from memory reused outside
+// the graph). It is called with `ctx` from any thread that allocates while the window is open,
+// under cistern's graph-pool lock (so never after `cistern_end_allocate_to_pool` returned); it
+// must be thread-safe, must not unwind or throw, and must not call cistern.
 typedef int (*cistern_stream_filter_t)(void *ctx, cistern_stream_t stream);
 
 // Releases the context of a stream filter (`cistern_begin_allocate_to_pool`); called once,
-// from any thread, when cistern no longer needs it. Must not unwind or throw.
+// from any thread and with no lock of cistern's held, when cistern no longer needs it. Must not
+// unwind or throw.
 typedef void (*cistern_release_fn_t)(void *ctx);
 
 #ifdef __cplusplus

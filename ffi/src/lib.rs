@@ -326,16 +326,19 @@ pub extern "C" fn cistern_enable_peer_access(device: c_int, peer: c_int) -> c_in
     })
 }
 
-/// A stream filter of an allocation window (`cistern_begin_allocate_to_pool`): returns non-zero
-/// for the streams whose allocations go to the graph pool. It is called with `ctx` from any
-/// thread that allocates while the window is open, with no lock of cistern's held; it must be
-/// thread-safe, must not unwind or throw, and must not call cistern.
+/// A stream filter of an allocation window (`cistern_begin_allocate_to_pool`): returns 1 for the
+/// streams whose allocations go to the graph pool, 0 for the others, and a negative value when
+/// it cannot tell (the allocation then fails, rather than be served from memory reused outside
+/// the graph). It is called with `ctx` from any thread that allocates while the window is open,
+/// under cistern's graph-pool lock (so never after `cistern_end_allocate_to_pool` returned); it
+/// must be thread-safe, must not unwind or throw, and must not call cistern.
 #[allow(non_camel_case_types)]
 pub type cistern_stream_filter_t =
     Option<unsafe extern "C" fn(ctx: *mut c_void, stream: cistern_stream_t) -> c_int>;
 
 /// Releases the context of a stream filter (`cistern_begin_allocate_to_pool`); called once,
-/// from any thread, when cistern no longer needs it. Must not unwind or throw.
+/// from any thread and with no lock of cistern's held, when cistern no longer needs it. Must not
+/// unwind or throw.
 #[allow(non_camel_case_types)]
 pub type cistern_release_fn_t = Option<unsafe extern "C" fn(ctx: *mut c_void)>;
 
@@ -354,11 +357,18 @@ unsafe impl Send for CFilter {}
 unsafe impl Sync for CFilter {}
 
 impl CFilter {
-    fn accepts(&self, stream: StreamId) -> bool {
+    fn accepts(&self, stream: StreamId) -> std::result::Result<bool, String> {
         match self.filter {
-            // SAFETY: a filter the caller gave with this context, callable from any thread.
-            Some(f) => unsafe { f(self.ctx, stream.0 as usize as cistern_stream_t) != 0 },
-            None => true,
+            Some(f) => {
+                // SAFETY: a filter the caller gave with this context, callable from any thread.
+                let r = unsafe { f(self.ctx, stream.0 as usize as cistern_stream_t) };
+                if r < 0 {
+                    Err(format!("the C filter returned {r}"))
+                } else {
+                    Ok(r != 0)
+                }
+            }
+            None => Ok(true),
         }
     }
 }

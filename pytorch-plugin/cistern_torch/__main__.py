@@ -99,7 +99,7 @@ def _build_shim(torch_root: Optional[str], cuda_include: Optional[str], shim_onl
                   "lib/libc10.so)", file=sys.stderr)
             return 1
         abi = _shim.cxx11_abi_of(root)
-        tag = f"dir@{root}"
+        tag = _shim.torch_tag(root)
     else:
         try:
             import torch
@@ -109,7 +109,7 @@ def _build_shim(torch_root: Optional[str], cuda_include: Optional[str], shim_onl
             return 1
         root = os.path.dirname(os.path.abspath(torch.__file__))
         abi = bool(torch.compiled_with_cxx11_abi())
-        tag = f"{torch.__version__}@{root}"
+        tag = _shim.torch_tag(root)
     try:
         if not shim_only:
             print(f"native {_shim.build_native(root, abi, tag, cuda_include=cuda_include)}")

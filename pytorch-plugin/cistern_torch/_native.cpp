@@ -88,14 +88,22 @@ bool is_oom(const std::string& message) {
       message.find("limit exceeded") != std::string::npos;
 }
 
-// A JSON document from one of cistern's snprintf-like exports.
+// A JSON document from one of cistern's snprintf-like exports (which return the whole length
+// whatever the room): read again, with more room, until it fits, since other threads may make
+// it longer between two calls.
 template <class F>
 std::string read_json(F call) {
   size_t n = call(nullptr, 0);
-  std::string buf(n + 1, '\0');
-  size_t m = call(&buf[0], buf.size());
-  buf.resize(std::min(m, n));
-  return buf;
+  for (int tries = 0; tries < 8; ++tries) {
+    std::string buf(n + n / 8 + 256, '\0');
+    size_t m = call(&buf[0], buf.size());
+    if (m < buf.size()) {
+      buf.resize(m);
+      return buf;
+    }
+    n = m;
+  }
+  return std::string();
 }
 
 // The allocation history (torch.cuda.memory._record_memory_history), shared by the allocation
@@ -149,11 +157,14 @@ struct FilterBox {
   std::function<bool(cudaStream_t)> filter;
 };
 
+// 1 or 0 as PyTorch's filter says; -1 when it throws (its CUDA query failed): cistern then fails
+// the allocation, as PyTorch's own malloc lets the exception out, rather than serve it from
+// memory reused outside the graph.
 int filter_trampoline(void* ctx, Stream stream) noexcept {
   try {
     return static_cast<FilterBox*>(ctx)->filter(static_cast<cudaStream_t>(stream)) ? 1 : 0;
   } catch (...) {
-    return 0;
+    return -1;
   }
 }
 
@@ -222,7 +233,10 @@ class CisternAllocator : public PluggableBase {
     auto info = snapshot_of({0, 0});
     size_t largest = 0;
     for (const auto& seg : info.segments) {
-      if (seg.device != device) {
+      // A graph pool's free blocks are the graph's: not for the caller.
+      bool graph_pool =
+          seg.owner_private_pool_id.first != 0 || seg.owner_private_pool_id.second != 0;
+      if (seg.device != device || graph_pool) {
         continue;
       }
       for (const auto& b : seg.blocks) {

@@ -26,7 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from . import _lib
 
@@ -115,9 +115,12 @@ def _compile(
     cxx11_abi: bool,
     tag: str,
     extra_flags: Sequence[str],
+    late_includes: Optional[Callable[[], List[str]]] = None,
 ) -> str:
     """Compiles ``sources[0]`` (the others are headers it includes, part of the cache key)
-    into ``<cache>/<stem>-<key>.so``, linked against ``libs`` in ``torch_lib``."""
+    into ``<cache>/<stem>-<key>.so``, linked against ``libs`` in ``torch_lib``.
+    ``late_includes`` gives more include flags, asked for only when nothing is cached (and not
+    part of the key: they name where the same headers are)."""
     cxx = _compiler()
     flags: List[str] = list(extra_flags) + os.environ.get("CISTERN_TORCH_CXXFLAGS", "").split()
     parts = []
@@ -134,11 +137,20 @@ def _compile(
     out = os.path.join(out_dir, f"{stem}-{key}.so")
     if os.path.isfile(out):
         return out
-    os.makedirs(out_dir, exist_ok=True)
+    includes = list(includes) + (late_includes() if late_includes else [])
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ShimBuildError(f"cannot write the build cache {out_dir}: {e} (set CISTERN_TORCH_CACHE)") from e
     errors = []
     # torch's headers need C++17; newer ones (2.10 on) want C++20: try both.
     for std in ("c++17", "c++20"):
-        fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=out_dir)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".shim-", suffix=".so", dir=out_dir)
+        except OSError as e:
+            raise ShimBuildError(
+                f"cannot write the build cache {out_dir}: {e} (set CISTERN_TORCH_CACHE)"
+            ) from e
         os.close(fd)
         cmd = [
             cxx, f"-std={std}", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
@@ -163,8 +175,7 @@ def build_for_torch(torch: object) -> str:
     """:func:`build` for an imported torch module."""
     root = os.path.dirname(os.path.abspath(getattr(torch, "__file__")))
     abi = bool(getattr(torch, "compiled_with_cxx11_abi", lambda: True)())
-    version = str(getattr(torch, "__version__", "?"))
-    return build(os.path.join(root, "include"), os.path.join(root, "lib"), abi, f"{version}@{root}")
+    return build(os.path.join(root, "include"), os.path.join(root, "lib"), abi, torch_tag(root))
 
 
 def bind(shim_path: str) -> ctypes.CDLL:
@@ -230,6 +241,22 @@ def find_cuda_include(torch_root: str) -> Optional[str]:
     return None
 
 
+def torch_tag(torch_root: str) -> str:
+    """How a torch build is named in the cache key: its version (read from
+    ``torch/version.py``, without importing it) and location. ``install()`` and ``build-shim``
+    name it the same way, so a prebuilt library is found."""
+    version = "?"
+    try:
+        with open(os.path.join(torch_root, "version.py"), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("__version__"):
+                    version = line.split("=", 1)[1].strip().strip("'\"")
+                    break
+    except OSError:
+        pass
+    return f"{version}@{os.path.abspath(torch_root)}"
+
+
 def build_native(
     torch_root: str,
     cxx11_abi: bool,
@@ -255,14 +282,19 @@ def build_native(
             f"torch's CUDA allocator header is missing ({header}): the native allocator needs a "
             "CUDA build of torch"
         )
-    cuda = cuda_include or find_cuda_include(torch_root)
-    if cuda is None or not _has_cuda_headers(cuda):
-        raise ShimBuildError(
-            "no CUDA runtime headers (cuda_runtime_api.h with crt/host_defines.h) were found in "
-            "CISTERN_TORCH_CUDA_INCLUDE, CUDA_HOME, /usr/local/cuda, triton's bundled headers or "
-            "NVIDIA's wheels: install a CUDA toolkit or `pip install nvidia-cuda-crt`, or set "
-            "CISTERN_TORCH_CUDA_INCLUDE to a directory that has them"
-        )
+    def cuda_flags() -> List[str]:
+        # Looked for only when there is something to build: a library prebuilt where the
+        # headers were (build-shim in a builder image) is found without them.
+        cuda = cuda_include or find_cuda_include(torch_root)
+        if cuda is None or not _has_cuda_headers(cuda):
+            raise ShimBuildError(
+                "no CUDA runtime headers (cuda_runtime_api.h with crt/host_defines.h) were found "
+                "in CISTERN_TORCH_CUDA_INCLUDE, CUDA_HOME, /usr/local/cuda, triton's bundled "
+                "headers or NVIDIA's wheels: install a CUDA toolkit or `pip install "
+                "nvidia-cuda-crt`, or set CISTERN_TORCH_CUDA_INCLUDE to a directory that has them"
+            )
+        return ["-I", cuda]
+
     lib = os.path.join(torch_root, "lib")
     libs = [n for n in ("c10", "c10_cuda", "torch_cuda")
             if os.path.isfile(os.path.join(lib, f"lib{n}.so"))]
@@ -273,7 +305,8 @@ def build_native(
         "cistern_torch_native",
         [source_path("_native.cpp"), source_path("_native_json.h"),
          source_path("_native_history.h")],
-        ["-I", include, "-I", api, "-I", cuda], lib, libs, cxx11_abi, tag, extra_flags,
+        ["-I", include, "-I", api], lib, libs, cxx11_abi, tag, extra_flags,
+        late_includes=cuda_flags,
     )
 
 
@@ -284,8 +317,7 @@ def build_native_for_torch(torch: object) -> str:
         raise ShimBuildError("this torch module has no location (__file__) to build against")
     root = os.path.dirname(os.path.abspath(where))
     abi = bool(getattr(torch, "compiled_with_cxx11_abi", lambda: True)())
-    version = str(getattr(torch, "__version__", "?"))
-    return build_native(root, abi, f"{version}@{root}")
+    return build_native(root, abi, torch_tag(root))
 
 
 def bind_native(path: str) -> ctypes.CDLL:
@@ -304,17 +336,24 @@ def bind_native(path: str) -> ctypes.CDLL:
         raise ShimBuildError(f"could not load the native allocator {path}: {e}") from e
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-    addrs = (ctypes.c_void_p * len(NATIVE_FUNCTIONS))(
-        *[_lib.function_address(n) for n in NATIVE_FUNCTIONS]
-    )
-    got = fn(addrs, len(NATIVE_FUNCTIONS))
-    if got != 1:
-        raise ShimBuildError(
-            f"{path} expects {-got} functions, this package gives {len(NATIVE_FUNCTIONS)}: a "
-            "stale build (remove it from the cache)" if got < 0 and -got != len(NATIVE_FUNCTIONS)
-            else f"{path} refused the library's functions ({got})"
+    try:
+        addrs = (ctypes.c_void_p * len(NATIVE_FUNCTIONS))(
+            *[_lib.function_address(n) for n in NATIVE_FUNCTIONS]
         )
-    return lib
+    except (AttributeError, _lib.LibraryNotFoundError) as e:
+        raise ShimBuildError(
+            f"the loaded libcistern.so ({_lib.loaded_path()}) lacks a function the native "
+            f"allocator needs ({e}): rebuild it from the same checkout as this package"
+        ) from e
+    got = fn(addrs, len(NATIVE_FUNCTIONS))
+    if got == 1:
+        return lib
+    if got <= -len(NATIVE_FUNCTIONS) or got == 0:
+        why = (f"it expects {-got} functions and this package gives {len(NATIVE_FUNCTIONS)}: a "
+               "stale build (remove it from the cache)")
+    else:
+        why = f"function {-got - 1} ({NATIVE_FUNCTIONS[-got - 1]}) was NULL"
+    raise ShimBuildError(f"{path} refused the library's functions: {why}")
 
 
 def install_native(lib: ctypes.CDLL) -> None:

@@ -178,8 +178,11 @@ def _install_native(torch: Any) -> Any:
         ShimBuildError: it cannot be built or loaded.
         InstallError: PyTorch refused the swap (CUDA already initialised).
     """
-    path = _shim.build_native_for_torch(torch)
-    handle = _shim.bind_native(path)
+    try:
+        path = _shim.build_native_for_torch(torch)
+        handle = _shim.bind_native(path)
+    except (OSError, AttributeError, _lib.LibraryNotFoundError) as e:
+        raise _shim.ShimBuildError(f"{type(e).__name__}: {e}") from e
     try:
         _shim.install_native(handle)
     except RuntimeError as e:

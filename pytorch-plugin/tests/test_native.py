@@ -111,6 +111,8 @@ def test_native_build_errors_name_the_fix(tmp_path, monkeypatch) -> None:
     fake = tmp_path / "torch"
     (fake / "include" / "torch" / "csrc" / "cuda").mkdir(parents=True)
     (fake / "include" / "torch" / "csrc" / "cuda" / "CUDAPluggableAllocator.h").write_text("")
+    (fake / "lib").mkdir()
+    (fake / "lib" / "libc10.so").write_bytes(b"")
     monkeypatch.setenv("CISTERN_TORCH_CUDA_INCLUDE", str(tmp_path / "nowhere"))
     with pytest.raises(_shim.ShimBuildError, match="CISTERN_TORCH_CUDA_INCLUDE"):
         _shim.build_native(str(fake), True, "none")

@@ -35,7 +35,7 @@
 //! PyTorch's `cudaMallocMaybeCapturing` does. A capture that needs memory cached elsewhere
 //! should call `empty_cache` before it begins.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
@@ -56,9 +56,13 @@ impl std::fmt::Display for MempoolId {
     }
 }
 
-/// Which streams an allocation window routes into its pool (called with the allocation's
-/// stream handle, on the allocating thread, with no lock of the pool held).
-pub type StreamFilter = Arc<dyn Fn(StreamId) -> bool + Send + Sync>;
+/// Which streams an allocation window routes into its pool: called with the allocation's
+/// stream handle, on the allocating thread, under the device's graph-pool lock (so that no call
+/// is made once `end_allocate_to_pool` has returned); it must not call the pool. `Err` (the
+/// filter could not tell, e.g. its own CUDA query failed) fails the allocation with that
+/// message: serving it from the stream's ordinary memory would let the graph's replays write
+/// memory that is reused outside the graph.
+pub type StreamFilter = Arc<dyn Fn(StreamId) -> std::result::Result<bool, String> + Send + Sync>;
 
 /// One graph pool.
 struct GraphPool<D: Driver> {
@@ -69,7 +73,6 @@ struct GraphPool<D: Driver> {
 }
 
 /// An open allocation window.
-#[derive(Clone)]
 struct Window {
     pool: MempoolId,
     /// `None`: every stream.
@@ -129,16 +132,32 @@ impl<D: Driver> DevicePool<D> {
         // The last moment before the capture: the pool's frees that wait on events are polled
         // (their arenas allocate only inside windows, where nothing is polled).
         self.poll_graph_pools(Some(id));
-        let mut g = self.graphs.lock();
-        g.pools
-            .entry(id)
-            .or_insert_with(|| GraphPool {
-                uses: 0,
-                arenas: FxHashMap::default(),
-            })
-            .uses += 1;
-        g.windows.push(Window { pool: id, filter });
-        self.core.capturing.fetch_add(1, Relaxed);
+        {
+            let mut g = self.graphs.lock();
+            g.pools
+                .entry(id)
+                .or_insert_with(|| GraphPool {
+                    uses: 0,
+                    arenas: FxHashMap::default(),
+                })
+                .uses += 1;
+            g.windows.push(Window { pool: id, filter });
+            self.core.capturing.fetch_add(1, SeqCst);
+        }
+        self.quiesce();
+    }
+
+    /// Waits until no operation that checked `capturing` before it was set is still making
+    /// driver calls: every such call is made under the device lock or an arena's lock, and each
+    /// of them is taken and released once here. Operations that take one later see the flag
+    /// (the lock orders the store before their load). Without this, a growth or a free already
+    /// underway on another thread could query or synchronise after the capture began, as
+    /// PyTorch's allocator mutex prevents in `beginAllocateToPool`.
+    fn quiesce(&self) {
+        drop(self.state.lock());
+        for arena in self.all_arenas() {
+            drop(arena.state.lock());
+        }
     }
 
     /// One more use of graph pool `id`, made if new, without opening a window (PyTorch's
@@ -172,32 +191,40 @@ impl<D: Driver> DevicePool<D> {
                 self.core.dev
             )));
         };
-        g.windows.remove(i);
-        self.core.capturing.fetch_sub(1, Relaxed);
+        let closed = g.windows.remove(i);
+        self.core.capturing.fetch_sub(1, SeqCst);
         drop(g);
+        // Its filter (and the context a C caller gave with it) is released outside the lock.
+        drop(closed);
         // The capture has ended (PyTorch ends the window after `cudaStreamEndCapture`): the
         // events of frees made during it are recorded now, so their wait starts.
         self.poll_graph_pools(None);
         Ok(())
     }
 
-    /// Polls the pending frees of graph pool `id` (every graph pool when `None`), recording
-    /// the events deferred during a capture; nothing while a window is open.
+    /// Polls the pending frees of graph pool `id` (when `None`: every graph pool, and every
+    /// other arena with events deferred during a capture, so that they are recorded now rather
+    /// than at the arena's next allocation, when the streams may be gone); nothing while a
+    /// window is open.
     fn poll_graph_pools(&self, id: Option<MempoolId>) {
         if self.core.capturing() {
             return;
         }
-        let arenas: Vec<Arc<Arena<D>>> = {
-            let g = self.graphs.lock();
-            g.pools
-                .iter()
-                .filter(|(pid, _)| id.is_none_or(|id| **pid == id))
-                .flat_map(|(_, p)| p.arenas.values().cloned())
-                .collect()
+        let arenas: Vec<Arc<Arena<D>>> = match id {
+            Some(id) => self
+                .graphs
+                .lock()
+                .pools
+                .get(&id)
+                .map(|p| p.arenas.values().cloned().collect())
+                .unwrap_or_default(),
+            None => self.all_arenas(),
         };
         for arena in arenas {
             let mut a = arena.state.lock();
-            if !a.pending.is_empty() {
+            let graph = arena.graph_pool.is_some();
+            if (graph && !a.pending.is_empty()) || a.pending.iter().any(|p| !p.deferred.is_empty())
+            {
                 a.process_pending(false, &self.core);
             }
         }
@@ -208,7 +235,7 @@ impl<D: Driver> DevicePool<D> {
     /// valid, and their memory returns to the device pool after a device synchronisation.
     /// Windows still open into it are closed.
     pub fn release_pool(&self, id: MempoolId) -> Result<()> {
-        let arenas = {
+        let (arenas, closed) = {
             let mut g = self.graphs.lock();
             let Some(p) = g.pools.get_mut(&id) else {
                 return Err(Error::InvalidArgument(format!(
@@ -224,12 +251,15 @@ impl<D: Driver> DevicePool<D> {
             let Some(p) = g.pools.remove(&id) else {
                 return Ok(());
             };
-            let before = g.windows.len();
-            g.windows.retain(|w| w.pool != id);
-            let closed = before - g.windows.len();
-            self.core.capturing.fetch_sub(closed, Relaxed);
-            p.arenas
+            let (closed, open): (Vec<Window>, Vec<Window>) = std::mem::take(&mut g.windows)
+                .into_iter()
+                .partition(|w| w.pool == id);
+            g.windows = open;
+            self.core.capturing.fetch_sub(closed.len(), SeqCst);
+            (p.arenas, closed)
         };
+        // Their filters are released outside the lock.
+        drop(closed);
         // The device lock orders this against a growth that holds one of these arenas.
         let _dev = self.state.lock();
         for (_, arena) in arenas {
@@ -261,11 +291,29 @@ impl<D: Driver> DevicePool<D> {
     /// open (one relaxed load on the hot path decides).
     #[cold]
     pub(super) fn graph_arena(&self, stream: StreamId) -> Result<Option<Arc<Arena<D>>>> {
-        let windows = self.graphs.lock().windows.clone();
-        let Some(w) = windows
-            .into_iter()
-            .find(|w| w.filter.as_ref().is_none_or(|f| f(stream)))
-        else {
+        let pool = {
+            // The filters run under the lock: none is called after its window has closed.
+            let g = self.graphs.lock();
+            let mut found = None;
+            for w in &g.windows {
+                let accepted = match &w.filter {
+                    None => true,
+                    Some(f) => f(stream).map_err(|why| {
+                        Error::InvalidArgument(format!(
+                            "the stream filter of the allocation window into graph pool {} \
+                             failed for stream {stream}: {why}",
+                            w.pool
+                        ))
+                    })?,
+                };
+                if accepted {
+                    found = Some(w.pool);
+                    break;
+                }
+            }
+            found
+        };
+        let Some(pool) = pool else {
             return Ok(None);
         };
         let c = &*self.core;
@@ -278,7 +326,7 @@ impl<D: Driver> DevicePool<D> {
             )));
         }
         let mut g = self.graphs.lock();
-        let Some(p) = g.pools.get_mut(&w.pool) else {
+        let Some(p) = g.pools.get_mut(&pool) else {
             // Released since the windows were read.
             return Ok(None);
         };
@@ -286,7 +334,7 @@ impl<D: Driver> DevicePool<D> {
             Arc::new(Arena::for_pool(
                 StreamRef::new(stream, info),
                 self.core.clone(),
-                Some((w.pool.0, w.pool.1)),
+                Some((pool.0, pool.1)),
             ))
         });
         Ok(Some(arena.clone()))

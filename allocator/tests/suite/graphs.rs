@@ -17,7 +17,7 @@ const GRAPH: MempoolId = MempoolId(1, 0);
 
 /// A window filter that accepts only `stream` (PyTorch's accepts the capturing streams).
 fn only(stream: u64) -> Option<StreamFilter> {
-    Some(Arc::new(move |s: StreamId| s.0 == stream))
+    Some(Arc::new(move |s: StreamId| Ok(s.0 == stream)))
 }
 
 /// Opens a window into `id` for stream `stream` and begins capturing there.
@@ -238,9 +238,15 @@ fn nothing_the_pool_does_during_a_capture_invalidates_it() {
             "{:?}",
             sim.capture_violations()
         );
+        let records = sim.calls(DriverCall::EventRecord);
         sim.end_capture(0, v).unwrap();
         let graph = end(&sim, &pool, GRAPH, S);
         assert_eq!(graph.launches.len(), 5);
+        assert_eq!(
+            sim.calls(DriverCall::EventRecord),
+            records + 1,
+            "the event deferred for the side stream was not recorded at the window's end"
+        );
 
         // After the capture the deferred events are recorded, and everything frees.
         sim.complete_all(0);
@@ -357,4 +363,112 @@ fn faults_during_a_capture_lose_nothing_and_invalidate_nothing() {
             assert_no_leak(&sim, pool);
         }
     }
+}
+
+#[test]
+fn a_failing_filter_fails_the_allocation_rather_than_route_it_outside() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    let filter: StreamFilter = Arc::new(|s: StreamId| {
+        if s.0 == T {
+            Err("cudaStreamGetCaptureInfo failed".to_string())
+        } else {
+            Ok(s.0 == S)
+        }
+    });
+    pool.begin_allocate_to_pool(0, GRAPH, Some(filter)).unwrap();
+    let e = pool.alloc_raw(0, MIB, StreamId(T)).unwrap_err().to_string();
+    assert!(
+        e.contains("cudaStreamGetCaptureInfo failed") && e.contains("(1, 0)"),
+        "{e}"
+    );
+    check(&pool);
+    let a = alloc(&pool, MIB, S);
+    pool.end_allocate_to_pool(0, GRAPH).unwrap();
+    // Closed: the filter is never called again.
+    let b = alloc(&pool, MIB, T);
+    free(&pool, a, S);
+    free(&pool, b, T);
+    pool.release_pool(0, GRAPH).unwrap();
+    assert_no_leak(&sim, pool);
+}
+
+/// A window opened while other threads grow, free and poll: once `begin_allocate_to_pool` has
+/// returned, no call they make may query or wait (each iteration's capture must end valid).
+#[test]
+fn a_window_opened_while_other_threads_work_is_never_invalidated() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    // Room for what the workers' frees hold while windows are open (nothing is polled then).
+    let (sim, pool) = pool_with(SimConfig::default().capacity(16 * GIB), true, "");
+    let stop = AtomicBool::new(false);
+    let done = AtomicU64::new(0);
+    // Until the workers have made `n` more operations (or a second passed): the windows open
+    // while they work, not before they start.
+    let wait_for = |n: u64| {
+        let target = done.load(Relaxed) + n;
+        let start = std::time::Instant::now();
+        while done.load(Relaxed) < target && start.elapsed().as_secs() < 1 {
+            std::thread::yield_now();
+        }
+    };
+    let outcome = std::thread::scope(|scope| {
+        for w in 0..2u64 {
+            let (sim, pool, stop, done) = (&sim, &pool, &stop, &done);
+            scope.spawn(move || {
+                let mut rng = Rng::new(7 + w);
+                let (own, other) = (StreamId(10 + w), StreamId(20 + w));
+                while !stop.load(Relaxed) {
+                    let size = rng.range(1, 4) * MIB;
+                    let Ok(p) = pool.alloc_raw(0, size, own) else {
+                        std::thread::yield_now();
+                        continue;
+                    };
+                    // Work on another stream that is never captured: its event is queried.
+                    let _ = sim.launch(0, other, &[(p, 4096)]);
+                    pool.record_stream(p, other).unwrap();
+                    pool.free_raw(p, own).unwrap();
+                    if rng.chance(0.3) {
+                        sim.complete_stream(0, other);
+                    }
+                    if rng.chance(0.05) {
+                        pool.empty_cache();
+                    }
+                    done.fetch_add(1, Relaxed);
+                }
+            });
+        }
+        // Whatever happens here, the workers stop (a panic would leave them running, and the
+        // scope waiting for them).
+        let outcome = (|| -> Result<(), String> {
+            wait_for(50);
+            for i in 0..200u64 {
+                wait_for(2);
+                pool.begin_allocate_to_pool(0, GRAPH, only(S))
+                    .map_err(|e| e.to_string())?;
+                sim.begin_capture(0, StreamId(S))
+                    .map_err(|e| e.to_string())?;
+                let p = pool
+                    .alloc_raw(0, (i % 7 + 1) * MIB, StreamId(S))
+                    .map_err(|e| format!("iteration {i}: {e}"))?;
+                pool.free_raw(p, StreamId(S)).map_err(|e| e.to_string())?;
+                sim.end_capture(0, StreamId(S))
+                    .map_err(|e| format!("iteration {i}: {e}"))?;
+                pool.end_allocate_to_pool(0, GRAPH)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })();
+        stop.store(true, Relaxed);
+        outcome
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+    assert!(sim.capture_violations().is_empty());
+    sim.complete_all(0);
+    // Each window was one use of the pool (one graph each, in PyTorch's terms).
+    for _ in 0..200 {
+        pool.release_pool(0, GRAPH).unwrap();
+    }
+    check(&pool);
+    assert_no_leak(&sim, pool);
 }

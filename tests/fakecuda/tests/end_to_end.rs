@@ -903,7 +903,7 @@ fn child_graph_pool() {
     let mut fork: sys::CUevent = std::ptr::null_mut();
     let mut join: sys::CUevent = std::ptr::null_mut();
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    let filter: cistern::StreamFilter = Arc::new(move |s: StreamId| s == sa || s == sb);
+    let filter: cistern::StreamFilter = Arc::new(move |s: StreamId| Ok(s == sa || s == sb));
     dev.begin_allocate_to_pool(id, Some(filter));
     // SAFETY: streams the fake created, live events created here, valid enum values; the
     // primary context is current on this thread for the events, and popped at the end.
