@@ -67,6 +67,22 @@ pub(super) struct DeviceState {
     pub(super) free_seen: Option<(u64, u64)>,
     /// The devices granted access to every mapping (`peers.rs`).
     pub(super) peers: Vec<DeviceId>,
+    /// The cumulative increases and decreases (per gauge and pool) of arenas dropped for good
+    /// (reaped after retiring, swept as dormant): the statistics' "allocated" and "freed"
+    /// counts keep them, so they never go down.
+    pub(super) gone: [[[i64; 3]; crate::stats::GAUGES]; 2],
+}
+
+impl DeviceState {
+    /// Keeps the cumulative counts of an arena that is about to be dropped for good.
+    pub(super) fn keep_counts(&mut self, a: &crate::arena::ArenaState) {
+        for g in 0..crate::stats::GAUGES {
+            for p in 0..3 {
+                self.gone[0][g][p] += a.gauges.increases(g, p);
+                self.gone[1][g][p] += a.gauges.decreases(g, p);
+            }
+        }
+    }
 }
 
 impl DeviceState {
@@ -190,6 +206,7 @@ impl<D: Driver> DevicePool<D> {
                 lost: Vec::new(),
                 stuck: Vec::new(),
                 peers,
+                gone: [[[0; 3]; crate::stats::GAUGES]; 2],
             }),
             graphs: Mutex::new(super::graphs::GraphPools::default()),
         })

@@ -47,6 +47,7 @@ impl<D: Driver> DevicePool<D> {
             if !self.free_extents(&mut a) {
                 continue;
             }
+            dev.keep_counts(&a);
             drop(a);
             self.retired.lock().retain(|r| !Arc::ptr_eq(r, &arena));
         }
@@ -60,7 +61,7 @@ impl<D: Driver> DevicePool<D> {
     /// Run at a growth once the number of arenas has doubled since the last sweep (at least
     /// [`SWEEP_MIN_ARENAS`](super::device::SWEEP_MIN_ARENAS)): amortised O(1) per new arena.
     /// Arenas whose lock is busy, and `except` (the one growing), are left for the next sweep.
-    pub(super) fn sweep_dormant(&self, _dev: &mut DeviceState, except: &Arc<Arena<D>>) {
+    pub(super) fn sweep_dormant(&self, dev: &mut DeviceState, except: &Arc<Arena<D>>) {
         let mut map = self.arenas.write();
         let mut gone = Vec::new();
         for (&id, arena) in map.iter() {
@@ -82,6 +83,7 @@ impl<D: Driver> DevicePool<D> {
             if holds_memory || !self.free_extents(&mut a) {
                 continue;
             }
+            dev.keep_counts(&a);
             arena.retired.store(true, Relaxed);
             gone.push(id);
         }

@@ -24,8 +24,9 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let dev = self.state.lock();
         let mut cur = [[0i64; 3]; GAUGES];
-        let mut inc = [[0i64; 3]; GAUGES];
-        let mut dec = [[0i64; 3]; GAUGES];
+        // Arenas dropped for good count too: "allocated" and "freed" never go down.
+        let mut inc = dev.gone[0];
+        let mut dec = dev.gone[1];
         for arena in self.all_arenas() {
             let a = arena.state.lock();
             for g in 0..GAUGES {

@@ -472,3 +472,33 @@ fn a_window_opened_while_other_threads_work_is_never_invalidated() {
     check(&pool);
     assert_no_leak(&sim, pool);
 }
+
+/// The statistics' cumulative counts ("allocated", "freed") never go down, also when arenas go
+/// away for good: a released graph pool's arenas are reaped, a gone stream's too.
+#[test]
+fn cumulative_counts_survive_arenas_that_go_away() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    pool.begin_allocate_to_pool(0, GRAPH, only(S)).unwrap();
+    let a = alloc(&pool, 3 * MIB, S);
+    free(&pool, a, S);
+    pool.end_allocate_to_pool(0, GRAPH).unwrap();
+    let b = alloc(&pool, MIB, 5);
+    free(&pool, b, 5);
+    let before = pool.stats(0).unwrap();
+    pool.release_pool(0, GRAPH).unwrap();
+    pool.forget_stream(StreamId(5)).unwrap();
+    pool.empty_cache(); // reaps both retired arenas
+    check(&pool);
+    let after = pool.stats(0).unwrap();
+    for key in [
+        "allocation.all.allocated",
+        "allocation.all.freed",
+        "allocated_bytes.all.allocated",
+        "allocated_bytes.large_pool.freed",
+        "requested_bytes.all.allocated",
+    ] {
+        assert_eq!(after.get(key), before.get(key), "{key}");
+    }
+    assert_eq!(after.get("allocation.all.allocated"), 2);
+    assert_no_leak(&sim, pool);
+}
