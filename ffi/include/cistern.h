@@ -84,6 +84,11 @@ void cistern_empty_cache(void);
 // PyTorch's `memory_fraction_fn`.
 void cistern_set_memory_fraction(double fraction, int device);
 
+// Device `device`'s per-process limit as a fraction of its memory (1.0 when none was set;
+// `cistern_set_memory_fraction` or `memory_fraction` in `CISTERN_CONF` set it), or -1.0 for a
+// bad device or no pool (last error). PyTorch's `get_per_process_memory_fraction`.
+double cistern_get_memory_fraction(int device);
+
 // Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 // and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 // give (for `vmm:false` pools that call is all a peer needs, and this one only records the

@@ -289,6 +289,31 @@ pub extern "C" fn cistern_set_memory_fraction(fraction: f64, device: c_int) {
     })
 }
 
+/// Device `device`'s per-process limit as a fraction of its memory (1.0 when none was set;
+/// `cistern_set_memory_fraction` or `memory_fraction` in `CISTERN_CONF` set it), or -1.0 for a
+/// bad device or no pool (last error). PyTorch's `get_per_process_memory_fraction`.
+#[no_mangle]
+pub extern "C" fn cistern_get_memory_fraction(device: c_int) -> f64 {
+    guard::call("cistern_get_memory_fraction", -1.0, || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_get_memory_fraction", why);
+                return -1.0;
+            }
+        };
+        match with_pool!(pool, |p| global::device(p, device)
+            .map(|d| d.memory_fraction()))
+        {
+            Ok(f) => f,
+            Err(e) => {
+                fail_with(format!("cistern_get_memory_fraction(device {device})"), &e);
+                -1.0
+            }
+        }
+    })
+}
+
 /// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 /// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 /// give (for `vmm:false` pools that call is all a peer needs, and this one only records the

@@ -392,6 +392,17 @@ fn memory_fraction_limits_growth() {
         abi.last_error()
     );
     assert_eq!(abi.stat(8, "memory_limit"), (CAPACITY / 2) as i64);
+    // SAFETY (each call): the export's documented types; bad devices are part of its contract.
+    unsafe {
+        assert_eq!((abi.get_memory_fraction)(8), 0.5);
+        assert_eq!(
+            (abi.get_memory_fraction)(7),
+            1.0,
+            "another device's limit changed"
+        );
+        assert_eq!((abi.get_memory_fraction)(99), -1.0);
+    }
+    assert!(abi.last_error().contains("99"), "{}", abi.last_error());
     // Out of range: refused, nothing changes.
     // SAFETY: as above.
     unsafe { (abi.set_memory_fraction)(1.5, 8) };

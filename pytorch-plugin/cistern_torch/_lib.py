@@ -245,7 +245,10 @@ def get_memory_fraction(device: int) -> Optional[float]:
     """The library's fraction for ``device`` when it exports a getter, else None."""
     lib = load()
     if hasattr(lib, "cistern_get_memory_fraction"):
-        return float(lib.cistern_get_memory_fraction(device))
+        f = float(lib.cistern_get_memory_fraction(device))
+        if f < 0:
+            raise ValueError(last_error() or f"cistern_get_memory_fraction({device}) failed")
+        return f
     return None
 
 

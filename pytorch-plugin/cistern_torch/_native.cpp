@@ -72,6 +72,7 @@ struct Api {
   int (*release_pool)(int, uint64_t, uint64_t);
   int (*create_or_incref_pool)(int, uint64_t, uint64_t);
   int64_t (*pool_use_count)(int, uint64_t, uint64_t);
+  double (*get_memory_fraction)(int);
 };
 
 Api g_api{};
@@ -199,6 +200,13 @@ class CisternAllocator : public PluggableBase {
     TORCH_CHECK(cistern_native::parse(text, flat), "cistern: unreadable statistics: ", text);
     std::lock_guard<std::mutex> g(mu_);
     baselines_[device] = cistern_native::baseline_of(flat);
+  }
+
+  // torch later than 2.5: torch.cuda.get_per_process_memory_fraction asks the allocator.
+  double getMemoryFraction(c10::DeviceIndex device) {
+    double f = g_api.get_memory_fraction(device);
+    TORCH_CHECK(f >= 0, "cistern: getMemoryFraction: ", last_error());
+    return f;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
