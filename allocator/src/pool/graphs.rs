@@ -34,6 +34,13 @@
 //! `cuMemAlloc` (without VMM) runs in relaxed capture mode in the CUDA driver backend, as
 //! PyTorch's `cudaMallocMaybeCapturing` does. A capture that needs memory cached elsewhere
 //! should call `empty_cache` before it begins.
+//!
+//! Opening a window *quiesces* the device pool: each check of `capturing` is made under the
+//! device lock or an arena lock, with the driver calls it guards, so taking each of those
+//! locks once after setting the flag waits for every operation that saw it clear. Filters run
+//! under the graph pools' lock, so none runs once its window has closed (PyTorch's filter
+//! refers to its `CUDAGraph`, which may be gone then). A window is one use of its pool, as in
+//! PyTorch: each graph that captured into a pool releases it once.
 
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;

@@ -55,9 +55,12 @@
 //!
 //! # Locks
 //!
-//! Order: device lock, then arena locks (the target arena first), then the range index (a
-//! leaf). The hot path takes one arena lock and nothing else. Any path that holds two arena
-//! locks holds the device lock, so arena locks cannot deadlock.
+//! Order: device lock, then arena locks (the target arena first), then the range index and the
+//! graph pools' lock (leaves: nothing is taken under them; stream filters run under the graph
+//! pools' lock and must not call the pool). The hot path takes one arena lock and nothing else.
+//! Any path that holds two arena locks holds the device lock, so arena locks cannot deadlock.
+//! Every driver call that queries or waits is made under the device lock or an arena lock, so
+//! taking each once (`graphs.rs`, opening a window) waits for all such calls under way.
 //!
 //! # Layout
 //!
