@@ -196,3 +196,237 @@ proptest! {
         run_with(true, "grow_whole_chunks:on,chunk_split:none", &ops)?;
     }
 }
+
+// ---- graph pools ------------------------------------------------------------------------------
+
+/// The base operations plus graph-pool windows (each on one stream, with a capture of that
+/// stream when none is under way there) and pool releases.
+#[derive(Debug, Clone)]
+enum GraphOp {
+    Base(Op),
+    Begin { pool: u64, stream: u64 },
+    End(usize),
+    Release(u64),
+}
+
+fn graph_op() -> impl Strategy<Value = GraphOp> {
+    prop_oneof![
+        12 => op().prop_map(GraphOp::Base),
+        2 => (0u64..3, 0..STREAMS).prop_map(|(pool, stream)| GraphOp::Begin { pool, stream }),
+        2 => any::<usize>().prop_map(GraphOp::End),
+        1 => (0u64..3).prop_map(GraphOp::Release),
+    ]
+}
+
+fn mempool(n: u64) -> cistern::MempoolId {
+    cistern::MempoolId(n + 1, 0)
+}
+
+struct GraphLive {
+    ptr: u64,
+    size: u64,
+    stream: u64,
+}
+
+struct OpenWindow {
+    pool: u64,
+    stream: u64,
+    /// Whether this window began the capture of its stream (and so ends it).
+    captures: bool,
+}
+
+/// The graph pool (`segment_pool_id`) of the segment holding `ptr`.
+fn pool_of(pool: &SimPool, ptr: u64) -> Option<(u64, u64)> {
+    pool.device(0)
+        .unwrap()
+        .segments_snapshot()
+        .into_iter()
+        .find(|s| s.address <= ptr && ptr < s.address + s.total_size)
+        .map(|s| s.pool_id)
+}
+
+/// Random programs with graph pools, checked against a model of which pool serves each
+/// allocation: a window's stream is served by its pool (the first window opened that accepts
+/// it), every other allocation by ordinary memory that never overlaps anything a live pool
+/// ever handed out; no call is ever made that a capture forbids; and at the end nothing leaked.
+fn run_graphs(vmm: bool, ops: &[GraphOp]) -> Result<(), TestCaseError> {
+    use std::collections::HashMap;
+    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(CAP), vmm, "");
+    let mut live: Vec<GraphLive> = Vec::new();
+    let mut windows: Vec<OpenWindow> = Vec::new();
+    let mut uses: HashMap<u64, u64> = HashMap::new();
+    // Every range a live pool handed out: never handed out outside it while it lives.
+    let mut owned: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+    let end_window = |windows: &mut Vec<OpenWindow>, i: usize| -> Result<(), TestCaseError> {
+        let w = windows.remove(i);
+        if w.captures {
+            sim.end_capture(0, StreamId(w.stream))
+                .map_err(|e| TestCaseError::fail(format!("window of pool {}: {e}", w.pool)))?;
+        }
+        pool.end_allocate_to_pool(0, mempool(w.pool)).unwrap();
+        Ok(())
+    };
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            GraphOp::Begin { pool: p, stream } => {
+                let filter_stream = *stream;
+                let filter: cistern::StreamFilter =
+                    std::sync::Arc::new(move |s: StreamId| Ok(s.0 == filter_stream));
+                pool.begin_allocate_to_pool(0, mempool(*p), Some(filter))
+                    .unwrap();
+                let captures = !windows.iter().any(|w| w.stream == *stream && w.captures);
+                if captures {
+                    sim.begin_capture(0, StreamId(*stream)).unwrap();
+                }
+                windows.push(OpenWindow {
+                    pool: *p,
+                    stream: *stream,
+                    captures,
+                });
+                *uses.entry(*p).or_default() += 1;
+            }
+            GraphOp::End(i) if !windows.is_empty() => {
+                // end_allocate_to_pool closes the latest window of its pool.
+                let p = windows[i % windows.len()].pool;
+                let last = windows.iter().rposition(|w| w.pool == p).unwrap();
+                // A capture ends before a later window on the same stream could need it: keep
+                // it simple and end only windows that no later window of the stream relies on.
+                let stream = windows[last].stream;
+                let later_same_stream = windows[last + 1..].iter().any(|w| w.stream == stream);
+                if !(windows[last].captures && later_same_stream) {
+                    end_window(&mut windows, last)?;
+                }
+            }
+            GraphOp::Release(p) => {
+                let open = windows.iter().any(|w| w.pool == *p);
+                if let (false, Some(n)) = (open, uses.get_mut(p)) {
+                    pool.release_pool(0, mempool(*p)).unwrap();
+                    *n -= 1;
+                    if *n == 0 {
+                        uses.remove(p);
+                        owned.remove(p);
+                    }
+                }
+            }
+            GraphOp::Base(Op::Alloc { size, stream }) => {
+                let want = windows.iter().find(|w| w.stream == *stream).map(|w| w.pool);
+                match pool.alloc_raw(0, *size, StreamId(*stream)) {
+                    Ok(0) => prop_assert_eq!(*size, 0),
+                    Ok(ptr) => {
+                        let got = pool_of(&pool, ptr);
+                        let expect = want.map_or((0, 0), |p| (mempool(p).0, mempool(p).1));
+                        prop_assert_eq!(got, Some(expect), "step {}: pool of {:#x}", step, ptr);
+                        match want {
+                            Some(p) => owned.entry(p).or_default().push((ptr, *size)),
+                            None => {
+                                for (p, ranges) in &owned {
+                                    for &(q, n) in ranges {
+                                        prop_assert!(
+                                            ptr + size <= q || ptr >= q + n,
+                                            "step {}: {:#x}+{} handed out over pool {}'s {:#x}+{}",
+                                            step,
+                                            ptr,
+                                            size,
+                                            p,
+                                            q,
+                                            n
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                        live.push(GraphLive {
+                            ptr,
+                            size: *size,
+                            stream: *stream,
+                        });
+                    }
+                    Err(e) => prop_assert!(
+                        e.is_oom() || matches!(e, cistern::Error::Driver(_)),
+                        "step {}: {}",
+                        step,
+                        e
+                    ),
+                }
+            }
+            GraphOp::Base(Op::Free(i)) if !live.is_empty() => {
+                let l = live.swap_remove(i % live.len());
+                let r = pool.free_raw(l.ptr, StreamId(l.stream));
+                prop_assert!(r.is_ok(), "step {}: {:?}", step, r);
+            }
+            GraphOp::Base(Op::RecordStream(i, s)) if !live.is_empty() => {
+                let l = &live[i % live.len()];
+                pool.record_stream(l.ptr, StreamId(*s)).unwrap();
+            }
+            GraphOp::Base(Op::LaunchOn(i, s)) if !live.is_empty() => {
+                let l = &live[i % live.len()];
+                pool.record_stream(l.ptr, StreamId(*s)).unwrap();
+                sim.launch(0, StreamId(*s), &[(l.ptr, l.size)]).unwrap();
+            }
+            GraphOp::Base(Op::CompleteWork(s)) => {
+                sim.complete_next(0, StreamId(*s));
+            }
+            GraphOp::Base(Op::EmptyCache) => pool.empty_cache(),
+            GraphOp::Base(Op::Fault(k, n)) => sim.fail_nth(FAULTS[*k], *n),
+            _ => {}
+        }
+        if let Err(e) = pool.check_invariants() {
+            return Err(TestCaseError::fail(format!("step {step} ({op:?}): {e}")));
+        }
+        let violations = sim.capture_violations();
+        prop_assert!(
+            violations.is_empty(),
+            "step {} ({:?}): {:?}",
+            step,
+            op,
+            violations
+        );
+        prop_assert!(
+            sim.hazards().is_empty(),
+            "step {}: {:?}",
+            step,
+            sim.hazards()
+        );
+    }
+    sim.clear_faults();
+    while !windows.is_empty() {
+        let last = windows.len() - 1;
+        end_window(&mut windows, last)?;
+    }
+    for (p, n) in uses {
+        for _ in 0..n {
+            pool.release_pool(0, mempool(p)).unwrap();
+        }
+    }
+    for l in live {
+        pool.free_raw(l.ptr, StreamId(l.stream)).unwrap();
+    }
+    sim.complete_all(0);
+    pool.empty_cache();
+    pool.check_invariants().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(pool.stats(0).unwrap().get("reserved_bytes.all.current"), 0);
+    prop_assert_eq!(sim.committed_bytes(0), 0);
+    prop_assert_eq!(sim.live_handles(0), 0);
+    prop_assert_eq!(sim.live_linear_allocations(0), 0);
+    drop(pool);
+    prop_assert_eq!(sim.reserved_va_bytes(0), 0);
+    prop_assert_eq!(sim.live_events(0), 0);
+    prop_assert!(sim.capture_violations().is_empty());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn vmm_pool_with_graph_pools_matches_model(ops in proptest::collection::vec(graph_op(), 1..80)) {
+        run_graphs(true, &ops)?;
+    }
+
+    #[test]
+    fn segment_pool_with_graph_pools_matches_model(
+        ops in proptest::collection::vec(graph_op(), 1..80)
+    ) {
+        run_graphs(false, &ops)?;
+    }
+}
