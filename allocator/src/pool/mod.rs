@@ -344,6 +344,19 @@ impl<D: Driver> Pool<D> {
         self.device(dev)?.end_allocate_to_pool(id)
     }
 
+    /// One more use of graph pool `id` on device `dev`, without a window (see
+    /// [`DevicePool::create_or_incref_pool`]).
+    pub fn create_or_incref_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
+        self.device(dev)?.create_or_incref_pool(id);
+        Ok(())
+    }
+
+    /// The uses of graph pool `id` on device `dev` not yet released (see
+    /// [`DevicePool::pool_use_count`]).
+    pub fn pool_use_count(&self, dev: DeviceId, id: MempoolId) -> Result<u64> {
+        Ok(self.device(dev)?.pool_use_count(id))
+    }
+
     /// Drops one use of graph pool `id` on device `dev` (see [`DevicePool::release_pool`]).
     pub fn release_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
         self.device(dev)?.release_pool(id)

@@ -502,3 +502,25 @@ fn cumulative_counts_survive_arenas_that_go_away() {
     assert_eq!(after.get("allocation.all.allocated"), 2);
     assert_no_leak(&sim, pool);
 }
+
+/// A pool dropped while graph pools live (a process ending with its graphs) gives everything
+/// back, as it does for streams' arenas.
+#[test]
+fn dropping_the_pool_with_live_graph_pools_leaks_nothing() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), vmm, "");
+        begin(&sim, &pool, GRAPH, S);
+        let a = alloc(&pool, 5 * MIB, S);
+        let b = alloc(&pool, 4 * KIB, S);
+        free(&pool, a, S);
+        end(&sim, &pool, GRAPH, S);
+        pool.create_or_incref_pool(0, MempoolId(0, 3)).unwrap();
+        free(&pool, b, S);
+        drop(pool);
+        assert_eq!(sim.committed_bytes(0), 0, "committed bytes after drop");
+        assert_eq!(sim.live_handles(0), 0);
+        assert_eq!(sim.live_linear_allocations(0), 0);
+        assert_eq!(sim.reserved_va_bytes(0), 0);
+        assert_eq!(sim.live_events(0), 0);
+    });
+}
