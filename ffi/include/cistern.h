@@ -89,6 +89,17 @@ void cistern_set_memory_fraction(double fraction, int device);
 // bad device or no pool (last error). PyTorch's `get_per_process_memory_fraction`.
 double cistern_get_memory_fraction(int device);
 
+// The device's free and total bytes as the driver reported them at device `device`'s last
+// failed request (out of memory or over the limit), written to `*device_free` and
+// `*device_total` (each may be NULL). Returns 1, or 0 when no request has failed there yet (or
+// for a bad device: last error), writing nothing. What PyTorch's OOM observers and the `oom`
+// trace entry carry.
+//
+// # Safety
+//
+// `device_free` and `device_total` are each NULL or point to a writable `size_t`.
+int cistern_last_oom(int device, size_t *device_free, size_t *device_total);
+
 // Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 // and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 // give (for `vmm:false` pools that call is all a peer needs, and this one only records the

@@ -314,6 +314,51 @@ pub extern "C" fn cistern_get_memory_fraction(device: c_int) -> f64 {
     })
 }
 
+/// The device's free and total bytes as the driver reported them at device `device`'s last
+/// failed request (out of memory or over the limit), written to `*device_free` and
+/// `*device_total` (each may be NULL). Returns 1, or 0 when no request has failed there yet (or
+/// for a bad device: last error), writing nothing. What PyTorch's OOM observers and the `oom`
+/// trace entry carry.
+///
+/// # Safety
+///
+/// `device_free` and `device_total` are each NULL or point to a writable `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cistern_last_oom(
+    device: c_int,
+    device_free: *mut usize,
+    device_total: *mut usize,
+) -> c_int {
+    let found = guard::call("cistern_last_oom", None, || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_last_oom", why);
+                return None;
+            }
+        };
+        match with_pool!(pool, |p| global::device(p, device).map(|d| d.last_oom())) {
+            Ok(r) => r.map(|r| (r.device_free, r.device_total)),
+            Err(e) => {
+                fail_with(format!("cistern_last_oom(device {device})"), &e);
+                None
+            }
+        }
+    });
+    let Some((free, total)) = found else {
+        return 0;
+    };
+    if !device_free.is_null() {
+        // SAFETY: non-NULL, so writable (the caller's contract).
+        unsafe { device_free.write(free.min(usize::MAX as u64) as usize) };
+    }
+    if !device_total.is_null() {
+        // SAFETY: as above.
+        unsafe { device_total.write(total.min(usize::MAX as u64) as usize) };
+    }
+    1
+}
+
 /// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 /// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 /// give (for `vmm:false` pools that call is all a peer needs, and this one only records the

@@ -370,6 +370,21 @@ fn an_impossible_request_is_null_with_an_oom_report() {
     assert!(e.contains("out of memory"), "{e}");
     assert!(e.contains("device 5"), "{e}");
     assert!(abi.stat(5, "num_ooms") >= 1);
+    // The driver's view at the failure, as PyTorch's OOM observers get it.
+    let (mut free_b, mut total_b) = (0usize, 0usize);
+    // SAFETY (each call): the export's documented types; both outputs are live usizes or NULL.
+    unsafe {
+        assert_eq!((abi.last_oom)(5, &mut free_b, &mut total_b), 1);
+        assert_eq!((abi.last_oom)(5, ptr::null_mut(), ptr::null_mut()), 1);
+        assert_eq!(
+            (abi.last_oom)(9, &mut free_b, ptr::null_mut()),
+            0,
+            "device 9 never failed"
+        );
+        assert_eq!((abi.last_oom)(99, ptr::null_mut(), ptr::null_mut()), 0);
+    }
+    assert_eq!(total_b, CAPACITY);
+    assert!(free_b > 0 && free_b <= CAPACITY, "{free_b}");
     // The pool stays healthy (ACCEPTANCE A.4).
     let q = malloc(abi, MIB, 5, stream(0));
     assert!(!q.is_null());

@@ -73,6 +73,7 @@ struct Api {
   int (*create_or_incref_pool)(int, uint64_t, uint64_t);
   int64_t (*pool_use_count)(int, uint64_t, uint64_t);
   double (*get_memory_fraction)(int);
+  int (*last_oom)(int, size_t*, size_t*);
 };
 
 Api g_api{};
@@ -127,17 +128,20 @@ void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
   }
   std::string report = last_error();
   if (is_oom(report)) {
-    g_history.oom(static_cast<c10::DeviceIndex>(device), size, 0, stream);
+    // The device's free and total bytes at this failure, as PyTorch's OOM entry and observers
+    // carry them.
+    size_t device_free = 0, device_total = 0;
+    g_api.last_oom(device, &device_free, &device_total);
+    g_history.oom(static_cast<c10::DeviceIndex>(device), size, device_free, stream);
     std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> g(g_observers_mu);
       observers = g_observers;
     }
     if (!observers.empty()) {
-      // The device's total and free bytes are in cistern's report (the text); 0 here.
       int64_t allocated = allocated_now(device);
       for (const auto& obs : observers) {
-        obs(device, static_cast<size_t>(allocated), 0, 0);
+        obs(device, static_cast<size_t>(allocated), device_total, device_free);
       }
     }
     TORCH_CHECK_WITH(
