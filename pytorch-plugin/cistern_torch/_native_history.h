@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -81,7 +82,7 @@ class History {
   void record(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
               bool clear, const std::vector<std::string>& skip = {}) {
     std::lock_guard<std::mutex> g(mu_);
-    enabled_ = enabled;
+    enabled_.store(enabled, std::memory_order_relaxed);
     recorder_ = enabled ? recorder : nullptr;
     when_ = enabled ? when : RecordContext::NEVER;
     max_entries_ = std::max<size_t>(1, max_entries);
@@ -103,8 +104,7 @@ class History {
   }
 
   bool enabled() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return enabled_;
+    return enabled_.load(std::memory_order_relaxed);
   }
 
   // An allocation of `size` bytes at `ptr` on `device` (called after it succeeded).
@@ -190,7 +190,8 @@ class History {
 
  private:
   mutable std::mutex mu_;
-  bool enabled_ = false;
+  // Read without the lock on every allocation and free: history off costs one load.
+  std::atomic<bool> enabled_{false};
   cca::CreateContextFn recorder_ = nullptr;
   RecordContext when_ = RecordContext::NEVER;
   size_t max_entries_ = 1;
@@ -200,8 +201,7 @@ class History {
   std::unordered_map<void*, Context> contexts_;
 
   bool on() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return enabled_;
+    return enabled_.load(std::memory_order_relaxed);
   }
 
   // The recorder's context when recording at `level` or above is asked for (outside the lock:
