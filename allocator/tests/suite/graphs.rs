@@ -446,10 +446,14 @@ fn a_window_opened_while_other_threads_work_is_never_invalidated() {
                     .map_err(|e| e.to_string())?;
                 sim.begin_capture(0, StreamId(S))
                     .map_err(|e| e.to_string())?;
-                let p = pool
-                    .alloc_raw(0, (i % 7 + 1) * MIB, StreamId(S))
-                    .map_err(|e| format!("iteration {i}: {e}"))?;
-                pool.free_raw(p, StreamId(S)).map_err(|e| e.to_string())?;
+                // The workers' frees wait on events, and nothing is polled while a window is
+                // open: when this thread is descheduled inside one, they may take the whole
+                // device. Running out is allowed here; invalidating the capture is not.
+                match pool.alloc_raw(0, (i % 7 + 1) * MIB, StreamId(S)) {
+                    Ok(p) => pool.free_raw(p, StreamId(S)).map_err(|e| e.to_string())?,
+                    Err(e) if e.is_oom() => {}
+                    Err(e) => return Err(format!("iteration {i}: {e}")),
+                }
                 sim.end_capture(0, StreamId(S))
                     .map_err(|e| format!("iteration {i}: {e}"))?;
                 pool.end_allocate_to_pool(0, GRAPH)
