@@ -109,42 +109,6 @@ int cistern_last_oom(int device, size_t *device_free, size_t *device_total);
 // `device = dev_to_access` and `peer = dev`.
 int cistern_enable_peer_access(int device, int peer);
 
-// Opens an *allocation window* into the graph pool `(pool_id_0, pool_id_1)` of device `device`
-// (PyTorch's `beginAllocateToPool`, keyed by its `MempoolId_t`): until
-// `cistern_end_allocate_to_pool`, allocations on the streams `filter` accepts (every stream
-// when `filter` is NULL) come from the pool's private memory, which is reused only by later
-// allocations into the same pool and is never moved, taken by other streams or released until
-// the pool's last use is released (`cistern_release_pool`). Each call is one use of the pool.
-// While any window of the device is open, cistern makes no call that a CUDA stream capture
-// forbids (no event query or synchronisation): call it before `cudaStreamBeginCapture` and end
-// the window after `cudaStreamEndCapture`, as PyTorch does.
-//
-// `release` (may be NULL) is called with `ctx` once the window no longer needs the filter:
-// when the window ends or its pool is released, or at once when this call fails. Returns 1 on
-// success, 0 on failure (a bad device; see `cistern_last_error`).
-int cistern_begin_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1, cistern_stream_filter_t filter, void *ctx, cistern_release_fn_t release);
-
-// Closes the latest allocation window into graph pool `(pool_id_0, pool_id_1)` of device
-// `device` (PyTorch's `endAllocateToPool`). The pool's memory stays the graph's until
-// `cistern_release_pool`. Returns 1, or 0 when no such window is open (last error).
-int cistern_end_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
-
-// Drops one use of graph pool `(pool_id_0, pool_id_1)` of device `device` (PyTorch's
-// `releasePool`, when a graph or `MemPool` that used it is destroyed). At the last use the
-// pool's blocks still allocated stay valid and can be freed, and its memory returns to the
-// device's cache once the device's work is done. Returns 1, or 0 when the device has no such
-// pool (last error).
-int cistern_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
-
-// One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
-// opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by
-// `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
-int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
-
-// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
-// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
-int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
-
 // Declares that `stream` uses the allocation containing `ptr` (its base or any address
 // inside it): once freed, it is not reused until the work queued on `stream` by then has
 // finished. An unknown pointer is reported (last error) and otherwise ignored. PyTorch's
@@ -234,6 +198,42 @@ void cistern_tag_push(const char *tag);
 
 // Pops the innermost tag of this thread's stack (reported as an error when it is empty).
 void cistern_tag_pop(void);
+
+// Opens an *allocation window* into the graph pool `(pool_id_0, pool_id_1)` of device `device`
+// (PyTorch's `beginAllocateToPool`, keyed by its `MempoolId_t`): until
+// `cistern_end_allocate_to_pool`, allocations on the streams `filter` accepts (every stream
+// when `filter` is NULL) come from the pool's private memory, which is reused only by later
+// allocations into the same pool and is never moved, taken by other streams or released until
+// the pool's last use is released (`cistern_release_pool`). Each call is one use of the pool.
+// While any window of the device is open, cistern makes no call that a CUDA stream capture
+// forbids (no event query or synchronisation): call it before `cudaStreamBeginCapture` and end
+// the window after `cudaStreamEndCapture`, as PyTorch does.
+//
+// `release` (may be NULL) is called with `ctx` once the window no longer needs the filter:
+// when the window ends or its pool is released, or at once when this call fails. Returns 1 on
+// success, 0 on failure (a bad device; see `cistern_last_error`).
+int cistern_begin_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1, cistern_stream_filter_t filter, void *ctx, cistern_release_fn_t release);
+
+// Closes the latest allocation window into graph pool `(pool_id_0, pool_id_1)` of device
+// `device` (PyTorch's `endAllocateToPool`). The pool's memory stays the graph's until
+// `cistern_release_pool`. Returns 1, or 0 when no such window is open (last error).
+int cistern_end_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// Drops one use of graph pool `(pool_id_0, pool_id_1)` of device `device` (PyTorch's
+// `releasePool`, when a graph or `MemPool` that used it is destroyed). At the last use the
+// pool's blocks still allocated stay valid and can be freed, and its memory returns to the
+// device's cache once the device's work is done. Returns 1, or 0 when the device has no such
+// pool (last error).
+int cistern_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
+// opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by
+// `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
+int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
+// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
+int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
 
 #ifdef __cplusplus
 }  // extern "C"

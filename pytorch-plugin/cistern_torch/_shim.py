@@ -26,7 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from . import _lib
 
@@ -178,6 +178,15 @@ def build_for_torch(torch: object) -> str:
     return build(os.path.join(root, "include"), os.path.join(root, "lib"), abi, torch_tag(root))
 
 
+def _load(path: str, symbol: str, what: str) -> "tuple[ctypes.CDLL, Any]":
+    """Loads a built library and its bind function, or says why not."""
+    try:
+        lib = ctypes.CDLL(path)
+        return lib, getattr(lib, symbol)
+    except (OSError, AttributeError) as e:
+        raise ShimBuildError(f"could not load {what} {path}: {e}") from e
+
+
 def bind(shim_path: str) -> ctypes.CDLL:
     """Loads a built shim and points it at the loaded ``libcistern.so``.
 
@@ -187,11 +196,7 @@ def bind(shim_path: str) -> ctypes.CDLL:
     Raises:
         ShimBuildError: the shim does not load, or is from another version of this package.
     """
-    try:
-        shim = ctypes.CDLL(shim_path)
-        fn = shim.cistern_torch_bind
-    except (OSError, AttributeError) as e:
-        raise ShimBuildError(f"could not load the OOM shim {shim_path}: {e}") from e
+    shim, fn = _load(shim_path, "cistern_torch_bind", "the OOM shim")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     got = fn(
@@ -329,11 +334,7 @@ def bind_native(path: str) -> ctypes.CDLL:
     Raises:
         ShimBuildError: it does not load, or is from another version of this package.
     """
-    try:
-        lib = ctypes.CDLL(path)
-        fn = lib.cistern_torch_native_bind
-    except (OSError, AttributeError) as e:
-        raise ShimBuildError(f"could not load the native allocator {path}: {e}") from e
+    lib, fn = _load(path, "cistern_torch_native_bind", "the native allocator")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     try:

@@ -159,11 +159,12 @@ def allocator_mode() -> Optional[str]:
     return _state.get("mode")
 
 
-def _native_wanted(native: Optional[bool]) -> Optional[bool]:
-    """True: required; False: off; None: try, fall back with a warning."""
-    if native is not None:
-        return native
-    env = os.environ.get("CISTERN_TORCH_NATIVE", "auto").strip().lower()
+def _wanted(arg: Optional[bool], env_var: str) -> Optional[bool]:
+    """An optional part of install(), from its argument, else the environment variable: True
+    required; False off; None try, and fall back with a warning."""
+    if arg is not None:
+        return arg
+    env = os.environ.get(env_var, "auto").strip().lower()
     if env in ("1", "true", "yes", "on", "required"):
         return True
     if env in ("0", "false", "no", "off"):
@@ -201,17 +202,6 @@ def oom_mode() -> Optional[str]:
     a NULL pointer), None (not installed)."""
     return _state.get("oom_mode")
 
-
-def _shim_wanted(shim: Optional[bool]) -> Optional[bool]:
-    """True: required; False: off; None: try, fall back with a warning."""
-    if shim is not None:
-        return shim
-    env = os.environ.get("CISTERN_TORCH_SHIM", "auto").strip().lower()
-    if env in ("1", "true", "yes", "on", "required"):
-        return True
-    if env in ("0", "false", "no", "off"):
-        return False
-    return None
 
 
 def _set_hook(raw: Any, method: str, symbol: str, missing: list) -> None:
@@ -268,7 +258,7 @@ def install(*, native: Optional[bool] = None, shim: Optional[bool] = None) -> An
         lib_path = _lib.loaded_path()
         assert lib_path is not None
 
-        want_native = _native_wanted(native)
+        want_native = _wanted(native, "CISTERN_TORCH_NATIVE")
         if want_native is not False:
             try:
                 allocator = _install_native(torch)
@@ -289,7 +279,7 @@ def install(*, native: Optional[bool] = None, shim: Optional[bool] = None) -> An
                 _state["oom_mode"] = "raise"
                 return allocator
 
-        want = _shim_wanted(shim)
+        want = _wanted(shim, "CISTERN_TORCH_SHIM")
         shim_path: Optional[str] = None
         if want is not False:
             try:

@@ -163,10 +163,6 @@ pub(crate) struct Arena<D: Driver> {
     pub(crate) retired: AtomicBool,
     /// The graph pool (PyTorch's mempool id) whose allocations this arena serves, if any.
     pub(crate) graph_pool: Option<(u64, u64)>,
-    /// Set while the graph pool lives: a replay may write any of the arena's memory at any
-    /// time, so its pages are never taken by another arena nor released (see
-    /// `crate::pool::graphs`).
-    pub(crate) pinned: AtomicBool,
     /// What every arena of the device shares.
     pub(crate) core: Arc<DeviceCore<D>>,
     /// The arena's books; see the lock order in [`crate::pool`].
@@ -179,8 +175,15 @@ impl<D: Driver> Arena<D> {
         Self::for_pool(sref, core, None)
     }
 
-    /// A new, empty arena for the stream `sref`, serving graph pool `graph_pool` when given
-    /// (pinned until the pool is released).
+    /// A graph pool's arena is *pinned* until its pool is released (which retires it): a
+    /// replay may write any of its memory at any time, so its pages are never taken by another
+    /// arena, moved, nor released (see `crate::pool::graphs`).
+    #[inline]
+    pub(crate) fn pinned(&self) -> bool {
+        self.graph_pool.is_some() && !self.retired.load(Relaxed)
+    }
+
+    /// A new, empty arena for the stream `sref`, serving graph pool `graph_pool` when given.
     pub(crate) fn for_pool(
         sref: StreamRef,
         core: Arc<DeviceCore<D>>,
@@ -191,7 +194,6 @@ impl<D: Driver> Arena<D> {
             sref,
             retired: AtomicBool::new(false),
             graph_pool,
-            pinned: AtomicBool::new(graph_pool.is_some()),
             core,
             state: Mutex::new(ArenaState::default()),
         }

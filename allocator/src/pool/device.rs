@@ -237,6 +237,21 @@ impl<D: Driver> DevicePool<D> {
         self.state.lock().limit
     }
 
+    /// What the driver says `stream` names on this thread, refused unless it is a stream of
+    /// this device.
+    pub(super) fn stream_here(&self, stream: StreamId) -> Result<crate::driver::StreamInfo> {
+        let c = &*self.core;
+        let info = c.driver.stream_info(c.dev, stream)?;
+        if info.device != c.dev {
+            return Err(Error::InvalidArgument(format!(
+                "stream {stream} belongs to device {}, not device {}: allocate on the stream's \
+                 own device",
+                info.device, c.dev
+            )));
+        }
+        Ok(info)
+    }
+
     /// The arena of the stream `stream` names on this thread, made on first use. The driver
     /// resolves the handle (one `stream_info` call: this is the path of a thread's first use of
     /// a handle, and of every growth). A new stream seen with the handle of an arena's stream
@@ -249,15 +264,7 @@ impl<D: Driver> DevicePool<D> {
     /// allocation (`cuStreamGetId`) would close it at the price of a driver call on the hot
     /// path.
     pub(super) fn arena(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
-        let c = &*self.core;
-        let info = c.driver.stream_info(c.dev, stream)?;
-        if info.device != c.dev {
-            return Err(Error::InvalidArgument(format!(
-                "stream {stream} belongs to device {}, not device {}: allocate on the stream's \
-                 own device",
-                info.device, c.dev
-            )));
-        }
+        let info = self.stream_here(stream)?;
         if let Some(a) = self.arenas.read().get(&info.id) {
             return Ok(a.clone());
         }
@@ -597,7 +604,7 @@ impl<D: Driver> DevicePool<D> {
     /// of live graph pools (see `graphs.rs`).
     pub(super) fn donors(&self) -> Vec<Arc<Arena<D>>> {
         let mut v = self.all_arenas();
-        v.retain(|a| !a.pinned.load(Relaxed));
+        v.retain(|a| !a.pinned());
         v
     }
 }

@@ -42,7 +42,7 @@
 //! refers to its `CUDAGraph`, which may be gone then). A window is one use of its pool, as in
 //! PyTorch: each graph that captured into a pool releases it once.
 
-use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
@@ -270,7 +270,6 @@ impl<D: Driver> DevicePool<D> {
         // The device lock orders this against a growth that holds one of these arenas.
         let _dev = self.state.lock();
         for (_, arena) in arenas {
-            arena.pinned.store(false, Relaxed);
             self.retire(arena);
         }
         Ok(())
@@ -323,15 +322,7 @@ impl<D: Driver> DevicePool<D> {
         let Some(pool) = pool else {
             return Ok(None);
         };
-        let c = &*self.core;
-        let info = c.driver.stream_info(c.dev, stream)?;
-        if info.device != c.dev {
-            return Err(Error::InvalidArgument(format!(
-                "stream {stream} belongs to device {}, not device {}: allocate on the stream's \
-                 own device",
-                info.device, c.dev
-            )));
-        }
+        let info = self.stream_here(stream)?;
         let mut g = self.graphs.lock();
         let Some(p) = g.pools.get_mut(&pool) else {
             // Released since the windows were read.

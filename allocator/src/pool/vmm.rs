@@ -307,7 +307,7 @@ impl<D: Driver> DevicePool<D> {
                 .map(|l| l.chunk.pages)
                 .filter(|&n| n <= longest)
                 .collect();
-            if !arena.pinned.load(Relaxed) {
+            if !arena.pinned() {
                 lens.extend(free_chunk_lens(a, Some(w.exclude(kind)), g, longest));
             }
             for other in self.donors() {
@@ -638,7 +638,7 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let mut moved = 0u64;
         // A graph pool's pages never move: a replay reads and writes them where they are.
-        if !place.full() && !arena.pinned.load(Relaxed) {
+        if !place.full() && !arena.pinned() {
             moved += self.steal_pages(
                 a,
                 arena.handle_here(),

@@ -1,0 +1,255 @@
+//! The graph-pool exports: CUDA graphs' private memory (PyTorch's `beginAllocateToPool`,
+//! `endAllocateToPool`, `releasePool`, `createOrIncrefPool`, `getPoolUseCount`), with the C
+//! stream filter a window takes and the release of its context. The pool's side is
+//! `cistern_alloc::pool::graphs`.
+
+use std::ffi::{c_int, c_void};
+
+use cistern_alloc::StreamId;
+
+use crate::global::{self, with_pool};
+use crate::{cistern_stream_t, fail_no_pool, fail_with, guard};
+
+/// A stream filter of an allocation window (`cistern_begin_allocate_to_pool`): returns 1 for the
+/// streams whose allocations go to the graph pool, 0 for the others, and a negative value when
+/// it cannot tell (the allocation then fails, rather than be served from memory reused outside
+/// the graph). It is called with `ctx` from any thread that allocates while the window is open,
+/// under cistern's graph-pool lock (so never after `cistern_end_allocate_to_pool` returned); it
+/// must be thread-safe, must not unwind or throw, and must not call cistern.
+#[allow(non_camel_case_types)]
+pub type cistern_stream_filter_t =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, stream: cistern_stream_t) -> c_int>;
+
+/// Releases the context of a stream filter (`cistern_begin_allocate_to_pool`); called once,
+/// from any thread and with no lock of cistern's held, when cistern no longer needs it. Must not
+/// unwind or throw.
+#[allow(non_camel_case_types)]
+pub type cistern_release_fn_t = Option<unsafe extern "C" fn(ctx: *mut c_void)>;
+
+/// A C stream filter and its context, as the pool's [`StreamFilter`] holds it: the context is
+/// released when the last copy of the filter is dropped.
+struct CFilter {
+    filter: cistern_stream_filter_t,
+    ctx: *mut c_void,
+    release: cistern_release_fn_t,
+}
+
+// SAFETY: the contract of `cistern_begin_allocate_to_pool` makes the filter and its context
+// callable from any thread, and their release too; cistern never dereferences `ctx`.
+unsafe impl Send for CFilter {}
+// SAFETY: as above: shared calls are allowed by the contract.
+unsafe impl Sync for CFilter {}
+
+impl CFilter {
+    fn accepts(&self, stream: StreamId) -> std::result::Result<bool, String> {
+        match self.filter {
+            Some(f) => {
+                // SAFETY: a filter the caller gave with this context, callable from any thread.
+                let r = unsafe { f(self.ctx, stream.0 as usize as cistern_stream_t) };
+                if r < 0 {
+                    Err(format!("the C filter returned {r}"))
+                } else {
+                    Ok(r != 0)
+                }
+            }
+            None => Ok(true),
+        }
+    }
+}
+
+impl Drop for CFilter {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: called once, with the context the caller gave for it.
+            unsafe { release(self.ctx) }
+        }
+    }
+}
+
+/// Opens an *allocation window* into the graph pool `(pool_id_0, pool_id_1)` of device `device`
+/// (PyTorch's `beginAllocateToPool`, keyed by its `MempoolId_t`): until
+/// `cistern_end_allocate_to_pool`, allocations on the streams `filter` accepts (every stream
+/// when `filter` is NULL) come from the pool's private memory, which is reused only by later
+/// allocations into the same pool and is never moved, taken by other streams or released until
+/// the pool's last use is released (`cistern_release_pool`). Each call is one use of the pool.
+/// While any window of the device is open, cistern makes no call that a CUDA stream capture
+/// forbids (no event query or synchronisation): call it before `cudaStreamBeginCapture` and end
+/// the window after `cudaStreamEndCapture`, as PyTorch does.
+///
+/// `release` (may be NULL) is called with `ctx` once the window no longer needs the filter:
+/// when the window ends or its pool is released, or at once when this call fails. Returns 1 on
+/// success, 0 on failure (a bad device; see `cistern_last_error`).
+#[no_mangle]
+pub extern "C" fn cistern_begin_allocate_to_pool(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+    filter: cistern_stream_filter_t,
+    ctx: *mut c_void,
+    release: cistern_release_fn_t,
+) -> c_int {
+    let filter = CFilter {
+        filter,
+        ctx,
+        release,
+    };
+    guard::call("cistern_begin_allocate_to_pool", 0, move || {
+        let what = format!(
+            "cistern_begin_allocate_to_pool(device {device}, pool ({pool_id_0}, {pool_id_1}))"
+        );
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool(&what, why);
+                return 0;
+            }
+        };
+        let id = cistern_alloc::MempoolId(pool_id_0, pool_id_1);
+        let f: cistern_alloc::StreamFilter = std::sync::Arc::new(move |s| filter.accepts(s));
+        match with_pool!(pool, |p| global::device(p, device)
+            .map(|d| d.begin_allocate_to_pool(id, Some(f))))
+        {
+            Ok(()) => 1,
+            Err(e) => {
+                fail_with(what, &e);
+                0
+            }
+        }
+    })
+}
+
+/// Closes the latest allocation window into graph pool `(pool_id_0, pool_id_1)` of device
+/// `device` (PyTorch's `endAllocateToPool`). The pool's memory stays the graph's until
+/// `cistern_release_pool`. Returns 1, or 0 when no such window is open (last error).
+#[no_mangle]
+pub extern "C" fn cistern_end_allocate_to_pool(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+) -> c_int {
+    guard::call("cistern_end_allocate_to_pool", 0, || {
+        pool_call(
+            "cistern_end_allocate_to_pool",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| d.end_allocate_to_pool(id),
+        )
+    })
+}
+
+/// Drops one use of graph pool `(pool_id_0, pool_id_1)` of device `device` (PyTorch's
+/// `releasePool`, when a graph or `MemPool` that used it is destroyed). At the last use the
+/// pool's blocks still allocated stay valid and can be freed, and its memory returns to the
+/// device's cache once the device's work is done. Returns 1, or 0 when the device has no such
+/// pool (last error).
+#[no_mangle]
+pub extern "C" fn cistern_release_pool(device: c_int, pool_id_0: u64, pool_id_1: u64) -> c_int {
+    guard::call("cistern_release_pool", 0, || {
+        pool_call(
+            "cistern_release_pool",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| d.release_pool(id),
+        )
+    })
+}
+
+/// One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
+/// opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by
+/// `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
+#[no_mangle]
+pub extern "C" fn cistern_create_or_incref_pool(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+) -> c_int {
+    guard::call("cistern_create_or_incref_pool", 0, || {
+        pool_call(
+            "cistern_create_or_incref_pool",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                d.create_or_incref_pool(id);
+                Ok(())
+            },
+        )
+    })
+}
+
+/// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
+/// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
+#[no_mangle]
+pub extern "C" fn cistern_pool_use_count(device: c_int, pool_id_0: u64, pool_id_1: u64) -> i64 {
+    guard::call("cistern_pool_use_count", -1, || {
+        let mut n = 0u64;
+        let ok = pool_call(
+            "cistern_pool_use_count",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                n = d.pool_use_count(id);
+                Ok(())
+            },
+        );
+        if ok == 1 {
+            n.min(i64::MAX as u64) as i64
+        } else {
+            -1
+        }
+    })
+}
+
+/// Runs a graph-pool call `f` on device `device`: 1 on success, 0 with a last error.
+fn pool_call(
+    name: &str,
+    device: c_int,
+    a: u64,
+    b: u64,
+    mut f: impl FnMut(&dyn GraphPools, cistern_alloc::MempoolId) -> cistern_alloc::Result<()>,
+) -> c_int {
+    let what = format!("{name}(device {device}, pool ({a}, {b}))");
+    let pool = match global::pool() {
+        Ok(p) => p,
+        Err(why) => {
+            fail_no_pool(&what, why);
+            return 0;
+        }
+    };
+    let id = cistern_alloc::MempoolId(a, b);
+    match with_pool!(pool, |p| global::device(p, device)
+        .and_then(|d| f(&**d, id)))
+    {
+        Ok(()) => 1,
+        Err(e) => {
+            fail_with(what, &e);
+            0
+        }
+    }
+}
+
+/// The graph-pool calls of a device pool, whatever its driver.
+trait GraphPools {
+    fn end_allocate_to_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
+    fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
+    fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId);
+    fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64;
+}
+
+impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
+    fn end_allocate_to_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()> {
+        cistern_alloc::DevicePool::end_allocate_to_pool(self, id)
+    }
+    fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()> {
+        cistern_alloc::DevicePool::release_pool(self, id)
+    }
+    fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId) {
+        cistern_alloc::DevicePool::create_or_incref_pool(self, id)
+    }
+    fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64 {
+        cistern_alloc::DevicePool::pool_use_count(self, id)
+    }
+}
