@@ -70,22 +70,28 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          is freed and smaller blocks reuse its range, at most a quarter of it stays pinned by a \
          partly used handle, and whole handles can move to other streams. `none` backs each \
          run of missing pages with handles of chunk_size whatever the request: fewer \
-         cuMemCreate calls (on the dev snapshots and built-in workloads, median modelled driver \
-         time 1.8x pytorch-expandable's instead of 4.3x) for more memory: up to 1.2% more peak \
-         reserved there, and 13-39% more on the small, tightly packed packed-* workloads.",
+         cuMemCreate calls (with grow_whole_chunks:off, on the dev snapshots and built-in \
+         workloads, median modelled driver time 1.8x pytorch-expandable's instead of 4.3x) for \
+         more memory: up to 1.2% more peak reserved there, and 13-39% more on the small, \
+         tightly packed packed-* workloads. Growth that maps whole chunks does not apply it.",
     ),
     (
         "grow_whole_chunks",
-        "off",
+        "auto",
         "When large-heap growth ends in unmapped space, back its last run with whole chunks \
-         (chunk_size; chunk_split does not apply there) and map whole chunks past the request \
-         while the limit and the device keep room for one chunk more, as PyTorch's expandable \
-         segments grow by 20 MiB pages: the pages beyond it are cached free memory for the \
-         requests that follow, so growth happens, and costs cuMemCreate calls, less often. \
-         Given up, never failing the request, when room runs short. They share a handle with \
-         the request, which is released or moved to another stream only whole. On the dev \
-         snapshots, median modelled driver time 1.03x pytorch-expandable's instead of 4.9x, \
-         for up to 2.9% more peak reserved (up to 80% more on the small packed-* workloads).",
+         (chunk_size; chunk_split does not apply there) and map whole chunks past the request, \
+         as PyTorch's expandable segments grow by 20 MiB pages: the pages beyond it are cached \
+         free memory for the requests that follow, so growth happens, and costs cuMemCreate \
+         calls, less often. They share a handle with the request, which is released or moved \
+         to another stream only whole, so they can strand memory that stitching cannot take \
+         back. `on` does it while the limit and the device keep room for one chunk more. \
+         `auto` does it only while the process then holds at most a quarter of what the limit \
+         and the device allow it, in chunks of at most an eighth of what it holds: cheap growth \
+         while memory is plentiful, memory first as it runs short. `off` never does. On the \
+         dev snapshots, median modelled driver time 1.13x pytorch-expandable's with `auto` \
+         (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
+         expandable on a device with room; the smallest device each dev snapshot and built-in \
+         workload runs on is within 0.3% of `off`'s (`on`: up to 66% more on packed-*).",
     ),
     (
         "peer_access",
@@ -181,6 +187,20 @@ pub enum PeerAccess {
     All,
 }
 
+/// When large-heap growth backs a request with whole chunks and maps them past the request
+/// (the `grow_whole_chunks` key; see `pool/vmm.rs`, Note [Chunks]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WholeChunks {
+    /// Never: each request is backed with handles of at most a `chunk_split`-th of it.
+    Off,
+    /// While the limit and the device keep room for one chunk more.
+    On,
+    /// While the process would then hold at most a quarter of what the limit and the device
+    /// allow it, in chunks of at most an eighth of what it holds.
+    Auto,
+}
+
 /// The pool's settings. `Config::default()` is what an empty `CISTERN_CONF` gives.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Config {
@@ -199,9 +219,8 @@ pub struct Config {
     /// The fewest handles large-heap growth backs a request with (`chunk_split`); `None`:
     /// handles of `chunk_size` whatever the request.
     pub chunk_split: Option<u32>,
-    /// Large-heap growth maps whole chunks past the request while there is room
-    /// (`grow_whole_chunks`).
-    pub grow_whole_chunks: bool,
+    /// When large-heap growth maps whole chunks past the request (`grow_whole_chunks`).
+    pub grow_whole_chunks: WholeChunks,
     /// Which peer devices are granted access to every mapping (`peer_access`).
     pub peer_access: PeerAccess,
     /// Requests up to this many bytes use the small heap.
@@ -232,7 +251,7 @@ impl Default for Config {
             stream_sync: StreamSync::Pressure,
             chunk_size: 20 << 20,
             chunk_split: Some(4),
-            grow_whole_chunks: false,
+            grow_whole_chunks: WholeChunks::Auto,
             peer_access: PeerAccess::None,
             small_size: 1 << 20,
             strict: false,
@@ -491,7 +510,25 @@ impl Config {
                     }
                 };
             }
-            "grow_whole_chunks" => self.grow_whole_chunks = parse_bool(key, value)?,
+            "grow_whole_chunks" => {
+                self.grow_whole_chunks = if value.trim().eq_ignore_ascii_case("auto") {
+                    WholeChunks::Auto
+                } else {
+                    match parse_bool(key, value) {
+                        Ok(true) => WholeChunks::On,
+                        Ok(false) => WholeChunks::Off,
+                        Err(_) => {
+                            return Err(err(
+                                key,
+                                format!(
+                                    "`{}` is not a growth mode: use auto, on or off",
+                                    value.trim()
+                                ),
+                            ))
+                        }
+                    }
+                };
+            }
             "peer_access" => {
                 self.peer_access = match value.trim().to_ascii_lowercase().as_str() {
                     "none" => PeerAccess::None,

@@ -38,7 +38,7 @@ pub mod trace_writer;
 mod arena;
 pub mod pool;
 
-pub use config::Config;
+pub use config::{Config, WholeChunks};
 pub use driver::cuda::CudaDriver;
 pub use driver::sim::{CallCost, CaptureViolation, CostTable, SimConfig, SimDriver, SimGraph};
 pub use driver::{DeviceId, Driver, StreamId};

@@ -193,3 +193,22 @@ fn limit_takes_the_lower() {
     assert_eq!(c.limit_for(16 << 30), 8 << 30);
     assert_eq!(Config::default().limit_for(1 << 30), 1 << 30);
 }
+
+#[test]
+fn grow_whole_chunks_takes_auto_on_and_off() {
+    assert_eq!(Config::default().grow_whole_chunks, WholeChunks::Auto);
+    for (v, want) in [
+        ("auto", WholeChunks::Auto),
+        ("AUTO", WholeChunks::Auto),
+        ("on", WholeChunks::On),
+        ("true", WholeChunks::On),
+        ("off", WholeChunks::Off),
+        ("0", WholeChunks::Off),
+    ] {
+        let c = Config::parse(&format!("grow_whole_chunks:{v}")).unwrap();
+        assert_eq!(c.grow_whole_chunks, want, "{v}");
+    }
+    let e = Config::parse("grow_whole_chunks:sometimes").unwrap_err();
+    assert_eq!(e.key, "grow_whole_chunks");
+    assert!(e.message.contains("auto, on or off"), "{e}");
+}

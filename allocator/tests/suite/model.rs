@@ -195,6 +195,11 @@ proptest! {
     fn vmm_pool_with_whole_chunks_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
         run_with(true, "grow_whole_chunks:on,chunk_split:none", &ops)?;
     }
+
+    #[test]
+    fn vmm_pool_memory_first_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
+        run_with(true, "grow_whole_chunks:off", &ops)?;
+    }
 }
 
 // ---- graph pools ------------------------------------------------------------------------------

@@ -228,10 +228,15 @@ fn stitched_pages_carry_their_contents() {
 
 /// Large growth buys chunks of up to `chunk_size` (20 MiB), at most a quarter of the request,
 /// and grants access once per mapped run: a fresh 200 MiB block costs 10 creations instead of
-/// 100, and one `cuMemSetAccess`.
+/// 100, and one `cuMemSetAccess`. (Memory first: `grow_whole_chunks:off`, which the default
+/// `auto` becomes as memory runs short; see the `auto_*` tests.)
 #[test]
 fn large_growth_buys_chunks() {
-    let (sim, pool) = pool(GIB, true);
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(GIB),
+        true,
+        "grow_whole_chunks:off",
+    );
     let p = alloc(&pool, 200 * MIB, A);
     check(&pool);
     assert_eq!(sim.calls(DriverCall::CreatePhysical), 10);
@@ -274,6 +279,66 @@ fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
         free(&pool, q, A);
         assert_no_leak(&sim, pool);
     }
+}
+
+/// `grow_whole_chunks:auto` (the default) while memory is plentiful: a process holding
+/// 200 MiB of a 4 GiB device backs a 3 MiB request with one whole 20 MiB chunk (a chunk is at
+/// most an eighth of what it holds: 25 MiB), and the next requests are served from its rest
+/// with no driver call.
+#[test]
+fn auto_buys_whole_chunks_while_memory_is_plentiful() {
+    let (sim, pool) = pool(4 * GIB, true);
+    let held = alloc(&pool, 200 * MIB, A);
+    let creates = sim.calls(DriverCall::CreatePhysical);
+    let first = alloc(&pool, 3 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), creates + 1);
+    assert_eq!(sim.committed_bytes(0), 220 * MIB);
+    let calls = sim.total_calls();
+    let rest: Vec<u64> = (0..5).map(|_| alloc(&pool, 3 * MIB, A)).collect();
+    check(&pool);
+    assert_eq!(sim.total_calls(), calls, "served from the chunk's rest");
+    for p in rest.into_iter().chain([first, held]) {
+        free(&pool, p, A);
+    }
+    assert_no_leak(&sim, pool);
+}
+
+/// `auto` is memory first once the process would hold more than a quarter of what the device
+/// (or the limit) allows it: holding 300 MiB of a 1 GiB device, a 6 MiB request is backed
+/// exactly, with handles of a quarter of it (three granules), as with `off`; under a 1 GiB
+/// limit on a larger device, the same.
+#[test]
+fn auto_is_memory_first_past_a_quarter() {
+    for (cap, conf) in [(GIB, ""), (8 * GIB, "memory_limit:1GiB")] {
+        let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(cap), true, conf);
+        let held = alloc(&pool, 300 * MIB, A);
+        let creates = sim.calls(DriverCall::CreatePhysical);
+        let q = alloc(&pool, 6 * MIB, A);
+        check(&pool);
+        assert_eq!(sim.committed_bytes(0), 306 * MIB, "{conf}");
+        assert_eq!(sim.calls(DriverCall::CreatePhysical), creates + 3, "{conf}");
+        free(&pool, q, A);
+        free(&pool, held, A);
+        assert_no_leak(&sim, pool);
+    }
+}
+
+/// `auto` sizes whole chunks to the process: holding 40 MiB, chunks are at most an eighth of
+/// that (5 MiB: two granules), so a 3 MiB request maps 4 MiB, not a 20 MiB handle that would be
+/// half of everything it holds.
+#[test]
+fn auto_chunks_scale_with_what_the_process_holds() {
+    let (sim, pool) = pool(4 * GIB, true);
+    let held = alloc(&pool, 40 * MIB, A);
+    let creates = sim.calls(DriverCall::CreatePhysical);
+    let q = alloc(&pool, 3 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.committed_bytes(0), 44 * MIB);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), creates + 1);
+    free(&pool, q, A);
+    free(&pool, held, A);
+    assert_no_leak(&sim, pool);
 }
 
 /// `grow_whole_chunks:on`: a 3 MiB request that ends in unmapped space maps one whole 20 MiB
