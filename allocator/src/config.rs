@@ -60,7 +60,9 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          backed by handles of up to this size (the small heap uses single granules). Fewer, \
          larger handles cost fewer cuMemCreate and cuMemMap calls, but a handle moves between \
          streams and is released only whole. Rounded down to the device's granularity; \
-         `2MiB` gives one handle per granule.",
+         `2MiB` with grow_whole_chunks:off gives one handle per granule. While memory is \
+         plentiful, grow_whole_chunks:auto backs large requests with handles of up to 1/32 of \
+         what the process holds when that is larger.",
     ),
     (
         "chunk_split",
@@ -86,12 +88,13 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          to another stream only whole, so they can strand memory that stitching cannot take \
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
-         and the device allow it, in chunks of at most an eighth of what it holds: cheap growth \
+         and the device allow it, in chunks of at most an eighth of what it holds, and then \
+         also backs large requests with handles of up to 1/32 of what it holds: cheap growth \
          while memory is plentiful, memory first as it runs short. `off` never does. On the \
-         dev snapshots, median modelled driver time 1.13x pytorch-expandable's with `auto` \
+         dev snapshots, median modelled driver time 1.07x pytorch-expandable's with `auto` \
          (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
          expandable on a device with room; the smallest device each dev snapshot and built-in \
-         workload runs on is within 0.3% of `off`'s (`on`: up to 66% more on packed-*).",
+         workload runs on is within 0.5% of `off`'s (`on`: up to 66% more on packed-*).",
     ),
     (
         "peer_access",
@@ -197,7 +200,8 @@ pub enum WholeChunks {
     /// While the limit and the device keep room for one chunk more.
     On,
     /// While the process would then hold at most a quarter of what the limit and the device
-    /// allow it, in chunks of at most an eighth of what it holds.
+    /// allow it, in chunks of at most an eighth of what it holds; then large requests are also
+    /// backed with handles of up to 1/32 of what it holds.
     Auto,
 }
 

@@ -19,19 +19,26 @@
 //! covered by a live block cannot move, so a freed block's range reused by smaller blocks
 //! strands the rest of its handles, and what is stranded decides the smallest device a
 //! program runs on. `grow_whole_chunks:auto`, the default, buys cheaply while memory is
-//! plentiful and memory first as it runs short: whole chunks only while the process, after
-//! the growth, holds at most a quarter of what the limit and the device allow it
-//! ([`AUTO_SHARE`]), each at most an eighth of what it holds ([`AUTO_CHUNK_SHARE`], so a
-//! 100 MiB program does not strand 20 MiB handles). Past that, `chunk_split` rules. Measured
-//! with the replay's cost model (`cistern replay`, dev snapshots and built-in workloads):
-//! median modelled driver time 1.13x `pytorch-expandable`'s on the dev snapshots instead of
-//! 4.9x, peak reserved at most 1.4% above expandable's (on a device with room), and the
-//! smallest device each trace runs on within 0.3% of memory first's (`off`). The early whole
-//! chunks are what a tight device pays for; a quarter and an eighth are where that stayed
-//! within 0.3% on every trace while the time fell: a half with uncapped chunks needed a 17%
-//! larger device on `packed-C`, and chunks of a sixteenth raised the median over all traces
-//! from 1.65x expandable's to 2.3x.
+//! plentiful and memory first as it runs short. While the process, after the growth, holds at
+//! most a quarter of what the limit and the device allow it ([`AUTO_SHARE`]):
+//! - it maps whole chunks, each at most an eighth of what it holds ([`AUTO_CHUNK_SHARE`], so a
+//!   100 MiB program does not strand 20 MiB handles);
+//! - it backs a request with handles of up to 1/32 of what it holds where that is more than
+//!   `chunk_size` ([`AUTO_HANDLE_SHARE`]; still a `chunk_split`-th of the request at most), so
+//!   a KV cache of 1 GiB is bought, and later moved, in four handles, not fifty.
 //!
+//! Past that, `chunk_size` and `chunk_split` rule. Measured with the replay's cost model
+//! (`cistern replay`, the dev snapshots and every built-in workload): median modelled driver
+//! time 1.07x `pytorch-expandable`'s on the dev snapshots instead of 4.9x, the serving
+//! workloads 2.8x and 1.9x instead of 4.5x and 3.9x, peak reserved at most 1.4% above
+//! expandable's on a device with room, and the smallest device each trace runs on within
+//! 0.5% of memory first's (`off`). The early large handles are what a tight device pays for;
+//! a quarter, an eighth and 1/32 are where that stayed within 0.5% on every trace while the
+//! time fell: a half with uncapped chunks needed a 17% larger device on `packed-C`, chunks of
+//! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
+//! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
+//! 2.2%).
+
 //! The page table keeps, per granule, the chunk mapped there and the granule's index in it,
 //! so a chunk's mapping can be found from any of its pages.
 //!
@@ -64,6 +71,10 @@ use crate::heap::SpanState;
 const AUTO_SHARE: usize = 4;
 /// ... in chunks of at most 1/`AUTO_CHUNK_SHARE` of what it holds.
 const AUTO_CHUNK_SHARE: usize = 8;
+/// ... and while it does, backs a request with handles of up to 1/`AUTO_HANDLE_SHARE` of what
+/// it holds when that is more than `chunk_size` (still at most a `chunk_split`-th of the
+/// request).
+const AUTO_HANDLE_SHARE: u64 = 32;
 
 /// Where a request goes in a VMM extent (the plan phase's answer).
 #[derive(Debug)]
@@ -460,7 +471,18 @@ impl<D: Driver> DevicePool<D> {
         // used chunk. `chunk_split:none` trades that for fewer handles.
         let chunk_pages = match kind {
             HeapKind::Large => {
-                let most = c.config.chunk_size / g;
+                let mut most = c.config.chunk_size / g;
+                if c.config.grow_whole_chunks == WholeChunks::Auto {
+                    // `auto` while memory is plentiful: handles of up to 1/`AUTO_HANDLE_SHARE`
+                    // of what the process holds, so that a large block (a KV cache) is
+                    // bought, and later moved, in a few handles.
+                    let held = dev.reserved[0].current.max(0) as u64 / g;
+                    let need = w.missing.len() as u64;
+                    let allowed = held + need + feasible.headroom as u64;
+                    if held + need <= allowed / AUTO_SHARE as u64 {
+                        most = most.max(held / AUTO_HANDLE_SHARE);
+                    }
+                }
                 match c.config.chunk_split {
                     Some(n) => most.min((w.hi - w.lo) / g / u64::from(n.max(1))),
                     None => most,

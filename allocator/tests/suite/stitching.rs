@@ -341,6 +341,30 @@ fn auto_chunks_scale_with_what_the_process_holds() {
     assert_no_leak(&sim, pool);
 }
 
+/// `auto` while memory is plentiful backs a large request with handles of up to 1/32 of what
+/// the process holds: holding 2 GiB of a 16 GiB device, a 400 MiB block takes handles of
+/// 64 MiB (32 granules; a quarter of the request would allow 100 MiB): 7 creations, where
+/// memory first (`off`) takes twenty of 20 MiB.
+#[test]
+fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
+    for (conf, handles) in [("", 7), ("grow_whole_chunks:off", 20)] {
+        let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(16 * GIB), true, conf);
+        let held = alloc(&pool, 2 * GIB, A);
+        let creates = sim.calls(DriverCall::CreatePhysical);
+        let p = alloc(&pool, 400 * MIB, A);
+        check(&pool);
+        assert_eq!(
+            sim.calls(DriverCall::CreatePhysical),
+            creates + handles,
+            "{conf}"
+        );
+        assert_eq!(sim.committed_bytes(0), 2 * GIB + 400 * MIB, "{conf}");
+        free(&pool, p, A);
+        free(&pool, held, A);
+        assert_no_leak(&sim, pool);
+    }
+}
+
 /// `grow_whole_chunks:on`: a 3 MiB request that ends in unmapped space maps one whole 20 MiB
 /// chunk, and the next requests are served from its cached rest with no driver call.
 #[test]
@@ -517,13 +541,15 @@ fn whole_chunks_never_make_a_stitched_request_fail() {
     }
 }
 
-/// With `chunk_size:2MiB` every granule is its own handle, as before chunks.
+/// With `chunk_size:2MiB` (and `grow_whole_chunks:off`, whose `auto` may buy larger handles
+/// for large requests while memory is plentiful) every granule is its own handle, as before
+/// chunks.
 #[test]
 fn chunk_size_of_one_granule_gives_page_handles() {
     let (sim, pool) = pool_with(
         cistern::SimConfig::default().capacity(GIB),
         true,
-        "chunk_size:2MiB",
+        "chunk_size:2MiB,grow_whole_chunks:off",
     );
     let p = alloc(&pool, 200 * MIB, A);
     assert_eq!(sim.calls(DriverCall::CreatePhysical), 100);
