@@ -18,6 +18,23 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `cistern_event_t.kind`: physical memory mapped (VMM), with access granted.
+#define CISTERN_EVENT_SEGMENT_MAP 1
+
+// `cistern_event_t.kind`: memory unmapped (moved elsewhere in the pool, or released).
+#define CISTERN_EVENT_SEGMENT_UNMAP 2
+
+// `cistern_event_t.kind`: a `cuMemAlloc` segment (without VMM).
+#define CISTERN_EVENT_SEGMENT_ALLOC 3
+
+// `cistern_event_t.kind`: a segment given back with `cuMemFree`.
+#define CISTERN_EVENT_SEGMENT_FREE 4
+
+// `cistern_event_t.kind`: a freed block (`bytes`: the size asked for) is free for reuse: at its
+// free, or, when other streams used it (`cistern_record_stream`), once their work has
+// completed.
+#define CISTERN_EVENT_FREE_COMPLETED 5
+
 // A CUDA stream: the same value as `cudaStream_t` / `CUstream` (NULL is the legacy default
 // stream). cistern never dereferences it; it identifies the stream to the driver.
 typedef void *cistern_stream_t;
@@ -34,6 +51,23 @@ typedef int (*cistern_stream_filter_t)(void *ctx, cistern_stream_t stream);
 // from any thread and with no lock of cistern's held, when cistern no longer needs it. Must not
 // unwind or throw.
 typedef void (*cistern_release_fn_t)(void *ctx);
+
+// One event: `kind` (a `CISTERN_EVENT_*`), on `device`, for the `bytes` bytes at `addr`.
+typedef struct cistern_event_t {
+  // What happened: a `CISTERN_EVENT_*`.
+  int kind;
+  // The device it happened on.
+  int device;
+  // The first address of the range (or block).
+  uint64_t addr;
+  // Its length in bytes.
+  uint64_t bytes;
+} cistern_event_t;
+
+// An observer (`cistern_set_observer`): called with its context and the event on the thread
+// that caused it, with cistern's locks held: it must return quickly, must be thread-safe, must
+// not unwind or throw, and must not call cistern.
+typedef void (*cistern_observer_t)(void *ctx, const struct cistern_event_t *event);
 
 #ifdef __cplusplus
 extern "C" {
@@ -234,6 +268,14 @@ int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_
 // The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
 // there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
 int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// Sets the observer of every device's mappings, segments and completed frees, present and
+// created later (a `cistern_event_t` per event), replacing any earlier one; NULL `observer`
+// removes it. `release` (may be NULL) is called with `ctx` once cistern no longer needs it:
+// after the observer is replaced or removed and no call to it is under way, or at once when
+// this call fails. Off by default; when set, each event costs a call, under cistern's locks.
+// Returns 1, or 0 when the pool cannot be created (see `cistern_last_error`).
+int cistern_set_observer(cistern_observer_t observer, void *ctx, cistern_release_fn_t release);
 
 #ifdef __cplusplus
 }  // extern "C"

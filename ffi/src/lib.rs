@@ -64,6 +64,7 @@ macro_rules! stderr_line {
 mod global;
 mod graphs;
 mod guard;
+mod observe;
 mod report;
 mod tags;
 
@@ -73,6 +74,10 @@ mod tests;
 use global::with_pool;
 pub use graphs::{cistern_release_fn_t, cistern_stream_filter_t};
 use guard::fail;
+pub use observe::{
+    cistern_event_t, cistern_observer_t, CISTERN_EVENT_FREE_COMPLETED, CISTERN_EVENT_SEGMENT_ALLOC,
+    CISTERN_EVENT_SEGMENT_FREE, CISTERN_EVENT_SEGMENT_MAP, CISTERN_EVENT_SEGMENT_UNMAP,
+};
 
 /// A CUDA stream: the same value as `cudaStream_t` / `CUstream` (NULL is the legacy default
 /// stream). cistern never dereferences it; it identifies the stream to the driver.

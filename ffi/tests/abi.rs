@@ -982,3 +982,75 @@ fn child_forks_while_threads_allocate() {
         w.join().unwrap();
     }
 }
+
+static EVENTS: Mutex<Vec<common::Event>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn keep_event(ctx: *mut c_void, e: *const common::Event) {
+    assert_eq!(ctx as usize, 11);
+    // SAFETY: cistern passes a valid event for the duration of the call.
+    EVENTS.lock().unwrap().push(unsafe { *e });
+}
+
+/// `cistern_set_observer`: mappings and completed frees reach the C observer with their
+/// device and range; removing it releases its context and stops the events.
+#[test]
+fn the_observer_hears_mappings_and_completed_frees() {
+    let (abi, _g) = abi();
+    use std::sync::atomic::Ordering::SeqCst;
+    let dev = 8;
+    let released = RELEASED.load(SeqCst);
+    EVENTS.lock().unwrap().clear();
+    // SAFETY (each call): the export's documented types.
+    let r = unsafe { (abi.set_observer)(Some(keep_event), 11 as *mut c_void, Some(count_release)) };
+    assert_eq!(r, 1, "{}", abi.last_error());
+    let size = 300 * MIB;
+    let p = malloc(abi, size, dev, stream(5));
+    assert!(!p.is_null());
+    let mapped: usize = EVENTS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == 1 && e.device == dev)
+        .map(|e| e.bytes as usize)
+        .sum();
+    assert!(
+        mapped >= size,
+        "mapped {mapped} bytes for a {size}-byte block"
+    );
+    free(abi, p, size, dev, stream(5));
+    assert!(
+        EVENTS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == 5 && e.device == dev && e.addr == p as u64),
+        "no free_completed for the block"
+    );
+    // Unmaps come with empty_cache.
+    // SAFETY: the export's documented type.
+    unsafe { (abi.empty_cache)() };
+    assert!(EVENTS
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == 2 && e.device == dev));
+    assert_eq!(RELEASED.load(SeqCst), released, "released while in use");
+    // SAFETY: as above; NULL removes the observer.
+    assert_eq!(
+        unsafe { (abi.set_observer)(None, ptr::null_mut(), None) },
+        1
+    );
+    assert_eq!(
+        RELEASED.load(SeqCst),
+        released + 1,
+        "the context was not released"
+    );
+    let n = EVENTS.lock().unwrap().len();
+    let q = malloc(abi, size, dev, stream(5));
+    free(abi, q, size, dev, stream(5));
+    assert_eq!(
+        EVENTS.lock().unwrap().len(),
+        n,
+        "events after the observer was removed"
+    );
+}

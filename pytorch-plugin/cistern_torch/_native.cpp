@@ -21,6 +21,7 @@
 // on OOM (never a NULL tensor). It is installed with PyTorch's own changeCurrentAllocator.
 //   recordHistory (every version's signature), isHistoryEnabled   _native_history.h
 //   attachOutOfMemoryObserver                                    called on each OOM
+//   cistern_set_observer                                         segment_map/unmap, free_completed in the history
 // Not here yet: IPC handles (shareIpcHandle), checkpointing (cudagraph trees).
 //
 // Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
@@ -74,6 +75,15 @@ struct Api {
   int64_t (*pool_use_count)(int, uint64_t, uint64_t);
   double (*get_memory_fraction)(int);
   int (*last_oom)(int, size_t*, size_t*);
+  int (*set_observer)(void (*)(void*, const void*), void*, ReleaseFn);
+};
+
+// cistern_event_t, as libcistern.so's header declares it.
+struct Event {
+  int kind;
+  int device;
+  uint64_t addr;
+  uint64_t bytes;
 };
 
 Api g_api{};
@@ -150,6 +160,39 @@ void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
   }
   TORCH_CHECK(false, "cistern could not allocate ", size, " bytes on device ", device, ": ", report);
   return nullptr;
+}
+
+// cistern's observer: its pool events go to the history (segment map/unmap, completed frees).
+void observe_trampoline(void*, const void* raw) noexcept {
+  const auto* e = static_cast<const Event*>(raw);
+  try {
+    g_history.pool_event(e->kind, static_cast<c10::DeviceIndex>(e->device),
+                         static_cast<size_t>(e->addr), static_cast<size_t>(e->bytes));
+  } catch (...) {
+    // A history entry lost (e.g. no memory for it): never an exception into cistern.
+  }
+}
+
+// cistern's observer is set only while the history records (segment events, and frees completed
+// when the pool says so), so that with history off a free costs nothing more; without it the
+// history records free_completed at the free.
+std::mutex g_observing_mu;
+bool g_observing = false;
+
+void sync_observer(bool enabled) {
+  std::lock_guard<std::mutex> g(g_observing_mu);
+  if (enabled && !g_observing) {
+    // Before the observer: a free in between must not record free_completed twice.
+    g_history.pool_completes(true);
+    g_observing = g_api.set_observer(observe_trampoline, nullptr, nullptr) == 1;
+    if (!g_observing) {
+      g_history.pool_completes(false);
+    }
+  } else if (!enabled && g_observing) {
+    g_history.pool_completes(false);
+    g_api.set_observer(nullptr, nullptr, nullptr);
+    g_observing = false;
+  }
 }
 
 void cistern_dealloc(void* ptr, size_t size, int device, cudaStream_t stream) {
@@ -322,15 +365,18 @@ class CisternAllocator : public PluggableBase {
   using RecordContext = c10::cuda::CUDACachingAllocator::RecordContext;
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries, RecordContext when) {
     g_history.record(enabled, recorder, max_entries, when, false);
+    sync_observer(enabled);
   }
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
                      RecordContext when, bool clearHistory) {
     g_history.record(enabled, recorder, max_entries, when, clearHistory);
+    sync_observer(enabled);
   }
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
                      RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) {
     g_history.record(enabled, recorder, max_entries, when, clearHistory, skip_actions);
+    sync_observer(enabled);
   }
   bool isHistoryEnabled() override {
     return g_history.enabled();

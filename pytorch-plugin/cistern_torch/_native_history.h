@@ -8,10 +8,14 @@
 // never sees Python frames. Header-only and free of CUDA calls, so that a test harness can drive
 // it without a GPU. _native.cpp includes it.
 //
-// What it records: every allocation and free made through PyTorch (alloc, then free_requested and
-// free_completed together: cistern completes a free whose block other streams used only once
-// their work is done, which this layer cannot see), and OOMs. Not recorded: segment_map/unmap and
-// the snapshot marker (cistern's pages are mapped by the pool, not here).
+// What it records: every allocation and free made through PyTorch (alloc, free_requested), OOMs,
+// and what cistern's pool reports through its observer (pool_event, from cistern_set_observer):
+// segment_map / segment_unmap as pages are mapped and moved, segment_alloc / segment_free without
+// VMM, and free_completed when a block is free for reuse, which for a block other streams used
+// (record_stream) is when their work is done. Without the observer (pool_completes(false)),
+// free_completed is recorded with free_requested. Pool events carry no stack: they come with
+// cistern's locks held, where PyTorch's recorder (which takes the GIL) must not be called. Not
+// recorded: the snapshot marker.
 
 #pragma once
 
@@ -87,11 +91,16 @@ class History {
     when_ = enabled ? when : RecordContext::NEVER;
     max_entries_ = std::max<size_t>(1, max_entries);
     skip_alloc_ = skip_free_requested_ = skip_free_completed_ = skip_oom_ = false;
+    skip_segment_alloc_ = skip_segment_free_ = skip_segment_map_ = skip_segment_unmap_ = false;
     for (const auto& a : skip) {
       skip_alloc_ |= a == "alloc";
       skip_free_requested_ |= a == "free_requested";
       skip_free_completed_ |= a == "free_completed";
       skip_oom_ |= a == "oom";
+      skip_segment_alloc_ |= a == "segment_alloc";
+      skip_segment_free_ |= a == "segment_free";
+      skip_segment_map_ |= a == "segment_map";
+      skip_segment_unmap_ |= a == "segment_unmap";
     }
     // As PyTorch: switching off keeps what was recorded (a snapshot taken after still shows
     // it); only clearHistory drops the trace.
@@ -141,9 +150,53 @@ class History {
     if (!skip_free_requested_) {
       push(device, make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
     }
-    if (!skip_free_completed_) {
+    if (!skip_free_completed_ && !pool_completes_.load(std::memory_order_relaxed)) {
       push(device, make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
     }
+  }
+
+  // Whether cistern's observer reports completed frees (then free() records free_requested only).
+  void pool_completes(bool on) {
+    pool_completes_.store(on, std::memory_order_relaxed);
+  }
+
+  // One event of cistern's observer (cistern_event_t's kind: 1 segment_map, 2 segment_unmap,
+  // 3 segment_alloc, 4 segment_free, 5 free_completed), for `bytes` at `addr`. Called with
+  // cistern's locks held: takes no stack, calls nothing of cistern's or Python's.
+  void pool_event(int kind, c10::DeviceIndex device, size_t addr, size_t bytes) {
+    if (!on()) {
+      return;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    if (!enabled_) {
+      return;
+    }
+    TraceEntry::Action action;
+    switch (kind) {
+      case 1:
+        if (skip_segment_map_) return;
+        action = TraceEntry::SEGMENT_MAP;
+        break;
+      case 2:
+        if (skip_segment_unmap_) return;
+        action = TraceEntry::SEGMENT_UNMAP;
+        break;
+      case 3:
+        if (skip_segment_alloc_) return;
+        action = TraceEntry::SEGMENT_ALLOC;
+        break;
+      case 4:
+        if (skip_segment_free_) return;
+        action = TraceEntry::SEGMENT_FREE;
+        break;
+      case 5:
+        if (skip_free_completed_) return;
+        action = TraceEntry::FREE_COMPLETED;
+        break;
+      default:
+        return;  // a kind a newer libcistern reports: not PyTorch's to show
+    }
+    push(device, make_entry(action, device, addr, bytes, nullptr, nullptr));
   }
 
   // A request of `size` bytes that failed for lack of memory (`device_free`: the device's free
@@ -196,7 +249,9 @@ class History {
   RecordContext when_ = RecordContext::NEVER;
   size_t max_entries_ = 1;
   bool skip_alloc_ = false, skip_free_requested_ = false, skip_free_completed_ = false,
-       skip_oom_ = false;
+       skip_oom_ = false, skip_segment_alloc_ = false, skip_segment_free_ = false,
+       skip_segment_map_ = false, skip_segment_unmap_ = false;
+  std::atomic<bool> pool_completes_{false};
   std::unordered_map<int, std::deque<TraceEntry>> rings_;
   std::unordered_map<void*, Context> contexts_;
 

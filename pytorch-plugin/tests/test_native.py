@@ -7,7 +7,8 @@ Without a GPU:
   and 2.5), else ``CISTERN_TORCH_TORCH_DIR``, else the installed torch. A torch whose allocator
   interface the class does not match fails to compile, so each version is checked;
 - a C++ harness includes ``_native_history.h`` and drives the history rings as
-  ``_record_memory_history`` sets them (bounds, stacks per ``context``, ``skip_actions``);
+  ``_record_memory_history`` sets them (bounds, stacks per ``context``, ``skip_actions``), and
+  as cistern's observer feeds them (segment map/unmap/alloc/free, completed frees);
 - a C++ harness includes ``_native_json.h`` and converts cistern's statistics and snapshot (from
   the library, on the simulated GPU) into PyTorch's ``DeviceStats`` and ``SnapshotInfo``; the
   test compares every field with the JSON as Python reads it.
@@ -403,6 +404,24 @@ int main() {
   h.alloc(0, (void*)0x6000, 512, nullptr);
   std::printf("DISABLED|%d|%zu|%d|%d\n", (int)h.enabled(), h.devices(), calls - before,
               ctx_of(h, 0x4000));
+  // cistern's observer: segment events and completions come from the pool, without stacks;
+  // free() records the request only; skip_actions names segment actions too.
+  h.record(true, recorder, 20, RC::ALL, true);
+  h.pool_completes(true);
+  h.pool_event(1, 0, 0x10000, 20 << 20);
+  h.alloc(0, (void*)0x10000, 4096, nullptr);
+  h.free(0, (void*)0x10000, 4096, nullptr);
+  h.pool_event(5, 0, 0x10000, 4096);
+  h.pool_event(2, 0, 0x10000, 20 << 20);
+  h.pool_event(3, 0, 0x90000, 2 << 20);
+  h.pool_event(4, 0, 0x90000, 2 << 20);
+  h.pool_event(42, 0, 0x90000, 1);
+  dump("POOL", h);
+  h.record(true, recorder, 20, RC::ALL, true, {"segment_map", "free_completed"});
+  h.pool_event(1, 0, 0x10000, 20 << 20);
+  h.pool_event(5, 0, 0x10000, 4096);
+  h.pool_event(2, 0, 0x10000, 20 << 20);
+  dump("POOLSKIP", h);
   return 0;
 }
 """
@@ -454,3 +473,14 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
         # stays for a snapshot taken after (as PyTorch keeps it).
         assert rows["DISABLED"][0][0] == 0 and rows["DISABLED"][0][2] == 0
         assert rows["DISABLED"][0][1] == 1 and rows["DISABLED"][0][3] > 0
+        # The pool's events, in PyTorch's actions (3 segment_alloc, 4 segment_free, 5
+        # segment_map, 6 segment_unmap); an unknown kind is dropped.
+        SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP = 3, 4, 5, 6
+        assert [(r[1], r[2], r[3]) for r in rows["POOL"]] == [
+            (SEG_MAP, 0x10000, 20 << 20), (ALLOC, 0x10000, 4096), (FREE_REQ, 0x10000, 4096),
+            (FREE_DONE, 0x10000, 4096), (SEG_UNMAP, 0x10000, 20 << 20),
+            (SEG_ALLOC, 0x90000, 2 << 20), (SEG_FREE, 0x90000, 2 << 20)]
+        pool_rows = {r[1]: r[5] for r in rows["POOL"]}
+        assert pool_rows[SEG_MAP] == 0 and pool_rows[FREE_DONE] == 0, "no stack under cistern's locks"
+        assert pool_rows[ALLOC] > 0
+        assert [r[1] for r in rows["POOLSKIP"]] == [SEG_UNMAP]

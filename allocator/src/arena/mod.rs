@@ -34,6 +34,7 @@ use rustc_hash::FxHashMap;
 use crate::driver::{DeviceId, Driver, EventId, StreamId, StreamInfo};
 use crate::error::Result;
 use crate::heap::{SpanId, SpanState};
+use crate::pool::PoolEventKind;
 use crate::provenance::{Ledger, Origin};
 use crate::stats::{LocalGauges, SharedGauges};
 
@@ -286,14 +287,21 @@ impl<D: Driver> Arena<D> {
                         for (i, p) in pages.iter().enumerate() {
                             if let Some(p) = p.filter(|p| p.index == 0) {
                                 let addr = seg.base + i as u64 * c.granularity;
-                                let _ = d.unmap(c.dev, addr, p.len as u64 * c.granularity);
+                                let len = p.len as u64 * c.granularity;
+                                if d.unmap(c.dev, addr, len).is_ok() {
+                                    c.observer
+                                        .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
+                                }
                                 let _ = d.release_physical(c.dev, p.handle);
                             }
                         }
                         let _ = d.free_va(c.dev, seg.base, seg.len);
                     }
                     Backing::Linear => {
-                        let _ = d.mem_free(c.dev, seg.base);
+                        if d.mem_free(c.dev, seg.base).is_ok() {
+                            c.observer
+                                .emit(PoolEventKind::SegmentFree, c.dev, seg.base, seg.len);
+                        }
                     }
                 }
                 kh.heap.remove_segment(seg.first);
@@ -472,6 +480,8 @@ impl ArenaState {
                 return FreeOutcome::Pending;
             }
         }
+        core.observer
+            .emit(PoolEventKind::FreeCompleted, dev, ptr, requested);
         self.release_span(kind, r.span, Some(requested), shared);
         FreeOutcome::Freed
     }
@@ -550,6 +560,9 @@ impl ArenaState {
         });
         self.pending = pending;
         for &(kind, span) in &done_spans {
+            let s = self.kinds[kind].heap.span(span);
+            core.observer
+                .emit(PoolEventKind::FreeCompleted, core.dev, s.start, s.requested);
             self.release_span(kind, span, None, &core.shared);
         }
         done_spans.len()

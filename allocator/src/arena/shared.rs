@@ -83,6 +83,8 @@ pub(crate) struct DeviceCore<D: Driver> {
     /// in `crate::pool::graphs`).
     pub(crate) capturing: AtomicUsize,
     pub(crate) recorder: Option<crate::trace_writer::Recorder>,
+    /// Who hears of mappings, segments and completed frees (`DevicePool::set_observer`).
+    pub(crate) observer: crate::pool::ObserverSlot,
 }
 
 impl<D: Driver> DeviceCore<D> {

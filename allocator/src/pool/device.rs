@@ -188,6 +188,7 @@ impl<D: Driver> DevicePool<D> {
                 closed: AtomicBool::new(false),
                 capturing: AtomicUsize::new(0),
                 recorder,
+                observer: Default::default(),
             }),
             arenas: RwLock::new(FxHashMap::default()),
             retired: Mutex::new(Vec::new()),
@@ -210,6 +211,21 @@ impl<D: Driver> DevicePool<D> {
             }),
             graphs: Mutex::new(super::graphs::GraphPools::default()),
         })
+    }
+
+    /// Sets (or, with `None`, removes) the observer of this device's mappings, segments and
+    /// completed frees (see [`PoolEvent`](crate::PoolEvent)).
+    pub fn set_observer(&self, observer: Option<crate::Observer>) {
+        // The old observer is dropped here, with no lock held.
+        drop(self.core.observer.set(observer));
+    }
+
+    /// Replaces the observer, returning the old one (see `ObserverSlot::set`).
+    pub(super) fn core_observer_set(
+        &self,
+        observer: Option<crate::Observer>,
+    ) -> Option<crate::Observer> {
+        self.core.observer.set(observer)
     }
 
     /// The device ordinal.

@@ -181,6 +181,8 @@ impl<D: Driver> DevicePool<D> {
             return self.give_up(dev, arena, &a, size, rounded, limit_hit, retried);
         };
         c.counters.num_device_alloc.fetch_add(1, Relaxed);
+        c.observer
+            .emit(super::PoolEventKind::SegmentAlloc, c.dev, base, seg_size);
         dev.add_reserved(kind, seg_size as i64);
         dev.add_segments(kind, 1);
         let before = a.free_totals(kind);

@@ -124,6 +124,7 @@ mod buffer;
 mod device;
 mod graphs;
 mod grow;
+mod observe;
 mod pages;
 mod peers;
 mod publish;
@@ -145,6 +146,8 @@ use crate::stats::Stats;
 pub use buffer::Buffer;
 pub use device::DevicePool;
 pub use graphs::{GraphPoolInfo, MempoolId, StreamFilter};
+pub(crate) use observe::ObserverSlot;
+pub use observe::{Observer, PoolEvent, PoolEventKind};
 pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
 
 /// Rounds a request up to the pool's 512 B unit; `None` on overflow.
@@ -173,7 +176,8 @@ pub struct Pool<D: Driver> {
     driver: Arc<D>,
     config: Config,
     devices: Vec<OnceLock<Arc<DevicePool<D>>>>,
-    create: Mutex<()>,
+    /// Held while a device pool is created; it keeps the observer devices created later get.
+    create: Mutex<Option<Observer>>,
 }
 
 impl<D: Driver> Pool<D> {
@@ -189,7 +193,7 @@ impl<D: Driver> Pool<D> {
             driver,
             config,
             devices: (0..n).map(|_| OnceLock::new()).collect(),
-            create: Mutex::new(()),
+            create: Mutex::new(None),
         })
     }
 
@@ -218,7 +222,7 @@ impl<D: Driver> Pool<D> {
         if let Some(p) = slot.get() {
             return Ok(p);
         }
-        let _g = self.create.lock();
+        let g = self.create.lock();
         if let Some(p) = slot.get() {
             return Ok(p);
         }
@@ -227,7 +231,24 @@ impl<D: Driver> Pool<D> {
             dev,
             self.config.clone(),
         )?);
+        drop(p.core_observer_set(g.clone()));
         Ok(slot.get_or_init(|| p))
+    }
+
+    /// Sets (or, with `None`, removes) the observer of every device's mappings, segments and
+    /// completed frees, present and created later (see [`PoolEvent`]).
+    pub fn set_observer(&self, observer: Option<Observer>) {
+        // The old observers are dropped after the lock is released: dropping one may release a
+        // C caller's context, which may call cistern.
+        let mut old = Vec::new();
+        {
+            let mut g = self.create.lock();
+            old.push(std::mem::replace(&mut *g, observer.clone()));
+            for d in self.devices() {
+                old.push(d.core_observer_set(observer.clone()));
+            }
+        }
+        drop(old);
     }
 
     /// The device pools created so far.

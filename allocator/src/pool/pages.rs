@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::device::{DeviceState, Lost, Stuck};
 use super::window::{free_page_runs, whole_mappings, Exclude};
-use super::DevicePool;
+use super::{DevicePool, PoolEventKind};
 use crate::arena::{ArenaState, Backing, Chunk, HeapKind, Page};
 use crate::driver::{Driver, StreamId};
 use crate::heap::SpanState;
@@ -96,6 +96,8 @@ impl<D: Driver> DevicePool<D> {
             let hi = run.last().map_or(lo, |&(a, ch)| a + ch.pages as u64 * g);
             match d.set_access(c.dev, lo, hi - lo, &dev.peers) {
                 Ok(()) => {
+                    c.observer
+                        .emit(PoolEventKind::SegmentMap, c.dev, lo, hi - lo);
                     if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
                         if let Backing::Vmm { pages } = &mut seg.backing {
                             for &(at, ch) in &run {
@@ -238,6 +240,8 @@ impl<D: Driver> DevicePool<D> {
                         self.refill(a, kind, run.seg, addr, addr + len);
                         return taken;
                     }
+                    c.observer
+                        .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
                     let base = a.kinds[kind].segment(run.seg).base;
                     if let Some(crate::arena::Segment {
                         backing: Backing::Vmm { pages },

@@ -201,6 +201,8 @@ impl<D: Driver> DevicePool<D> {
                         continue;
                     }
                     c.counters.num_device_free.fetch_add(1, Relaxed);
+                    c.observer
+                        .emit(super::PoolEventKind::SegmentFree, c.dev, base, len);
                     let before = a.free_totals(kind);
                     let Some(seg) = a.kinds[kind].segments[idx as usize].take() else {
                         continue;

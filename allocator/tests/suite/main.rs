@@ -10,6 +10,7 @@ mod faults;
 mod graphs;
 mod interop;
 mod model;
+mod observe;
 mod peers;
 mod provenance;
 mod registry;

@@ -76,6 +76,16 @@ fn build_library(profile_dir: &str) {
 }
 
 /// The exports, resolved from the library.
+/// `cistern_event_t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    pub kind: c_int,
+    pub device: c_int,
+    pub addr: u64,
+    pub bytes: u64,
+}
+
 pub struct Abi {
     pub malloc: unsafe extern "C" fn(usize, c_int, Stream) -> *mut c_void,
     pub free: unsafe extern "C" fn(*mut c_void, usize, c_int, Stream),
@@ -97,6 +107,11 @@ pub struct Abi {
     pub pool_use_count: unsafe extern "C" fn(c_int, u64, u64) -> i64,
     pub free_and_release: unsafe extern "C" fn(*mut c_void, usize, c_int, Stream),
     pub abort_on_failure: unsafe extern "C" fn(c_int) -> c_int,
+    pub set_observer: unsafe extern "C" fn(
+        Option<unsafe extern "C" fn(*mut c_void, *const Event)>,
+        *mut c_void,
+        Option<unsafe extern "C" fn(*mut c_void)>,
+    ) -> c_int,
     pub get_memory_fraction: unsafe extern "C" fn(c_int) -> f64,
     pub last_oom: unsafe extern "C" fn(c_int, *mut usize, *mut usize) -> c_int,
     pub record_stream: unsafe extern "C" fn(*mut c_void, Stream),
@@ -145,6 +160,7 @@ pub fn load_with_env(env: &[(&str, &str)]) -> &'static Abi {
             empty_cache: sym!(b"cistern_empty_cache"),
             set_memory_fraction: sym!(b"cistern_set_memory_fraction"),
             enable_peer_access: sym!(b"cistern_enable_peer_access"),
+            set_observer: sym!(b"cistern_set_observer"),
             begin_allocate_to_pool: sym!(b"cistern_begin_allocate_to_pool"),
             end_allocate_to_pool: sym!(b"cistern_end_allocate_to_pool"),
             release_pool: sym!(b"cistern_release_pool"),
