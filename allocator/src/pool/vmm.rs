@@ -38,7 +38,7 @@
 //! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
 //! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
 //! 2.2%).
-
+//!
 //! The page table keeps, per granule, the chunk mapped there and the granule's index in it,
 //! so a chunk's mapping can be found from any of its pages.
 //!
