@@ -130,6 +130,7 @@ mod peers;
 mod publish;
 mod release;
 mod report;
+mod sizing;
 mod vmm;
 mod window;
 

@@ -15,29 +15,8 @@
 //! pages beyond the request are optional: given up, never failing the request, when room or
 //! the device runs short); they join the heap as a free span like any mapped page.
 //!
-//! The two trade handles (each `cuMemCreate` ~195 µs) against pinned memory: a handle partly
-//! covered by a live block cannot move, so a freed block's range reused by smaller blocks
-//! strands the rest of its handles, and what is stranded decides the smallest device a
-//! program runs on. `grow_whole_chunks:auto`, the default, buys cheaply while memory is
-//! plentiful and memory first as it runs short. While the process, after the growth, holds at
-//! most a quarter of what the limit and the device allow it ([`AUTO_SHARE`]):
-//! - it maps whole chunks, each at most an eighth of what it holds ([`AUTO_CHUNK_SHARE`], so a
-//!   100 MiB program does not strand 20 MiB handles);
-//! - it backs a request with handles of up to 1/32 of what it holds where that is more than
-//!   `chunk_size` ([`AUTO_HANDLE_SHARE`]; still a `chunk_split`-th of the request at most), so
-//!   a KV cache of 1 GiB is bought, and later moved, in four handles, not fifty.
-//!
-//! Past that, `chunk_size` and `chunk_split` rule. Measured with the replay's cost model
-//! (`cistern replay`, the dev snapshots and every built-in workload): median modelled driver
-//! time 1.07x `pytorch-expandable`'s on the dev snapshots instead of 4.9x, the serving
-//! workloads 2.8x and 1.9x instead of 4.5x and 3.9x, peak reserved at most 1.4% above
-//! expandable's on a device with room, and the smallest device each trace runs on within
-//! 0.5% of memory first's (`off`). The early large handles are what a tight device pays for;
-//! a quarter, an eighth and 1/32 are where that stayed within 0.5% on every trace while the
-//! time fell: a half with uncapped chunks needed a 17% larger device on `packed-C`, chunks of
-//! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
-//! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
-//! 2.2%).
+//! `grow_whole_chunks:auto`, the default, sizes both to what the process holds and to how
+//! much room it has: see Note [Auto growth] in `sizing.rs`.
 //!
 //! The page table keeps, per granule, the chunk mapped there and the granule's index in it,
 //! so a chunk's mapping can be found from any of its pages.
@@ -58,23 +37,13 @@ use std::sync::Arc;
 use super::device::{DeviceState, Lost};
 use super::grow::Grow;
 use super::pages::Taker;
+use super::sizing::{plentiful, request_chunk_pages, whole_chunk_pages};
 use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
 use crate::config::{StreamSync, WholeChunks};
 use crate::driver::{Driver, DriverErrorKind};
 use crate::error::{Error, Result};
-use crate::heap::SpanState;
-
-/// `grow_whole_chunks:auto` maps whole chunks only while the process, after the growth, holds
-/// at most 1/`AUTO_SHARE` of what the limit and the device allow it (see Note [Chunks]).
-const AUTO_SHARE: usize = 4;
-/// ... in chunks of at most 1/`AUTO_CHUNK_SHARE` of what it holds.
-const AUTO_CHUNK_SHARE: usize = 8;
-/// ... and while it does, backs a request with handles of up to 1/`AUTO_HANDLE_SHARE` of what
-/// it holds when that is more than `chunk_size` (still at most a `chunk_split`-th of the
-/// request).
-const AUTO_HANDLE_SHARE: u64 = 32;
 
 /// Where a request goes in a VMM extent (the plan phase's answer).
 #[derive(Debug)]
@@ -129,7 +98,7 @@ struct Feasible {
 pub(super) struct Placement {
     g: u64,
     /// (first address, pages, pages filled) of each run of missing pages, in address order.
-    runs: Vec<(u64, u32, u32)>,
+    pub(super) runs: Vec<(u64, u32, u32)>,
     /// The chunks placed, with their addresses.
     placed: Vec<(u64, Chunk)>,
     /// Chunks taken that no run had room for (none, as `take` follows `wants`; released).
@@ -465,30 +434,19 @@ impl<D: Driver> DevicePool<D> {
         let mut limit_hit = false;
         let mut driver_err = None;
         let mut created: Vec<(usize, Chunk)> = Vec::new();
-        // Chunks of up to `chunk_size`, and (`chunk_split`, 4 by default) at most a quarter of
-        // the request: a block then spans at least four chunks, so that when it is freed and
-        // its range is reused by smaller blocks, at most a quarter of it is pinned by a partly
-        // used chunk. `chunk_split:none` trades that for fewer handles.
+        // The handles' sizes (`sizing.rs`): a request's, and whole chunks'.
+        let held = dev.reserved[0].current.max(0) as u64 / g;
+        let mode = c.config.grow_whole_chunks;
+        let auto = (mode == WholeChunks::Auto).then_some(held);
         let chunk_pages = match kind {
-            HeapKind::Large => {
-                let mut most = c.config.chunk_size / g;
-                if c.config.grow_whole_chunks == WholeChunks::Auto {
-                    // `auto` while memory is plentiful: handles of up to 1/`AUTO_HANDLE_SHARE`
-                    // of what the process holds, so that a large block (a KV cache) is
-                    // bought, and later moved, in a few handles.
-                    let held = dev.reserved[0].current.max(0) as u64 / g;
-                    let need = w.missing.len() as u64;
-                    let allowed = held + need + feasible.headroom as u64;
-                    if held + need <= allowed / AUTO_SHARE as u64 {
-                        most = most.max(held / AUTO_HANDLE_SHARE);
-                    }
-                }
-                match c.config.chunk_split {
-                    Some(n) => most.min((w.hi - w.lo) / g / u64::from(n.max(1))),
-                    None => most,
-                }
-                .clamp(1, u32::MAX as u64) as u32
-            }
+            HeapKind::Large => request_chunk_pages(
+                &c.config,
+                g,
+                (w.hi - w.lo) / g,
+                auto.filter(|_| {
+                    plentiful(held, need as u64, need as u64, feasible.headroom as u64)
+                }),
+            ),
             HeapKind::Small => 1,
         };
         let big = chunk_pages;
@@ -497,17 +455,10 @@ impl<D: Driver> DevicePool<D> {
         // and the device leave room for it and one chunk more; those `optional` pages are
         // cached free memory for the next requests, and are given up (never failing the
         // request, never waited for) as soon as room runs short.
-        let mut full = (c.config.chunk_size / g).clamp(1, u32::MAX as u64) as u32;
+        let full = whole_chunk_pages(&c.config, g, auto);
         let mut whole: Option<u32> = None;
-        let mode = c.config.grow_whole_chunks;
         if mode != WholeChunks::Off && kind == HeapKind::Large && !feasible.pressure {
             let stuck: Vec<u64> = dev.stuck.iter().map(|s| s.addr).collect();
-            let held = (dev.reserved[0].current.max(0) as u64 / g) as usize;
-            if mode == WholeChunks::Auto {
-                // Chunks of at most an eighth of what the process holds: at a small scale a
-                // 20 MiB handle is a large share of its memory, and pins it once partly used.
-                full = full.min((held / AUTO_CHUNK_SHARE).clamp(1, u32::MAX as usize) as u32);
-            }
             whole = self.whole_chunk_extension(
                 a,
                 kind,
@@ -516,7 +467,7 @@ impl<D: Driver> DevicePool<D> {
                 full,
                 feasible.headroom,
                 &stuck,
-                (mode == WholeChunks::Auto).then_some(held),
+                auto,
             );
             if let (Some(extra), Some(last)) = (whole, place.runs.last_mut()) {
                 last.1 += extra;
@@ -633,72 +584,6 @@ impl<D: Driver> DevicePool<D> {
             limit_hit,
             driver_err,
         }
-    }
-
-    /// Whether `grow_whole_chunks` backs the window's last run of missing pages with whole
-    /// chunks, and how many pages past the window's end it then maps: `None` unless that run
-    /// covers the window's end, still has open pages and ends in an unmapped range of the
-    /// extent; else `Some(extra)`, what makes the run's open pages a whole number of chunks of
-    /// `full` pages, as far as that range (and any page left mapped by a failed unmap in it)
-    /// allows, and only while the limit and the device (`headroom`: their room beyond the
-    /// request) keep room for one chunk more after it, so that the pages pinned beyond a
-    /// request never take the last of the room. With `auto_held` (`grow_whole_chunks:auto`:
-    /// the pages the process holds), also `None` once the growth would leave the process
-    /// holding more than 1/`AUTO_SHARE` of what the limit and the device allow it.
-    #[allow(clippy::too_many_arguments)]
-    fn whole_chunk_extension(
-        &self,
-        a: &ArenaState,
-        kind: HeapKind,
-        w: &Window,
-        place: &Placement,
-        full: u32,
-        headroom: usize,
-        stuck: &[u64],
-        auto_held: Option<usize>,
-    ) -> Option<u32> {
-        let g = self.core.granularity;
-        let &(lo, n, f) = place.runs.last()?;
-        let end = lo + n as u64 * g;
-        if end < w.hi || f == n {
-            return None;
-        }
-        let seg = a.kinds[kind].segment(w.seg);
-        let seg_end = seg.base + seg.len;
-        let mut hole_end = a.kinds[kind]
-            .heap
-            .segment_spans(seg.first)
-            .find(|(_, s)| s.state == SpanState::Hole && s.start < end && end <= s.end())
-            .map(|(_, s)| s.end().min(seg_end))?;
-        for &at in stuck {
-            if at >= end && at < hole_end {
-                hole_end = at;
-            }
-        }
-        let avail = ((hole_end - end) / g).min(u32::MAX as u64) as u32;
-        let open = n - f;
-        let want = open.div_ceil(full).saturating_mul(full) - open;
-        let room = headroom
-            .saturating_sub(full as usize)
-            .min(u32::MAX as usize) as u32;
-        let extra = want.min(avail).min(room);
-        if let Some(held) = auto_held {
-            // `auto`: only while the process, after this growth, holds at most a quarter of what
-            // the limit and the device allow it (what it holds, the window's missing pages
-            // and the room beyond them). Past that, memory comes first: handles of a
-            // `chunk_split`-th of the request, which pin less of a freed block that smaller
-            // ones reuse.
-            let allowed = held
-                .saturating_add(w.missing.len())
-                .saturating_add(headroom);
-            let after = held
-                .saturating_add(open as usize)
-                .saturating_add(extra as usize);
-            if after > allowed / AUTO_SHARE {
-                return None;
-            }
-        }
-        Some(extra)
     }
 
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from

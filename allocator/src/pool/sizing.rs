@@ -1,0 +1,151 @@
+//! How large growth's physical handles are: a request's handles (`chunk_size`, `chunk_split`),
+//! whole chunks (`grow_whole_chunks`) and how far past a request they reach, and the `auto`
+//! policy that sizes them to what the process holds. `vmm.rs` creates and maps them.
+//!
+//! # Note [Auto growth]
+//!
+//! `chunk_split` and `grow_whole_chunks` (Note [Chunks] in `vmm.rs`) trade handles (each
+//! `cuMemCreate` ~195 µs) against pinned memory: a handle partly covered by a live block
+//! cannot move, so a freed block's range reused by smaller blocks strands the rest of its
+//! handles, and what is stranded decides the smallest device a program runs on. `grow_whole_chunks:auto`, the default, buys cheaply while memory is
+//! plentiful and memory first as it runs short. While the process, after the growth, holds at
+//! most a quarter of what the limit and the device allow it ([`AUTO_SHARE`]):
+//! - it maps whole chunks, each at most an eighth of what it holds ([`AUTO_CHUNK_SHARE`], so a
+//!   100 MiB program does not strand 20 MiB handles);
+//! - it backs a request with handles of up to 1/32 of what it holds where that is more than
+//!   `chunk_size` ([`AUTO_HANDLE_SHARE`]; still a `chunk_split`-th of the request at most), so
+//!   a KV cache of 1 GiB is bought, and later moved, in four handles, not fifty.
+//!
+//! Past that, `chunk_size` and `chunk_split` rule. Measured with the replay's cost model
+//! (`cistern replay`, the dev snapshots and every built-in workload): median modelled driver
+//! time 1.07x `pytorch-expandable`'s on the dev snapshots instead of 4.9x, the serving
+//! workloads 2.8x and 1.9x instead of 4.5x and 3.9x, peak reserved at most 1.4% above
+//! expandable's on a device with room, and the smallest device each trace runs on within
+//! 0.5% of memory first's (`off`). The early large handles are what a tight device pays for;
+//! a quarter, an eighth and 1/32 are where that stayed within 0.5% on every trace while the
+//! time fell: a half with uncapped chunks needed a 17% larger device on `packed-C`, chunks of
+//! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
+//! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
+//! 2.2%).
+
+use super::vmm::{Placement, Window};
+use super::DevicePool;
+use crate::arena::{ArenaState, HeapKind};
+use crate::config::Config;
+use crate::driver::Driver;
+use crate::heap::SpanState;
+
+/// `grow_whole_chunks:auto` maps whole chunks only while the process, after the growth, holds
+/// at most 1/`AUTO_SHARE` of what the limit and the device allow it.
+const AUTO_SHARE: u64 = 4;
+/// ... in chunks of at most 1/`AUTO_CHUNK_SHARE` of what it holds.
+const AUTO_CHUNK_SHARE: u64 = 8;
+/// ... and while it does, backs a request with handles of up to 1/`AUTO_HANDLE_SHARE` of what
+/// it holds when that is more than `chunk_size` (still at most a `chunk_split`-th of the
+/// request).
+const AUTO_HANDLE_SHARE: u64 = 32;
+
+/// Whether memory is plentiful for `auto`: the process, holding `held` pages and adding
+/// `adding`, holds at most 1/`AUTO_SHARE` of what the limit and the device allow it (what it
+/// holds, the window's `missing` pages and the room `headroom` beyond them).
+pub(super) fn plentiful(held: u64, adding: u64, missing: u64, headroom: u64) -> bool {
+    held.saturating_add(adding)
+        <= held.saturating_add(missing).saturating_add(headroom) / AUTO_SHARE
+}
+
+/// The largest handle backing a large-heap request of `window_pages`: up to `chunk_size`, or,
+/// with `plentiful_held` (`auto` while memory is plentiful: the pages the process holds), up
+/// to 1/`AUTO_HANDLE_SHARE` of them when that is more, so that a large block (a KV cache) is
+/// bought, and later moved, in a few handles; and (`chunk_split`, 4 by default) at most a
+/// quarter of the request, so that a block spans at least four handles and, when it is freed
+/// and its range is reused by smaller blocks, at most a quarter of it is pinned by a partly
+/// used one (`chunk_split:none` trades that for fewer handles). At least one granule.
+pub(super) fn request_chunk_pages(
+    config: &Config,
+    g: u64,
+    window_pages: u64,
+    plentiful_held: Option<u64>,
+) -> u32 {
+    let mut most = config.chunk_size / g;
+    if let Some(held) = plentiful_held {
+        most = most.max(held / AUTO_HANDLE_SHARE);
+    }
+    match config.chunk_split {
+        Some(n) => most.min(window_pages / u64::from(n.max(1))),
+        None => most,
+    }
+    .clamp(1, u32::MAX as u64) as u32
+}
+
+/// The pages of a whole chunk: `chunk_size`, and with `auto_held` (`auto`: the pages the
+/// process holds) at most 1/`AUTO_CHUNK_SHARE` of them: at a small scale a 20 MiB handle is a
+/// large share of a process's memory, and pins it once partly used. At least one granule.
+pub(super) fn whole_chunk_pages(config: &Config, g: u64, auto_held: Option<u64>) -> u32 {
+    let full = (config.chunk_size / g).clamp(1, u32::MAX as u64) as u32;
+    match auto_held {
+        Some(held) => full.min((held / AUTO_CHUNK_SHARE).clamp(1, u32::MAX as u64) as u32),
+        None => full,
+    }
+}
+
+impl<D: Driver> DevicePool<D> {
+    /// Whether `grow_whole_chunks` backs the window's last run of missing pages with whole
+    /// chunks, and how many pages past the window's end it then maps: `None` unless that run
+    /// covers the window's end, still has open pages and ends in an unmapped range of the
+    /// extent; else `Some(extra)`, what makes the run's open pages a whole number of chunks of
+    /// `full` pages, as far as that range (and any page left mapped by a failed unmap in it)
+    /// allows, and only while the limit and the device (`headroom`: their room beyond the
+    /// request) keep room for one chunk more after it, so that the pages pinned beyond a
+    /// request never take the last of the room. With `auto_held` (`grow_whole_chunks:auto`:
+    /// the pages the process holds), also `None` once the growth would leave the process
+    /// holding more than 1/`AUTO_SHARE` of what the limit and the device allow it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn whole_chunk_extension(
+        &self,
+        a: &ArenaState,
+        kind: HeapKind,
+        w: &Window,
+        place: &Placement,
+        full: u32,
+        headroom: usize,
+        stuck: &[u64],
+        auto_held: Option<u64>,
+    ) -> Option<u32> {
+        let g = self.core.granularity;
+        let &(lo, n, f) = place.runs.last()?;
+        let end = lo + n as u64 * g;
+        if end < w.hi || f == n {
+            return None;
+        }
+        let seg = a.kinds[kind].segment(w.seg);
+        let seg_end = seg.base + seg.len;
+        let mut hole_end = a.kinds[kind]
+            .heap
+            .segment_spans(seg.first)
+            .find(|(_, s)| s.state == SpanState::Hole && s.start < end && end <= s.end())
+            .map(|(_, s)| s.end().min(seg_end))?;
+        for &at in stuck {
+            if at >= end && at < hole_end {
+                hole_end = at;
+            }
+        }
+        let avail = ((hole_end - end) / g).min(u32::MAX as u64) as u32;
+        let open = n - f;
+        let want = open.div_ceil(full).saturating_mul(full) - open;
+        let room = headroom
+            .saturating_sub(full as usize)
+            .min(u32::MAX as usize) as u32;
+        let extra = want.min(avail).min(room);
+        if let Some(held) = auto_held {
+            // `auto`: only while the process, after this growth, holds at most a quarter of what
+            // the limit and the device allow it. Past that, memory comes first: handles of a
+            // `chunk_split`-th of the request, which pin less of a freed block that smaller
+            // ones reuse.
+            let adding = u64::from(open) + u64::from(extra);
+            if !plentiful(held, adding, w.missing.len() as u64, headroom as u64) {
+                return None;
+            }
+        }
+        Some(extra)
+    }
+}
