@@ -26,26 +26,42 @@ pub type cistern_stream_filter_t =
 #[allow(non_camel_case_types)]
 pub type cistern_release_fn_t = Option<unsafe extern "C" fn(ctx: *mut c_void)>;
 
+/// A caller's context for a callback (a stream filter, an observer) and the function that
+/// releases it, called once when this is dropped.
+pub(crate) struct CallerContext {
+    pub(crate) ctx: *mut c_void,
+    pub(crate) release: cistern_release_fn_t,
+}
+
+// SAFETY: the contracts of the exports that take a context (`cistern_begin_allocate_to_pool`,
+// `cistern_set_observer`) make their callbacks, with the context, and its release callable
+// from any thread; cistern never dereferences `ctx`.
+unsafe impl Send for CallerContext {}
+// SAFETY: as above: shared calls are allowed by those contracts.
+unsafe impl Sync for CallerContext {}
+
+impl Drop for CallerContext {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: called once, with the context the caller gave for it.
+            unsafe { release(self.ctx) }
+        }
+    }
+}
+
 /// A C stream filter and its context, as the pool's [`StreamFilter`] holds it: the context is
 /// released when the last copy of the filter is dropped.
 struct CFilter {
     filter: cistern_stream_filter_t,
-    ctx: *mut c_void,
-    release: cistern_release_fn_t,
+    cx: CallerContext,
 }
-
-// SAFETY: the contract of `cistern_begin_allocate_to_pool` makes the filter and its context
-// callable from any thread, and their release too; cistern never dereferences `ctx`.
-unsafe impl Send for CFilter {}
-// SAFETY: as above: shared calls are allowed by the contract.
-unsafe impl Sync for CFilter {}
 
 impl CFilter {
     fn accepts(&self, stream: StreamId) -> std::result::Result<bool, String> {
         match self.filter {
             Some(f) => {
                 // SAFETY: a filter the caller gave with this context, callable from any thread.
-                let r = unsafe { f(self.ctx, stream.0 as usize as cistern_stream_t) };
+                let r = unsafe { f(self.cx.ctx, stream.0 as usize as cistern_stream_t) };
                 if r < 0 {
                     Err(format!("the C filter returned {r}"))
                 } else {
@@ -53,15 +69,6 @@ impl CFilter {
                 }
             }
             None => Ok(true),
-        }
-    }
-}
-
-impl Drop for CFilter {
-    fn drop(&mut self) {
-        if let Some(release) = self.release {
-            // SAFETY: called once, with the context the caller gave for it.
-            unsafe { release(self.ctx) }
         }
     }
 }
@@ -90,8 +97,7 @@ pub extern "C" fn cistern_begin_allocate_to_pool(
 ) -> c_int {
     let filter = CFilter {
         filter,
-        ctx,
-        release,
+        cx: CallerContext { ctx, release },
     };
     guard::call("cistern_begin_allocate_to_pool", 0, move || {
         let what = format!(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cistern_alloc::{PoolEvent, PoolEventKind};
 
 use crate::global::{self, with_pool};
-use crate::graphs::cistern_release_fn_t;
+use crate::graphs::{cistern_release_fn_t, CallerContext};
 use crate::{fail_no_pool, guard};
 
 /// `cistern_event_t.kind`: physical memory mapped (VMM), with access granted.
@@ -50,15 +50,8 @@ pub type cistern_observer_t =
 /// A C observer and its context; the context is released when the last copy is dropped.
 struct CObserver {
     f: unsafe extern "C" fn(ctx: *mut c_void, event: *const cistern_event_t),
-    ctx: *mut c_void,
-    release: cistern_release_fn_t,
+    cx: CallerContext,
 }
-
-// SAFETY: the contract of `cistern_set_observer` makes the observer and its context callable
-// from any thread, and their release too; cistern never dereferences `ctx`.
-unsafe impl Send for CObserver {}
-// SAFETY: as above: concurrent calls are allowed by the contract.
-unsafe impl Sync for CObserver {}
 
 impl CObserver {
     fn tell(&self, e: &PoolEvent) {
@@ -77,16 +70,7 @@ impl CObserver {
         };
         // SAFETY: the caller's observer with its context, callable from any thread; `ev`
         // outlives the call.
-        unsafe { (self.f)(self.ctx, &ev) }
-    }
-}
-
-impl Drop for CObserver {
-    fn drop(&mut self) {
-        if let Some(release) = self.release {
-            // SAFETY: called once, with the context the caller gave for it.
-            unsafe { release(self.ctx) }
-        }
+        unsafe { (self.f)(self.cx.ctx, &ev) }
     }
 }
 
@@ -102,28 +86,26 @@ pub extern "C" fn cistern_set_observer(
     ctx: *mut c_void,
     release: cistern_release_fn_t,
 ) -> c_int {
-    let obs = observer.map(|f| CObserver { f, ctx, release });
-    let release_now = obs.is_none().then_some(release).flatten();
+    let cx = CallerContext { ctx, release };
+    let obs = match observer {
+        Some(f) => Some(CObserver { f, cx }),
+        None => {
+            // No observer to hold the context: released at once.
+            drop(cx);
+            None
+        }
+    };
     guard::call("cistern_set_observer", 0, move || {
         let pool = match global::pool() {
             Ok(p) => p,
             Err(why) => {
                 fail_no_pool("cistern_set_observer", why);
-                if let Some(release) = release_now {
-                    // SAFETY: called once, with the context the caller gave for it.
-                    unsafe { release(ctx) }
-                }
                 return 0; // `obs`, if any, is dropped: its context released.
             }
         };
         let o: Option<cistern_alloc::Observer> =
             obs.map(|o| Arc::new(move |e: &PoolEvent| o.tell(e)) as cistern_alloc::Observer);
         with_pool!(pool, |p| p.set_observer(o));
-        if let Some(release) = release_now {
-            // No observer to hold the context: release it at once.
-            // SAFETY: called once, with the context the caller gave for it.
-            unsafe { release(ctx) }
-        }
         1
     })
 }
