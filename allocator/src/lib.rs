@@ -26,6 +26,7 @@ pub mod error;
 pub mod fork;
 pub(crate) mod heap;
 pub mod interop;
+pub mod ipc;
 #[doc(hidden)]
 pub mod log;
 pub mod open;

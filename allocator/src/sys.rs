@@ -45,3 +45,39 @@ pub(crate) fn at_fork_child(child: extern "C" fn()) -> bool {
     // do what is safe in a child of a multithreaded process (it stores an atomic).
     unsafe { libc::pthread_atfork(None, None, Some(child)) == 0 }
 }
+
+/// A new anonymous memory file (`memfd_create`, close-on-exec) named `name`.
+pub(crate) fn memfd(name: &std::ffi::CStr) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a valid NUL-terminated name and documented flags; the result is checked.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// A duplicate, in this process, of file descriptor `fd` of process `pid` (`pidfd_open` and
+/// `pidfd_getfd`, Linux 5.6). It needs ptrace-attach permission over `pid`: the same user and,
+/// under Yama's `ptrace_scope` 1, that `pid` be a descendant of this process or have allowed it
+/// (`prctl(PR_SET_PTRACER)`).
+pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: the pidfd_open system call with a pid and flags 0; the result is checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `pidfd` was just opened and nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd with a live pidfd, a descriptor number of that process and flags 0.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `got` is a new descriptor of this process that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
+}

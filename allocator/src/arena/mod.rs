@@ -292,7 +292,7 @@ impl<D: Driver> Arena<D> {
                                     c.observer
                                         .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
                                 }
-                                let _ = d.release_physical(c.dev, p.handle);
+                                let _ = c.share.release_chunk(c, p.handle);
                             }
                         }
                         let _ = d.free_va(c.dev, seg.base, seg.len);

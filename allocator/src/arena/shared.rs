@@ -85,6 +85,8 @@ pub(crate) struct DeviceCore<D: Driver> {
     pub(crate) recorder: Option<crate::trace_writer::Recorder>,
     /// Who hears of mappings, segments and completed frees (`DevicePool::set_observer`).
     pub(crate) observer: crate::pool::ObserverSlot,
+    /// Chunks exported to other processes, ranges opened from them (`pool/share.rs`).
+    pub(crate) share: crate::pool::ShareState,
 }
 
 impl<D: Driver> DeviceCore<D> {

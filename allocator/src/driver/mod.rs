@@ -29,6 +29,11 @@
 //!     is set for that peer too (`cuCtxEnablePeerAccess` does not cover VMM mappings). A peer
 //!     must be one that `can_access_peer(dev, peer)` allows.
 //!   - `release_physical` frees a handle; it must no longer be mapped anywhere.
+//!   - Sharing with other processes: where [`DeviceCaps::posix_fd_handles`] is true, handles
+//!     are created exportable; `export_handle` gives a POSIX file descriptor of one and
+//!     `import_handle` makes a handle of this process from such a descriptor (another
+//!     process's, obtained with `pidfd_getfd`). Linear memory is shared with `ipc_get_handle`
+//!     (on an allocation's base) and `ipc_open` / `ipc_close` in the receiving process.
 //! * **Linear fallback**: `mem_alloc` / `mem_free` (`cuMemAlloc` / `cuMemFree`). `mem_free` may
 //!   synchronise the device: slow path only.
 //! * **Streams** are opaque `u64` values ([`StreamId`]), the raw `CUstream`; `0` is the legacy
@@ -49,6 +54,7 @@
 //!   next to nothing when nothing is being checked.
 
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 pub mod cuda;
@@ -115,6 +121,10 @@ pub struct DeviceCaps {
     pub name: String,
     /// The device UUID (`GPU-xxxxxxxx-...`), when the driver knows it.
     pub uuid: Option<String>,
+    /// Whether physical handles can be exported to other processes as POSIX file descriptors
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`): the driver then
+    /// creates every handle exportable, and [`Driver::export_handle`] works.
+    pub posix_fd_handles: bool,
 }
 
 /// Free and total device memory, as `cuMemGetInfo` reports them.
@@ -150,11 +160,16 @@ pub enum DriverCall {
     StreamWaitEvent,
     DeviceSynchronize,
     StreamSynchronize,
+    ExportHandle,
+    ImportHandle,
+    IpcGetHandle,
+    IpcOpen,
+    IpcClose,
 }
 
 impl DriverCall {
     /// Every call kind, in declaration order.
-    pub const ALL: [DriverCall; 20] = [
+    pub const ALL: [DriverCall; 25] = [
         DriverCall::DeviceCount,
         DriverCall::Capabilities,
         DriverCall::MemInfo,
@@ -175,6 +190,11 @@ impl DriverCall {
         DriverCall::StreamWaitEvent,
         DriverCall::DeviceSynchronize,
         DriverCall::StreamSynchronize,
+        DriverCall::ExportHandle,
+        DriverCall::ImportHandle,
+        DriverCall::IpcGetHandle,
+        DriverCall::IpcOpen,
+        DriverCall::IpcClose,
     ];
 
     /// The CUDA driver function this call kind corresponds to.
@@ -200,6 +220,11 @@ impl DriverCall {
             DriverCall::StreamWaitEvent => "cuStreamWaitEvent",
             DriverCall::DeviceSynchronize => "cuCtxSynchronize",
             DriverCall::StreamSynchronize => "cuStreamSynchronize",
+            DriverCall::ExportHandle => "cuMemExportToShareableHandle",
+            DriverCall::ImportHandle => "cuMemImportFromShareableHandle",
+            DriverCall::IpcGetHandle => "cuIpcGetMemHandle",
+            DriverCall::IpcOpen => "cuIpcOpenMemHandle",
+            DriverCall::IpcClose => "cuIpcCloseMemHandle",
         }
     }
 
@@ -226,6 +251,11 @@ impl DriverCall {
             DriverCall::StreamWaitEvent => "stream_wait_event",
             DriverCall::DeviceSynchronize => "device_synchronize",
             DriverCall::StreamSynchronize => "stream_synchronize",
+            DriverCall::ExportHandle => "export_handle",
+            DriverCall::ImportHandle => "import_handle",
+            DriverCall::IpcGetHandle => "ipc_get_handle",
+            DriverCall::IpcOpen => "ipc_open",
+            DriverCall::IpcClose => "ipc_close",
         }
     }
 
@@ -318,6 +348,16 @@ impl fmt::Display for DriverError {
 
 impl std::error::Error for DriverError {}
 
+/// The error of a call that driver `name` does not offer.
+fn unsupported(call: DriverCall, name: &str) -> DriverError {
+    DriverError::new(
+        call,
+        DriverErrorKind::NotSupported,
+        801, // CUDA_ERROR_NOT_SUPPORTED
+        format!("the {name} driver cannot share memory between processes"),
+    )
+}
+
 /// Shorthand for results of driver calls.
 pub type DriverResult<T> = Result<T, DriverError>;
 
@@ -359,6 +399,39 @@ pub trait Driver: Send + Sync + 'static {
     fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
         let _ = (dev, peer);
         Ok(false)
+    }
+
+    /// Exports physical `handle` as a POSIX file descriptor that another process can import
+    /// (`cuMemExportToShareableHandle`, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). The handle
+    /// must have been created exportable ([`DeviceCaps::posix_fd_handles`]). The caller owns the
+    /// descriptor, and the memory lives while any process holds a handle of it.
+    fn export_handle(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        let _ = (dev, handle);
+        Err(unsupported(DriverCall::ExportHandle, self.name()))
+    }
+    /// Imports the memory behind `fd`, a descriptor from [`Driver::export_handle`] in this or
+    /// another process (`cuMemImportFromShareableHandle`), as a new handle of device `dev`:
+    /// mapped, given access and released as one this process created. `fd` stays the caller's.
+    fn import_handle(&self, dev: DeviceId, fd: BorrowedFd<'_>) -> DriverResult<PhysHandle> {
+        let _ = (dev, fd);
+        Err(unsupported(DriverCall::ImportHandle, self.name()))
+    }
+    /// The CUDA IPC handle (`cuIpcGetMemHandle`) of `ptr`, the base of a [`Driver::mem_alloc`]
+    /// allocation: 64 bytes another process opens with [`Driver::ipc_open`].
+    fn ipc_get_handle(&self, dev: DeviceId, ptr: u64) -> DriverResult<[u8; 64]> {
+        let _ = (dev, ptr);
+        Err(unsupported(DriverCall::IpcGetHandle, self.name()))
+    }
+    /// Maps the allocation behind an IPC handle of another process into this one
+    /// (`cuIpcOpenMemHandle`, with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`); returns its base.
+    fn ipc_open(&self, dev: DeviceId, handle: &[u8; 64]) -> DriverResult<u64> {
+        let _ = (dev, handle);
+        Err(unsupported(DriverCall::IpcOpen, self.name()))
+    }
+    /// Unmaps memory opened with [`Driver::ipc_open`] (`cuIpcCloseMemHandle`).
+    fn ipc_close(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        let _ = (dev, ptr);
+        Err(unsupported(DriverCall::IpcClose, self.name()))
     }
 
     /// Allocates linear device memory (`cuMemAlloc`), for devices without VMM.
@@ -465,6 +538,21 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     }
     fn can_access_peer(&self, dev: DeviceId, peer: DeviceId) -> DriverResult<bool> {
         (**self).can_access_peer(dev, peer)
+    }
+    fn export_handle(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        (**self).export_handle(dev, handle)
+    }
+    fn import_handle(&self, dev: DeviceId, fd: BorrowedFd<'_>) -> DriverResult<PhysHandle> {
+        (**self).import_handle(dev, fd)
+    }
+    fn ipc_get_handle(&self, dev: DeviceId, ptr: u64) -> DriverResult<[u8; 64]> {
+        (**self).ipc_get_handle(dev, ptr)
+    }
+    fn ipc_open(&self, dev: DeviceId, handle: &[u8; 64]) -> DriverResult<u64> {
+        (**self).ipc_open(dev, handle)
+    }
+    fn ipc_close(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        (**self).ipc_close(dev, ptr)
     }
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {
         (**self).mem_alloc(dev, size)

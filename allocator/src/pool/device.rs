@@ -189,6 +189,7 @@ impl<D: Driver> DevicePool<D> {
                 capturing: AtomicUsize::new(0),
                 recorder,
                 observer: Default::default(),
+                share: Default::default(),
             }),
             arenas: RwLock::new(FxHashMap::default()),
             retired: Mutex::new(Vec::new()),
@@ -631,6 +632,8 @@ impl<D: Driver> Drop for DevicePool<D> {
         if let Some(r) = &c.recorder {
             r.flush();
         }
+        // Ranges opened from other processes first: they are not the arenas'.
+        c.share.close_all(c);
         let (lost, stuck) = {
             let mut dev = self.state.lock();
             (
@@ -639,14 +642,14 @@ impl<D: Driver> Drop for DevicePool<D> {
             )
         };
         for l in lost {
-            let _ = c.driver.release_physical(c.dev, l.chunk.handle);
+            let _ = c.share.release_chunk(c, l.chunk.handle);
         }
         // Before the arenas free their address ranges, which must hold no mapping.
         for s in stuck {
             let _ = c
                 .driver
                 .unmap(c.dev, s.addr, s.chunk.pages as u64 * c.granularity);
-            let _ = c.driver.release_physical(c.dev, s.chunk.handle);
+            let _ = c.share.release_chunk(c, s.chunk.handle);
         }
         // Only now may a buffer freed on another thread tear its arena down (and free its
         // address range): the stuck pages inside it are gone.
@@ -665,7 +668,7 @@ impl<D: Driver> Drop for DevicePool<D> {
 /// Refuses pool work in a `fork()` child (see [`crate::fork`]): before any lock, one relaxed
 /// load.
 #[inline]
-fn fork_check() -> Result<()> {
+pub(super) fn fork_check() -> Result<()> {
     if crate::fork::is_fork_child() {
         return Err(Error::InvalidArgument(crate::fork::CHILD_ERROR.to_owned()));
     }

@@ -130,6 +130,7 @@ mod peers;
 mod publish;
 mod release;
 mod report;
+mod share;
 mod sizing;
 mod vmm;
 mod window;
@@ -150,6 +151,7 @@ pub use graphs::{GraphPoolInfo, MempoolId, StreamFilter};
 pub(crate) use observe::ObserverSlot;
 pub use observe::{Observer, PoolEvent, PoolEventKind};
 pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
+pub(crate) use share::ShareState;
 
 /// Rounds a request up to the pool's 512 B unit; `None` on overflow.
 #[inline]
@@ -305,6 +307,30 @@ impl<D: Driver> Pool<D> {
         Err(Error::InvalidArgument(format!(
             "record_stream: {ptr:#x} is not memory of this pool"
         )))
+    }
+
+    /// Describes the live block containing `ptr` for another process (see
+    /// [`DevicePool::share`]), with the device that owns it.
+    pub fn share(&self, ptr: u64) -> Result<(DeviceId, crate::ipc::Share)> {
+        for d in self.devices() {
+            if d.owns(ptr) {
+                return Ok((d.device(), d.share(ptr)?));
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "share: {ptr:#x} is not memory of this pool"
+        )))
+    }
+
+    /// Maps memory another process shared into this one on device `dev` (see
+    /// [`DevicePool::open_shared`]); returns the range's base.
+    pub fn open_shared(&self, dev: DeviceId, memory: &crate::ipc::Shared) -> Result<u64> {
+        self.device(dev)?.open_shared(memory)
+    }
+
+    /// Drops one open of a range from [`Pool::open_shared`] on device `dev`.
+    pub fn close_shared(&self, dev: DeviceId, base: u64) -> Result<()> {
+        self.device(dev)?.close_shared(base)
     }
 
     /// Says that `stream` is about to be destroyed (or just was): the pool never names the

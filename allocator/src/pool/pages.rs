@@ -162,7 +162,7 @@ impl<D: Driver> DevicePool<D> {
     /// still reserved, in the lost list for growth to map again and `empty_cache` to retry.
     pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, ch: Chunk) {
         let c = &*self.core;
-        match c.driver.release_physical(c.dev, ch.handle) {
+        match c.share.release_chunk(c, ch.handle) {
             Ok(()) => {
                 c.counters.num_device_free.fetch_add(1, Relaxed);
                 dev.add_reserved(kind, -(ch.pages as i64 * c.granularity as i64));

@@ -17,6 +17,7 @@ mod registry;
 mod registry_pool;
 mod regressions;
 mod replay;
+mod share;
 mod smoke;
 mod stitching;
 mod streams;

@@ -79,6 +79,7 @@ pub mod context;
 pub mod hooks;
 pub mod knobs;
 pub mod memory;
+pub mod share;
 pub mod streams;
 
 use knobs::Knobs;
@@ -105,11 +106,12 @@ pub const CLIENT_SYMBOLS: [&str; 16] = [
 ];
 
 /// The fake's test hooks, not CUDA functions (see [`hooks`]).
-pub const HOOK_SYMBOLS: [&str; 4] = [
+pub const HOOK_SYMBOLS: [&str; 5] = [
     "cisternFakeLaunch",
     "cisternFakeComplete",
     "cisternFakeHazards",
     "cisternFakePrintHazards",
+    "cisternFakeOrigin",
 ];
 
 /// Every function the library exports: [`CUDA_SYMBOLS`] ∪ [`CLIENT_SYMBOLS`] ∪
@@ -239,6 +241,8 @@ const ATTR_CC_MAJOR: c_uint = 75;
 const ATTR_CC_MINOR: c_uint = 76;
 /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED`.
 const ATTR_VMM: c_uint = 102;
+/// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+const ATTR_POSIX_FD: c_uint = 103;
 
 /// The description of each code the fake can return, as the real driver words it.
 const ERROR_STRINGS: [(CUresult, &CStr); 24] = [
@@ -317,6 +321,12 @@ pub(crate) struct Handle {
     pub(crate) maps: u32,
     /// `cuMemRelease` was called while it was mapped: freed at its last `cuMemUnmap`.
     pub(crate) released: bool,
+    /// Its size in bytes.
+    pub(crate) size: u64,
+    /// The handle types it may be exported as (`requestedHandleTypes`).
+    pub(crate) types: c_uint,
+    /// For a handle imported from another process: (that process's id, its handle).
+    pub(crate) origin: Option<(u64, u64)>,
 }
 
 /// A mapping made by `cuMemMap`.
@@ -389,6 +399,9 @@ pub(crate) struct State {
     pub(crate) mappings: BTreeMap<u64, Mapping>,
     /// Linear allocation base -> (size, device).
     pub(crate) linear: BTreeMap<u64, (u64, usize)>,
+    /// Linear allocations opened with `cuIpcOpenMemHandle`: base here -> (the exporting
+    /// process's id, the allocation's base there).
+    pub(crate) opened: BTreeMap<u64, (u64, u64)>,
     pub(crate) events: HashMap<u64, Event>,
     /// Simulator stream id -> stream.
     pub(crate) streams: HashMap<u64, Stream>,
@@ -494,6 +507,7 @@ impl Fake {
                     granularity: knobs.granularity,
                     name: "cistern-sim".into(),
                     uuid: None,
+                    posix_fd_handles: knobs.vmm,
                 })
             })
             .collect();
@@ -939,6 +953,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
         let caps = f.sim.capabilities(d).map_err(|e| code(&e))?;
         let v = match attrib {
             ATTR_VMM => c_int::from(caps.vmm),
+            ATTR_POSIX_FD => c_int::from(caps.vmm),
             ATTR_CC_MAJOR => 9,
             ATTR_CC_MINOR => 0,
             ATTR_MULTIPROCESSOR_COUNT => 132,
@@ -1015,6 +1030,11 @@ mod tests {
         assert_eq!(
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED as c_uint,
             ATTR_VMM
+        );
+        assert_eq!(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+                as c_uint,
+            ATTR_POSIX_FD
         );
         assert_eq!(
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as c_uint,

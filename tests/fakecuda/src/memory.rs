@@ -42,7 +42,7 @@ use crate::{
 };
 
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, `_WIN32`, `_WIN32_KMT`, `_FABRIC`.
-const HANDLE_POSIX_FD: c_uint = 0x1;
+pub(crate) const HANDLE_POSIX_FD: c_uint = 0x1;
 const HANDLE_WIN32: c_uint = 0x2;
 const HANDLE_WIN32_KMT: c_uint = 0x4;
 const HANDLE_FABRIC: c_uint = 0x8;
@@ -303,6 +303,9 @@ pub unsafe extern "C" fn cuMemCreate(
                 dev: d,
                 maps: 0,
                 released: false,
+                size: self::size(size),
+                types: prop.requestedHandleTypes,
+                origin: None,
             },
         );
         // SAFETY: `handle` is non-null and writable (contract).

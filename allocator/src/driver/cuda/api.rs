@@ -21,13 +21,13 @@
 // The whole module is FFI with the driver library, whose functions keep their C names.
 #![allow(unsafe_code, non_snake_case)]
 
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUmemAccessDesc,
-    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult,
-    CUstream, CUuuid,
+    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUipcMemHandle, CUmemAccessDesc,
+    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUresult, CUstream, CUuuid,
 };
 use libc::RTLD_NOLOAD;
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
@@ -117,6 +117,20 @@ driver_api! {
     cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, c_ulonglong);
     cuMemUnmap(CUdeviceptr, usize);
     cuMemSetAccess(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+    cuMemExportToShareableHandle(
+        *mut c_void,
+        CUmemGenericAllocationHandle,
+        CUmemAllocationHandleType,
+        c_ulonglong
+    );
+    cuMemImportFromShareableHandle(
+        *mut CUmemGenericAllocationHandle,
+        *mut c_void,
+        CUmemAllocationHandleType
+    );
+    cuIpcGetMemHandle(*mut CUipcMemHandle, CUdeviceptr);
+    cuIpcOpenMemHandle_v2(*mut CUdeviceptr, CUipcMemHandle, c_uint);
+    cuIpcCloseMemHandle(CUdeviceptr);
     cuMemAlloc_v2(*mut CUdeviceptr, usize);
     cuMemFree_v2(CUdeviceptr);
     cuEventCreate(*mut CUevent, c_uint);

@@ -61,9 +61,11 @@
 pub mod api;
 mod call;
 
-use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -105,6 +107,10 @@ struct Device {
     retain: Mutex<()>,
     /// Capabilities, after the first query.
     caps: OnceLock<DeviceCaps>,
+    /// Whether `cuMemCreate` requests POSIX file-descriptor handles: the device supports them
+    /// and no creation has refused them yet (containers and WSL may refuse the type a device
+    /// reports; creation then goes on without it, and export says why it cannot).
+    exportable: AtomicBool,
 }
 
 /// The CUDA driver API on each device's primary context. See the [module documentation](self).
@@ -175,6 +181,7 @@ impl CudaDriver {
                 ctx: OnceLock::new(),
                 retain: Mutex::new(()),
                 caps: OnceLock::new(),
+                exportable: AtomicBool::new(false),
             });
         }
         Ok(CudaDriver { api, devices })
@@ -369,12 +376,27 @@ impl CudaDriver {
         })
         .ok()
         .map(|()| format_uuid(uuid.bytes.map(|c| c as u8)));
+        let mut fd_handles: c_int = 0;
+        // SAFETY: `fd_handles` is a live, writable c_int; the attribute is a valid enum value.
+        // A driver that does not know the attribute has no such handles.
+        let posix_fd_handles = vmm
+            && cu(call, "cuDeviceGetAttribute", || unsafe {
+                (self.api.cuDeviceGetAttribute)(
+                    &mut fd_handles,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    d.cu,
+                )
+            })
+            .is_ok()
+            && fd_handles != 0;
+        d.exportable.store(posix_fd_handles, Ordering::Relaxed);
         Ok(DeviceCaps {
             total_memory: total as u64,
             vmm,
             granularity,
             name,
             uuid,
+            posix_fd_handles,
         })
     }
 }
@@ -499,14 +521,118 @@ impl Driver for CudaDriver {
         let call = DriverCall::CreatePhysical;
         let size = to_usize(call, size)?;
         let _bound = self.bind(call, dev)?;
-        let prop = pinned_on(self.device(call, dev)?.cu);
+        let d = self.device(call, dev)?;
+        if d.caps.get().is_none() {
+            self.capabilities(dev)?;
+        }
+        let mut prop = pinned_on(d.cu);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let exportable = d.exportable.load(Ordering::Relaxed);
+        if exportable {
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         // SAFETY: `handle` is a live, writable handle and `prop` a fully initialised property
         // that outlives the call; flags must be 0.
-        cu(call, "cuMemCreate", || unsafe {
+        let r = cu(call, "cuMemCreate", || unsafe {
             (self.api.cuMemCreate)(&mut handle, size, &prop, 0)
+        });
+        match r {
+            Err(e) if exportable && !e.is_oom() => {
+                // The handle type is refused (a container, WSL): create plain handles from now
+                // on; sharing then reports that the device cannot export.
+                d.exportable.store(false, Ordering::Relaxed);
+                prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+                // SAFETY: as above.
+                cu(call, "cuMemCreate", || unsafe {
+                    (self.api.cuMemCreate)(&mut handle, size, &prop, 0)
+                })?;
+            }
+            r => r?,
+        }
+        Ok(PhysHandle(handle))
+    }
+
+    fn export_handle(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        let call = DriverCall::ExportHandle;
+        let _bound = self.bind(call, dev)?;
+        let mut fd: c_int = -1;
+        // SAFETY: for the POSIX type the driver writes an `int` through the pointer, which is
+        // a live, writable c_int; the handle is a plain value the driver validates; flags 0.
+        cu(call, "cuMemExportToShareableHandle", || unsafe {
+            (self.api.cuMemExportToShareableHandle)(
+                (&mut fd as *mut c_int).cast(),
+                handle.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::Other,
+                CUresult::CUDA_ERROR_UNKNOWN as i32,
+                format!("cuMemExportToShareableHandle gave the descriptor {fd}"),
+            ));
+        }
+        // SAFETY: the driver made a new descriptor for the caller, which nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_handle(&self, dev: DeviceId, fd: BorrowedFd<'_>) -> DriverResult<PhysHandle> {
+        let call = DriverCall::ImportHandle;
+        let _bound = self.bind(call, dev)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the POSIX type the "OS handle" argument is the descriptor's value cast to
+        // a pointer (the driver's documented convention); the descriptor is live for the call
+        // and stays the caller's. `handle` is a live, writable handle.
+        cu(call, "cuMemImportFromShareableHandle", || unsafe {
+            (self.api.cuMemImportFromShareableHandle)(
+                &mut handle,
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
         })?;
         Ok(PhysHandle(handle))
+    }
+
+    fn ipc_get_handle(&self, dev: DeviceId, ptr: u64) -> DriverResult<[u8; 64]> {
+        let call = DriverCall::IpcGetHandle;
+        let _bound = self.bind(call, dev)?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `h` is a live, writable handle; `ptr` a plain value the driver validates.
+        cu(call, "cuIpcGetMemHandle", || unsafe {
+            (self.api.cuIpcGetMemHandle)(&mut h, ptr)
+        })?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    fn ipc_open(&self, dev: DeviceId, handle: &[u8; 64]) -> DriverResult<u64> {
+        let call = DriverCall::IpcOpen;
+        let _bound = self.bind(call, dev)?;
+        let h = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is live and writable; the handle is passed by value; the flag is the
+        // documented CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
+        cu(call, "cuIpcOpenMemHandle", || unsafe {
+            (self.api.cuIpcOpenMemHandle_v2)(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint,
+            )
+        })?;
+        Ok(ptr)
+    }
+
+    fn ipc_close(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        let call = DriverCall::IpcClose;
+        let _bound = self.bind(call, dev)?;
+        // SAFETY: a plain address the driver validates.
+        cu(call, "cuIpcCloseMemHandle", || unsafe {
+            (self.api.cuIpcCloseMemHandle)(ptr)
+        })
     }
 
     fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()> {

@@ -28,7 +28,11 @@
 //! these give ≈194 µs for 1 GiB, ≈23 µs for 20 MiB), `mem_free` 30 (the call itself; its
 //! implicit device synchronisation is a host wait, below), `event_create` 1, `event_destroy` 1,
 //! `event_synchronize` 1, `stream_synchronize` 1 and `device_synchronize` 5 (the calls' own
-//! overhead, not the wait), `stream_wait_event` 0.5 (like a record).
+//! overhead, not the wait), `stream_wait_event` 0.5 (like a record); sharing, which only a
+//! process sending or receiving memory pays, once per handle: `export_handle` 10 and
+//! `import_handle` 10 (a file descriptor made or resolved in the kernel driver, about a
+//! `cuMemGetInfo`), `ipc_get_handle` 5, `ipc_open` 100 (it maps the allocation, as a
+//! `cuMemAlloc` does) and `ipc_close` 30 (like a free).
 //!
 //! # Units
 //!
@@ -139,6 +143,11 @@ fn default_cost(call: DriverCall) -> CallCost {
         DeviceSynchronize => CallCost::flat(5.0),
         StreamWaitEvent => CallCost::flat(0.5),
         StreamSynchronize => CallCost::flat(1.0),
+        ExportHandle => CallCost::flat(10.0),
+        ImportHandle => CallCost::flat(10.0),
+        IpcGetHandle => CallCost::flat(5.0),
+        IpcOpen => CallCost::flat(100.0),
+        IpcClose => CallCost::flat(30.0),
     }
 }
 

@@ -2,6 +2,7 @@
 //! VMM support, granularity, sizes, handles, overlaps) and applied to the simulated memory and
 //! work model, with its hazards recorded.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -36,6 +37,7 @@ impl Driver for SimDriver {
             granularity: self.config.granularity,
             name: "cistern-sim".to_string(),
             uuid: Some(format!("GPU-5157a1d0-0000-4000-8000-{dev:012x}")),
+            posix_fd_handles: self.config.vmm,
         })
     }
 
@@ -113,6 +115,7 @@ impl Driver for SimDriver {
             PhysAlloc {
                 size,
                 map_count: 0,
+                refs: 1,
                 data: Store::default(),
             },
         );
@@ -124,12 +127,17 @@ impl Driver for SimDriver {
         let call = DriverCall::ReleasePhysical;
         let d = self.vmm_device(call, dev)?;
         let mut st = d.state.lock();
-        let Some(p) = st.handles.get(&handle.0) else {
+        let Some(p) = st.handles.get_mut(&handle.0) else {
             return Err(invalid_handle(
                 call,
                 format!("unknown physical handle {}", handle.0),
             ));
         };
+        if p.refs > 1 {
+            // Another handle of the memory (an import) keeps it, and may be mapped.
+            p.refs -= 1;
+            return Ok(());
+        }
         if p.map_count > 0 {
             return Err(invalid(
                 call,
@@ -321,6 +329,32 @@ impl Driver for SimDriver {
         self.device(call, dev)?;
         self.device(call, peer)?;
         Ok(self.config.peers && dev != peer)
+    }
+
+    fn export_handle(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        self.export(dev, handle)
+    }
+
+    fn import_handle(&self, dev: DeviceId, fd: BorrowedFd<'_>) -> DriverResult<PhysHandle> {
+        self.import(dev, fd)
+    }
+
+    fn ipc_get_handle(&self, dev: DeviceId, ptr: u64) -> DriverResult<[u8; 64]> {
+        self.ipc_handle(dev, ptr)
+    }
+
+    fn ipc_open(&self, dev: DeviceId, handle: &[u8; 64]) -> DriverResult<u64> {
+        self.ipc_open_handle(dev, handle)
+    }
+
+    fn ipc_close(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
+        let call = DriverCall::IpcClose;
+        self.enter(call)?;
+        self.device(call, dev)?;
+        Err(invalid(
+            call,
+            format!("{ptr:#x} was not opened with cuIpcOpenMemHandle"),
+        ))
     }
 
     fn mem_alloc(&self, dev: DeviceId, size: u64) -> DriverResult<u64> {

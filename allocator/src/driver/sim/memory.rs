@@ -149,6 +149,8 @@ impl Store {
 pub(super) struct PhysAlloc {
     pub(super) size: u64,
     pub(super) map_count: u32,
+    /// Handles of this memory not yet released: 1, plus one per import (`share.rs`).
+    pub(super) refs: u32,
     pub(super) data: Store,
 }
 

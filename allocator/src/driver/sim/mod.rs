@@ -71,6 +71,7 @@ pub mod cost;
 mod driver;
 mod faults;
 mod memory;
+mod share;
 mod work;
 
 pub use capture::{CaptureViolation, SimGraph, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED};
@@ -195,6 +196,9 @@ pub struct SimDriver {
     hazards: Mutex<Vec<Hazard>>,
     /// Source of handle, event and linear allocation ids (never 0).
     next_id: AtomicU64,
+    /// This simulator among the process's (`share.rs`: descriptors name the simulator that
+    /// exported them).
+    uid: u64,
     /// Handles whose stream was destroyed and given to a new stream ([`SimDriver::recreate_stream`]):
     /// how many times.
     stream_generations: Mutex<FxHashMap<u64, u64>>,
@@ -321,6 +325,7 @@ impl SimDriver {
             faults: Mutex::new(Faults::default()),
             hazards: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
+            uid: share::next_uid(),
             stream_generations: Mutex::new(FxHashMap::default()),
             captures: Mutex::new(capture::Captures::default()),
             captures_active: AtomicUsize::new(0),

@@ -1,0 +1,370 @@
+//! Sharing blocks with other processes: the sender's side ([`DevicePool::share`]) and the
+//! receiver's ([`DevicePool::open_shared`], [`DevicePool::close_shared`]). The wire format is
+//! `crate::ipc`'s.
+//!
+//! # Note [Sharing]
+//!
+//! **VMM memory.** A block lies on one or more chunks (physical handles, each mapped whole, see
+//! Note [Chunks] in `vmm.rs`). Sharing exports each chunk under the block as a POSIX file
+//! descriptor (`cuMemExportToShareableHandle`; the driver creates every handle exportable where
+//! the device supports it, as PyTorch's expandable segments do) and describes the range those
+//! chunks span: this process's id, each chunk's descriptor and size, and the block's offset in
+//! the range. The descriptors stay open in this process for as long as their chunk lives (a
+//! receiver takes its own copy with `pidfd_getfd` whenever it unpickles the handle), and are
+//! closed when the chunk goes back to the driver ([`ShareState::release_chunk`]). Exporting is
+//! once per chunk, however often its blocks are shared.
+//!
+//! Chunks move: once free, their pages may be unmapped and mapped again elsewhere (another
+//! stream's arena, another address). That is invisible to a receiver, whose mapping names the
+//! physical memory, not this process's addresses; and a chunk holding a live block never moves.
+//! The block must stay live until every receiver is done with it, which is the sender's
+//! contract in CUDA IPC (torch.multiprocessing keeps the storage alive through its shared
+//! reference count).
+//!
+//! **Linear memory** (`vmm:false`): the block's segment is one `cuMemAlloc` allocation; its
+//! CUDA IPC handle (`cuIpcGetMemHandle` of the allocation's base) and the block's offset in it
+//! describe it.
+//!
+//! **Receiving.** `open_shared` takes each descriptor from the sender (`pidfd_getfd`: it needs
+//! ptrace permission over the sender, as PyTorch's receiver does), imports it
+//! (`cuMemImportFromShareableHandle`), maps the handles one after another in a fresh
+//! reservation and grants access to the device and its peers in one `cuMemSetAccess`; a CUDA
+//! IPC handle is opened with `cuIpcOpenMemHandle`. Opened ranges are cached by their
+//! description with a count of opens, as PyTorch's `getIpcDevPtr` caches by handle bytes (a
+//! process may open one allocation once only), and `close_shared` unmaps and releases at the
+//! last close. Opened memory is not the pool's: it is neither counted in its statistics nor
+//! handed out, and the pool's teardown unmaps whatever is still open.
+
+use std::collections::hash_map::Entry;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering::Relaxed;
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use super::device::fork_check;
+use super::device::DevicePool;
+use crate::arena::{Backing, DeviceCore};
+use crate::driver::{Driver, DriverResult, PhysHandle};
+use crate::error::{Error, Result};
+use crate::ipc::{Share, Shared};
+
+/// What a device's pool has exported and opened (a leaf lock each).
+#[derive(Debug, Default)]
+pub(crate) struct ShareState {
+    /// Chunk handle -> its exported descriptor, open while the chunk lives.
+    exported: Mutex<FxHashMap<u64, OwnedFd>>,
+    /// Ranges opened from other processes, by description.
+    opened: Mutex<FxHashMap<Shared, Opened>>,
+}
+
+/// A range opened from another process.
+#[derive(Debug)]
+struct Opened {
+    base: u64,
+    opens: u64,
+    kind: OpenedKind,
+}
+
+#[derive(Debug)]
+enum OpenedKind {
+    /// Imported handles mapped in a reservation of `len` bytes: (address, size, handle).
+    Mapped {
+        len: u64,
+        maps: Vec<(u64, u64, PhysHandle)>,
+    },
+    /// Opened with `cuIpcOpenMemHandle`.
+    Ipc,
+}
+
+impl ShareState {
+    /// Gives chunk `handle` back to the driver, first closing its exported descriptor (the
+    /// driver may reuse the handle's value).
+    pub(crate) fn release_chunk<D: Driver>(
+        &self,
+        core: &DeviceCore<D>,
+        handle: PhysHandle,
+    ) -> DriverResult<()> {
+        let fd = self.exported.lock().remove(&handle.0);
+        drop(fd);
+        core.driver.release_physical(core.dev, handle)
+    }
+
+    /// Unmaps and releases everything still opened from other processes (pool teardown).
+    pub(crate) fn close_all<D: Driver>(&self, core: &DeviceCore<D>) {
+        let opened: Vec<Opened> = self.opened.lock().drain().map(|(_, o)| o).collect();
+        for o in opened {
+            unmap_opened(core, o);
+        }
+    }
+}
+
+/// Undoes an open: unmaps and releases imported handles and frees the reservation, or closes
+/// the IPC mapping. Failures are counted, not returned: nothing else can be done with them.
+fn unmap_opened<D: Driver>(c: &DeviceCore<D>, o: Opened) {
+    let d = &c.driver;
+    let mut failed = 0;
+    match o.kind {
+        OpenedKind::Mapped { len, maps } => {
+            for (addr, size, h) in maps {
+                failed += d.unmap(c.dev, addr, size).is_err() as u64;
+                failed += d.release_physical(c.dev, h).is_err() as u64;
+            }
+            failed += d.free_va(c.dev, o.base, len).is_err() as u64;
+        }
+        OpenedKind::Ipc => failed += d.ipc_close(c.dev, o.base).is_err() as u64,
+    }
+    c.counters.num_driver_errors.fetch_add(failed, Relaxed);
+}
+
+impl<D: Driver> DevicePool<D> {
+    /// Describes the live block containing `ptr` for another process (see Note [Sharing]):
+    /// the memory of the range it lies in, and its offset there. With VMM the chunks under the
+    /// block are exported (once each); without, the allocation's CUDA IPC handle is taken.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an address that is not inside a live block of
+    /// this pool; [`Error::Driver`] when the driver cannot share (a device or container without
+    /// exportable handles says so, with the fix).
+    pub fn share(&self, ptr: u64) -> Result<Share> {
+        fork_check()?;
+        let c = &*self.core;
+        let not_live = || {
+            Error::InvalidArgument(format!(
+                "share: {ptr:#x} is not inside a live block of device {}'s pool",
+                c.dev
+            ))
+        };
+        let arena = self.arena_of(ptr).ok_or_else(not_live)?;
+        let st = arena.state.lock();
+        let base = st.block_containing(ptr).ok_or_else(not_live)?;
+        let r = st.live.get(&base).ok_or_else(not_live)?;
+        let kh = &st.kinds[r.kind];
+        let span = kh.heap.span(r.span);
+        let seg = kh.segment(span.seg);
+        match &seg.backing {
+            Backing::Linear => {
+                let handle = c.driver.ipc_get_handle(c.dev, seg.base)?;
+                Ok(Share {
+                    memory: Shared::Ipc { handle },
+                    offset: ptr - seg.base,
+                })
+            }
+            Backing::Vmm { pages } => {
+                let g = c.granularity;
+                let first = ((span.start - seg.base) / g) as usize;
+                let page = pages[first].ok_or_else(not_live)?;
+                let start_idx = first - page.index as usize;
+                let start = seg.base + start_idx as u64 * g;
+                let end = span.start + span.len;
+                let mut chunks = Vec::new();
+                let mut at = start_idx;
+                while seg.base + (at as u64) * g < end {
+                    let p = pages.get(at).copied().flatten().ok_or_else(not_live)?;
+                    chunks.push(p.chunk());
+                    at += p.len as usize;
+                }
+                drop(st);
+                if !c.caps.posix_fd_handles {
+                    return Err(Error::InvalidArgument(format!(
+                        "share: device {} cannot export memory to other processes (the driver \
+                         reports no POSIX file-descriptor handles); allocate the memory to \
+                         share with CISTERN_CONF=vmm:false, which shares through CUDA IPC",
+                        c.dev
+                    )));
+                }
+                let mut handles = Vec::with_capacity(chunks.len());
+                let mut exported = c.share.exported.lock();
+                for ch in chunks {
+                    let fd = match exported.entry(ch.handle.0) {
+                        Entry::Occupied(e) => e.get().as_raw_fd(),
+                        Entry::Vacant(v) => {
+                            let fd = c.driver.export_handle(c.dev, ch.handle)?;
+                            v.insert(fd).as_raw_fd()
+                        }
+                    };
+                    handles.push((fd, ch.pages as u64 * g));
+                }
+                Ok(Share {
+                    memory: Shared::Handles {
+                        pid: std::process::id(),
+                        handles,
+                    },
+                    offset: ptr - start,
+                })
+            }
+        }
+    }
+
+    /// Maps memory another process shared ([`DevicePool::share`] there, or PyTorch's own
+    /// allocator) into this one, on this pool's device, and returns the range's base (add the
+    /// share's offset for the block). Opening the same description again returns the same base
+    /// and counts one more open (see Note [Sharing]).
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the fix when the sender's descriptors cannot
+    /// be taken (ptrace permission, a process that exited) or the description is of this
+    /// process; [`Error::Driver`] when the driver refuses.
+    pub fn open_shared(&self, memory: &Shared) -> Result<u64> {
+        fork_check()?;
+        let c = &*self.core;
+        let mut opened = c.share.opened.lock();
+        if let Some(o) = opened.get_mut(memory) {
+            o.opens += 1;
+            return Ok(o.base);
+        }
+        let o = match memory {
+            Shared::Ipc { handle } => Opened {
+                base: c.driver.ipc_open(c.dev, handle)?,
+                opens: 1,
+                kind: OpenedKind::Ipc,
+            },
+            Shared::Handles { pid, handles } => self.import_range(*pid, handles)?,
+        };
+        let base = o.base;
+        opened.insert(memory.clone(), o);
+        Ok(base)
+    }
+
+    /// Imports `handles` of process `pid` and maps them one after another.
+    fn import_range(&self, pid: u32, handles: &[(i32, u64)]) -> Result<Opened> {
+        let c = &*self.core;
+        if !c.vmm {
+            return Err(Error::InvalidArgument(format!(
+                "open_shared: device {} has no virtual memory management, which mapping \
+                 another process's physical handles needs",
+                c.dev
+            )));
+        }
+        if pid == std::process::id() {
+            return Err(Error::InvalidArgument(
+                "open_shared: the memory is this process's own; use the block's pointer".into(),
+            ));
+        }
+        let g = c.granularity;
+        if let Some(&(_, s)) = handles.iter().find(|h| h.1 == 0 || h.1 % g != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "open_shared: a shared handle of {s} bytes is not a multiple of device {}'s \
+                 granularity ({g} bytes)",
+                c.dev
+            )));
+        }
+        let len: u64 = handles.iter().map(|h| h.1).sum();
+        let mut imported: Vec<(PhysHandle, u64)> = Vec::with_capacity(handles.len());
+        let undo_imports = |imported: &[(PhysHandle, u64)]| {
+            for &(h, _) in imported {
+                let _ = c.driver.release_physical(c.dev, h);
+            }
+        };
+        for &(fd, size) in handles {
+            let mine = match crate::sys::fd_of_process(pid, fd) {
+                Ok(f) => f,
+                Err(e) => {
+                    undo_imports(&imported);
+                    return Err(Error::InvalidArgument(pidfd_error(pid, fd, &e)));
+                }
+            };
+            match c.driver.import_handle(c.dev, mine.as_fd()) {
+                Ok(h) => imported.push((h, size)),
+                Err(e) => {
+                    undo_imports(&imported);
+                    return Err(e.into());
+                }
+            }
+        }
+        let base = match c.driver.reserve_va(c.dev, len, g) {
+            Ok(b) => b,
+            Err(e) => {
+                undo_imports(&imported);
+                return Err(e.into());
+            }
+        };
+        let mut maps = Vec::with_capacity(imported.len());
+        let mut at = base;
+        let mut failure = None;
+        for &(h, size) in &imported {
+            match c.driver.map(c.dev, at, size, h) {
+                Ok(()) => maps.push((at, size, h)),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            at += size;
+        }
+        if failure.is_none() {
+            let peers = self.state.lock().peers.clone();
+            failure = c.driver.set_access(c.dev, base, len, &peers).err();
+        }
+        if let Some(e) = failure {
+            let mapped: Vec<u64> = maps.iter().map(|m| m.2 .0).collect();
+            unmap_opened(
+                c,
+                Opened {
+                    base,
+                    opens: 0,
+                    kind: OpenedKind::Mapped { len, maps },
+                },
+            );
+            let rest: Vec<_> = imported
+                .into_iter()
+                .filter(|(h, _)| !mapped.contains(&h.0))
+                .collect();
+            undo_imports(&rest);
+            return Err(e.into());
+        }
+        Ok(Opened {
+            base,
+            opens: 1,
+            kind: OpenedKind::Mapped { len, maps },
+        })
+    }
+
+    /// Drops one open of the range at `base` (from [`DevicePool::open_shared`]); the last one
+    /// unmaps it and gives its handles back. [`Error::InvalidArgument`] when nothing opened is
+    /// there.
+    pub fn close_shared(&self, base: u64) -> Result<()> {
+        let c = &*self.core;
+        let mut opened = c.share.opened.lock();
+        let key = opened
+            .iter()
+            .find(|(_, o)| o.base == base)
+            .map(|(k, _)| k.clone())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "close_shared: nothing opened from another process starts at {base:#x}"
+                ))
+            })?;
+        let o = opened.get_mut(&key).expect("found above");
+        o.opens -= 1;
+        if o.opens == 0 {
+            let o = opened.remove(&key).expect("found above");
+            drop(opened);
+            unmap_opened(c, o);
+        }
+        Ok(())
+    }
+}
+
+/// The message for a descriptor that could not be taken from the sender.
+fn pidfd_error(pid: u32, fd: i32, e: &std::io::Error) -> String {
+    let why = match e.raw_os_error() {
+        Some(libc::ENOSYS) => {
+            "this kernel has no pidfd_getfd (Linux 5.6 or later is needed to receive VMM \
+             memory); share it from a process using CISTERN_CONF=vmm:false instead"
+                .to_string()
+        }
+        Some(libc::EPERM) => {
+            "no ptrace permission over the sender: run both as the same user, and where \
+             /proc/sys/kernel/yama/ptrace_scope is 1 let the receiver be the sender's ancestor \
+             or lower the scope to 0 (containers may need CAP_SYS_PTRACE)"
+                .to_string()
+        }
+        Some(libc::ESRCH) => "the sending process has exited".to_string(),
+        Some(libc::EBADF) => {
+            "the sender no longer has that descriptor (the block was freed before it was \
+             received)"
+                .to_string()
+        }
+        _ => e.to_string(),
+    };
+    format!("open_shared: cannot take descriptor {fd} of process {pid}: {why}")
+}
