@@ -959,3 +959,159 @@ fn child_graph_pool() {
     }
     drain(&pool, vec![(y, sb), (z, sa), (w, sa)]);
 }
+
+// ---- sharing between processes ----------------------------------------------------------------
+
+/// `cisternFakeOrigin` of `ptr`: (process, handle or allocation there, offset in it).
+fn origin(ptr: u64) -> (u64, u64, u64) {
+    type Origin = unsafe extern "C" fn(u64, *mut u64, *mut u64, *mut u64) -> u32;
+    // SAFETY: the fake libcuda.so.1 is already loaded (the driver opened it); the hook has this
+    // signature (the fake's README) and writes three integers through live locals.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").expect("libcuda.so.1");
+        let f: libloading::Symbol<Origin> = lib.get(b"cisternFakeOrigin\0").expect("the hook");
+        let (mut p, mut a, mut o) = (0, 0, 0);
+        assert_eq!(f(ptr, &mut p, &mut a, &mut o), 0, "origin of {ptr:#x}");
+        (p, a, o)
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+#[test]
+fn blocks_are_shared_with_another_process() {
+    run_child("child_share_receiver", &[]);
+}
+
+#[test]
+fn linear_blocks_are_shared_through_cuda_ipc() {
+    run_child("child_share_receiver", &[("CISTERN_FAKECUDA_VMM", "0")]);
+}
+
+/// The sender: shares blocks of several sizes (VMM: whole chunks, blocks across chunks, a
+/// block on chunks of mixed sizes), prints each as PyTorch's bytes with where its memory is,
+/// and keeps them live until the receiver says it is done.
+#[test]
+#[ignore = "child process of child_share_receiver"]
+fn child_share_sender() {
+    if !is_child("child_share_sender") {
+        return;
+    }
+    use cistern::ipc::{encode, TorchFormat};
+    use std::io::BufRead;
+    let d = driver();
+    let s = new_stream(&d, 0);
+    let pool = Pool::new(d, Config::parse("grow_whole_chunks:off").unwrap()).unwrap();
+    let mut live = Vec::new();
+    for size in [4096, 3 * MIB, 30 * MIB, 100 * MIB] {
+        live.push((pool.alloc_raw(0, size, s).unwrap(), size));
+    }
+    // Chunks of two sizes under one block: a 20 MiB chunk freed, then a larger block that takes
+    // it and grows past it.
+    let big = pool.alloc_raw(0, 20 * MIB, s).unwrap();
+    pool.free_raw(big, s).unwrap();
+    live.push((pool.alloc_raw(0, 26 * MIB, s).unwrap(), 26 * MIB));
+    let mut formats = [TorchFormat::V1, TorchFormat::V3].into_iter().cycle();
+    for &(p, size) in &live {
+        for at in [p, p + size / 2] {
+            let (dev, share) = pool.share(at).unwrap();
+            assert_eq!(dev, 0);
+            let (pid, alloc, off) = origin(at);
+            assert_eq!(pid, u64::from(std::process::id()));
+            let bytes = encode(&share.memory, formats.next().unwrap());
+            println!("SHARE {} {} {pid} {alloc} {off}", hex(&bytes), share.offset);
+        }
+    }
+    println!("READY");
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "DONE");
+    drain(&pool, live.into_iter().map(|(p, _)| (p, s)).collect());
+}
+
+/// The receiver: starts the sender as its child (so that `pidfd_getfd` is allowed even under
+/// Yama's ptrace_scope 1), opens each shared block and checks that its pointer is the
+/// sender's memory at the sender's offset.
+#[test]
+#[ignore = "child process of blocks_are_shared_with_another_process"]
+fn child_share_receiver() {
+    if !is_child("child_share_receiver") {
+        return;
+    }
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    let exe = std::env::current_exe().unwrap();
+    let mut sender = Command::new(exe)
+        .args([
+            "child_share_sender",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "child_share_sender")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(sender.stdout.take().unwrap()).lines();
+    let mut shares = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        // libtest's "test child_share_sender ... " may begin the first line.
+        if line.ends_with("READY") {
+            break;
+        }
+        if let Some(rest) = line.find("SHARE ").map(|i| &line[i + 6..]) {
+            let f: Vec<&str> = rest.split(' ').collect();
+            let n = |i: usize| f[i].parse::<u64>().unwrap();
+            shares.push((unhex(f[0]), n(1), (n(2), n(3), n(4))));
+        }
+    }
+    assert_eq!(shares.len(), 10, "the sender shared ten pointers");
+    let d = driver();
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let vmm = pool.device(0).unwrap().uses_vmm();
+    let mut opened = Vec::new();
+    let mut kinds = std::collections::BTreeSet::new();
+    for (bytes, offset, sent) in &shares {
+        let memory = cistern::ipc::decode(bytes).unwrap();
+        kinds.insert(bytes[1]);
+        let base = pool.open_shared(0, &memory).unwrap();
+        assert_eq!(origin(base + offset), *sent, "{memory:?} + {offset}");
+        // The range's last byte is the sender's too.
+        if vmm {
+            let last = base + memory.len() - 1;
+            assert_eq!(origin(last).0, sent.0);
+        }
+        opened.push(base);
+    }
+    // PyTorch's formats where the handles are uniform, cistern's where they are not.
+    if vmm {
+        assert!(kinds.contains(&b'e') && kinds.contains(&b'v'), "{kinds:?}");
+    } else {
+        assert_eq!(kinds.into_iter().collect::<Vec<_>>(), vec![b'c']);
+    }
+    // Each pointer was opened once per share: the same description opened again is the same
+    // range, counted; every open is closed.
+    for base in opened {
+        pool.close_shared(0, base).unwrap();
+    }
+    assert!(pool.close_shared(0, 0x1000).is_err());
+    let info = pool.driver().mem_info(0).unwrap();
+    assert_eq!(info.total - info.free, RESERVE, "opened memory left mapped");
+    let mut stdin = sender.stdin.take().unwrap();
+    writeln!(stdin, "DONE").unwrap();
+    drop(stdin);
+    for _ in lines {}
+    assert!(sender.wait().unwrap().success(), "the sender failed");
+}
