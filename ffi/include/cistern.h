@@ -162,7 +162,8 @@ void cistern_forget_stream(cistern_stream_t stream);
 // another process, `ptr` being at offset `ptr - base` in it. For a pool of `cuMemAlloc`
 // segments (`CISTERN_CONF=vmm:false`) that is the whole segment, whose base
 // `cudaIpcGetMemHandle` accepts; with VMM (the default) it is the allocation itself, which
-// CUDA IPC cannot share (as PyTorch's expandable segments).
+// CUDA IPC cannot share (as PyTorch's expandable segments): `cistern_ipc_share` shares either
+// kind with another process.
 //
 // Writes the size to `*size` when `size` is not NULL (0 on failure). Returns NULL when `ptr`
 // is not inside a live allocation. Scans the device's blocks: meant for sharing tensors, not
@@ -268,6 +269,41 @@ int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_
 // The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
 // there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
 int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// Writes the live allocation containing `ptr` as PyTorch's shareable handle for a receiver
+// running torch `torch_version` (`major * 100 + minor`, e.g. 205; 0 for the newest format):
+// `'e'` (VMM memory on handles of one size) or `'c'` (a `cuMemAlloc` segment, with
+// `CISTERN_CONF=vmm:false`), both readable by PyTorch's own allocator, or cistern's `'v'`
+// (handles of several sizes; only cistern reads it). `*offset` receives the allocation's offset
+// from the shared range's start (PyTorch's `ShareableHandle::offset`).
+//
+// `snprintf`'s rules: returns the handle's length in bytes, writing it to `buf` only when it
+// fits in `cap` (no terminator: the bytes are binary). Returns 0 on failure (not a live
+// allocation, a device that cannot export: `cistern_last_error` says which and what to do).
+// The receiver takes the memory from this process: the allocation must stay live until it has
+// done so and is done with it.
+//
+// # Safety
+//
+// `buf` is NULL or has `cap` writable bytes; `offset` is NULL or points to a writable
+// `uint64_t`.
+size_t cistern_ipc_share(void *ptr, int torch_version, uint8_t *buf, size_t cap, uint64_t *offset);
+
+// Maps memory another process shared (the `len` bytes at `handle`: PyTorch's shareable handle
+// from `cistern_ipc_share` or from PyTorch's own allocator, or a bare 64-byte CUDA IPC handle)
+// on device `device`, and returns the shared range's base: the allocation is at the base plus
+// the sender's offset. Opening the same bytes again returns the same base and counts an open;
+// each open is undone by one `cistern_ipc_close`. NULL on failure, with the reason (for
+// example no ptrace permission over the sender, and how to grant it) in `cistern_last_error`.
+//
+// # Safety
+//
+// `handle` is NULL or points to `len` readable bytes.
+void *cistern_ipc_open(const uint8_t *handle, size_t len, int device);
+
+// Undoes one `cistern_ipc_open` that returned `base` on device `device`; the last one unmaps
+// the memory. Returns 1, or 0 when nothing opened starts at `base` (`cistern_last_error`).
+int cistern_ipc_close(void *base, int device);
 
 // Sets the observer of every device's mappings, segments and completed frees, present and
 // created later (a `cistern_event_t` per event), replacing any earlier one; NULL `observer`

@@ -64,6 +64,7 @@ macro_rules! stderr_line {
 mod global;
 mod graphs;
 mod guard;
+mod ipc;
 mod observe;
 mod report;
 mod tags;
@@ -447,7 +448,8 @@ pub extern "C" fn cistern_forget_stream(stream: cistern_stream_t) {
 /// another process, `ptr` being at offset `ptr - base` in it. For a pool of `cuMemAlloc`
 /// segments (`CISTERN_CONF=vmm:false`) that is the whole segment, whose base
 /// `cudaIpcGetMemHandle` accepts; with VMM (the default) it is the allocation itself, which
-/// CUDA IPC cannot share (as PyTorch's expandable segments).
+/// CUDA IPC cannot share (as PyTorch's expandable segments): `cistern_ipc_share` shares either
+/// kind with another process.
 ///
 /// Writes the size to `*size` when `size` is not NULL (0 on failure). Returns NULL when `ptr`
 /// is not inside a live allocation. Scans the device's blocks: meant for sharing tensors, not

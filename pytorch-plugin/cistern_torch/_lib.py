@@ -134,6 +134,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "cistern_log_errors"):
         lib.cistern_log_errors.restype = c.c_int
         lib.cistern_log_errors.argtypes = [c.c_int]
+    if hasattr(lib, "cistern_ipc_share"):
+        lib.cistern_ipc_share.restype = c.c_size_t
+        lib.cistern_ipc_share.argtypes = [
+            c.c_void_p, c.c_int, c.c_void_p, c.c_size_t, c.POINTER(c.c_uint64),
+        ]
+        lib.cistern_ipc_open.restype = c.c_void_p
+        lib.cistern_ipc_open.argtypes = [c.c_char_p, c.c_size_t, c.c_int]
+        lib.cistern_ipc_close.restype = c.c_int
+        lib.cistern_ipc_close.argtypes = [c.c_void_p, c.c_int]
 
 
 def load() -> ctypes.CDLL:
@@ -275,6 +284,56 @@ def base_alloc(ptr: int) -> "tuple[int, int]":
     size = ctypes.c_size_t(0)
     base = load().cistern_base_alloc(ptr or None, ctypes.byref(size)) or 0
     return base, size.value
+
+
+def ipc_share(ptr: int, torch_version: int = 0) -> "tuple[bytes, int]":
+    """``cistern_ipc_share``: the live block holding ``ptr`` as PyTorch's shareable handle
+    bytes for a receiver running torch ``torch_version`` (``major * 100 + minor``; 0: the
+    newest format), and the block's offset in the shared range.
+
+    Raises:
+        ValueError: the library refused (its message says why and what to do).
+    """
+    lib = load()
+    offset = ctypes.c_uint64(0)
+    with errors_raised():
+        need = int(lib.cistern_ipc_share(ptr or None, torch_version, None, 0, ctypes.byref(offset)))
+        for _ in range(4):
+            if need == 0:
+                raise ValueError(last_error())
+            buf = ctypes.create_string_buffer(need)
+            got = int(lib.cistern_ipc_share(ptr or None, torch_version, buf, need,
+                                            ctypes.byref(offset)))
+            if 0 < got <= need:
+                return buf.raw[:got], offset.value
+            need = got
+    raise RuntimeError("cistern: the shareable handle kept growing while it was read")
+
+
+def ipc_open(handle: bytes, device: int = 0) -> int:
+    """``cistern_ipc_open``: maps memory another process shared (``handle`` from
+    :func:`ipc_share` there, or PyTorch's own); returns the shared range's base.
+
+    Raises:
+        ValueError: the library refused (its message says why and what to do).
+    """
+    with errors_raised():
+        base = load().cistern_ipc_open(handle, len(handle), device) or 0
+    if not base:
+        raise ValueError(last_error())
+    return base
+
+
+def ipc_close(base: int, device: int = 0) -> None:
+    """``cistern_ipc_close``: undoes one :func:`ipc_open` of ``base``.
+
+    Raises:
+        ValueError: nothing opened starts at ``base``.
+    """
+    with errors_raised():
+        ok = load().cistern_ipc_close(base or None, device)
+    if not ok:
+        raise ValueError(last_error())
 
 
 def _read_snprintf(call: Any) -> str:

@@ -22,7 +22,8 @@
 //   recordHistory (every version's signature), isHistoryEnabled   _native_history.h
 //   attachOutOfMemoryObserver                                    called on each OOM
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
-// Not here yet: IPC handles (shareIpcHandle), checkpointing (cudagraph trees).
+//   shareIpcHandle / getIpcDevPtr                              cistern_ipc_share / _open / _close
+// Not here yet: checkpointing (cudagraph trees).
 //
 // Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
 // emptyCache(), emptyCache(MempoolId_t)) are all declared without `override`: the one the
@@ -35,7 +36,9 @@
 #include "_native_history.h"
 #include "_native_json.h"
 
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <cstddef>
 #include <cstring>
@@ -76,6 +79,9 @@ struct Api {
   double (*get_memory_fraction)(int);
   int (*last_oom)(int, size_t*, size_t*);
   int (*set_observer)(void (*)(void*, const void*), void*, ReleaseFn);
+  size_t (*ipc_share)(void*, int, uint8_t*, size_t, uint64_t*);
+  void* (*ipc_open)(const uint8_t*, size_t, int);
+  int (*ipc_close)(void*, int);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -87,6 +93,9 @@ struct Event {
 };
 
 Api g_api{};
+
+// The torch these headers are: which shareable-handle format its readers expect.
+constexpr int kTorchVersion = TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR;
 std::string g_error;
 
 std::string last_error() {
@@ -357,6 +366,36 @@ class CisternAllocator : public PluggableBase {
 
   std::string name() override {
     return "cistern";
+  }
+
+  // Tensors sent to other processes (torch.multiprocessing, DataLoader workers): PyTorch's own
+  // handle format, for the torch these headers are (a receiver of the same torch reads it,
+  // whether it runs cistern or PyTorch's allocator); see cistern_ipc_share.
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    uint64_t offset = 0;
+    std::string bytes;
+    for (int tries = 0; tries < 4; ++tries) {
+      size_t n = g_api.ipc_share(ptr, kTorchVersion, reinterpret_cast<uint8_t*>(&bytes[0]),
+                                 bytes.size(), &offset);
+      TORCH_CHECK(n > 0, "cistern: cannot share ", ptr, " with another process: ", last_error());
+      if (n <= bytes.size()) {
+        bytes.resize(n);
+        return {static_cast<ptrdiff_t>(offset), bytes};
+      }
+      bytes.assign(n, '\0');
+    }
+    TORCH_CHECK(false, "cistern: the shareable handle of ", ptr, " kept growing");
+  }
+
+  // The receiving side: the shared range's base (torch adds the offset), unmapped when the
+  // last tensor on it is gone.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    int device = c10::cuda::current_device();
+    void* base = g_api.ipc_open(reinterpret_cast<const uint8_t*>(handle.data()), handle.size(),
+                                device);
+    TORCH_CHECK(base != nullptr, "cistern: cannot open memory shared by another process: ",
+                last_error());
+    return std::shared_ptr<void>(base, [device](void* p) { g_api.ipc_close(p, device); });
   }
 
   // History, in every form torch has had: (enabled, recorder, max_entries, when) in 2.5, then

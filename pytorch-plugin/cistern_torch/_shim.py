@@ -47,7 +47,7 @@ NATIVE_FUNCTIONS = (
     "cistern_reset_peak_stats", "cistern_enable_peer_access", "cistern_begin_allocate_to_pool",
     "cistern_end_allocate_to_pool", "cistern_release_pool", "cistern_create_or_incref_pool",
     "cistern_pool_use_count", "cistern_get_memory_fraction", "cistern_last_oom",
-    "cistern_set_observer",
+    "cistern_set_observer", "cistern_ipc_share", "cistern_ipc_open", "cistern_ipc_close",
 )
 
 
