@@ -81,3 +81,21 @@ pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::O
     // SAFETY: `got` is a new descriptor of this process that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
 }
+
+/// Under Yama's `ptrace_scope` 1, lets this process's descendants attach to it, so that they
+/// may take its file descriptors with `pidfd_getfd` (`prctl(PR_SET_PTRACER, getpid())`: the
+/// declared process and its descendants may attach). Nothing is done at other scopes (0 needs
+/// nothing; 2 and 3 cannot be relaxed by a process) or without Yama. Replaces an earlier
+/// `PR_SET_PTRACER` of the process (a crash handler's, say), which cannot be read back.
+pub(crate) fn allow_descendants_to_attach() {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok();
+    if scope.as_deref().map(str::trim) != Some("1") {
+        return;
+    }
+    // SAFETY: getpid has no preconditions; prctl with PR_SET_PTRACER and a pid only sets the
+    // process's Yama exception, and its result is ignored (a failure leaves sharing as it was).
+    unsafe {
+        let me = libc::getpid() as libc::c_ulong;
+        libc::prctl(libc::PR_SET_PTRACER, me, 0, 0, 0);
+    }
+}

@@ -25,8 +25,14 @@
 //! CUDA IPC handle (`cuIpcGetMemHandle` of the allocation's base) and the block's offset in it
 //! describe it.
 //!
-//! **Receiving.** `open_shared` takes each descriptor from the sender (`pidfd_getfd`: it needs
-//! ptrace permission over the sender, as PyTorch's receiver does), imports it
+//! **Who may receive.** A receiver takes each descriptor from the sender with `pidfd_getfd`,
+//! which needs ptrace permission over it, as PyTorch's receiver does. Under Yama's
+//! `ptrace_scope` 1 (Ubuntu's default) only the sender's ancestors have it, so workers that a
+//! trainer starts could not receive from it; at its first VMM share the pool lets the process's
+//! own descendants attach (`prctl(PR_SET_PTRACER, getpid())`, a grant as narrow as Yama allows:
+//! they run the same program). Others (siblings, unrelated processes) need scope 0.
+//!
+//! **Receiving.** `open_shared` takes each descriptor from the sender (`pidfd_getfd`), imports it
 //! (`cuMemImportFromShareableHandle`), maps the handles one after another in a fresh
 //! reservation and grants access to the device and its peers in one `cuMemSetAccess`; a CUDA
 //! IPC handle is opened with `cuIpcOpenMemHandle`. Opened ranges are cached by their
@@ -172,6 +178,8 @@ impl<D: Driver> DevicePool<D> {
                         c.dev
                     )));
                 }
+                static ATTACH: std::sync::Once = std::sync::Once::new();
+                ATTACH.call_once(crate::sys::allow_descendants_to_attach);
                 let mut handles = Vec::with_capacity(chunks.len());
                 let mut exported = c.share.exported.lock();
                 for ch in chunks {
@@ -353,9 +361,10 @@ fn pidfd_error(pid: u32, fd: i32, e: &std::io::Error) -> String {
                 .to_string()
         }
         Some(libc::EPERM) => {
-            "no ptrace permission over the sender: run both as the same user, and where \
-             /proc/sys/kernel/yama/ptrace_scope is 1 let the receiver be the sender's ancestor \
-             or lower the scope to 0 (containers may need CAP_SYS_PTRACE)"
+            "no ptrace permission over the sender: run both as the same user; where \
+             /proc/sys/kernel/yama/ptrace_scope is 1 the receiver must be the sender's ancestor \
+             or descendant (a sender running cistern allows its descendants), else lower the \
+             scope to 0 (at 2 and 3 it needs CAP_SYS_PTRACE, which containers may also need)"
                 .to_string()
         }
         Some(libc::ESRCH) => "the sending process has exited".to_string(),
