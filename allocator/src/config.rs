@@ -89,9 +89,11 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
          and the device allow it, in chunks of at most an eighth of what it holds, and then \
-         also backs large requests with handles of up to 1/32 of what it holds: cheap growth \
-         while memory is plentiful, memory first as it runs short. `off` never does. On the \
-         dev snapshots, median modelled driver time 1.07x pytorch-expandable's with `auto` \
+         also backs large requests with handles of up to 1/32 of what it holds, and with new \
+         handles rather than by moving cached chunks where moving them costs more (two or \
+         more of them): cheap growth while memory is plentiful, memory first as it runs \
+         short. `off` never does. On the \
+         dev snapshots, median modelled driver time 1.04x pytorch-expandable's with `auto` \
          (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
          expandable on a device with room; the smallest device each dev snapshot and built-in \
          workload runs on is within 0.5% of `off`'s (`on`: up to 66% more on packed-*).",

@@ -27,8 +27,57 @@
 //! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
 //! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
 //! 2.2%).
+//!
+//! # Note [Cheaper than moving]
+//!
+//! Stitching is cheap in memory and dear in calls: each cached chunk it moves costs an unmap, a
+//! map and an access grant (≈64 µs at the published A100 prices), a quarter of a new handle's
+//! create, map and grant (≈233 µs) whatever either's size. Serving workloads, whose KV caches
+//! are freed and allocated again larger, had stitching move thousands of chunks, most of a
+//! granule or a few. So while memory is plentiful (the quarter rule above) and not under
+//! pressure, growth backs a large request with new handles instead when moving the cached
+//! chunks that would serve it costs more than the handles it saves, and at least two would
+//! move ([`creating_is_cheaper`]); the cached chunks stay where they are, for requests that fit
+//! them in place. Creation falling short (the limit, the device) stitches after all. Measured
+//! (`python3 scripts/cost-table.py`, then the smallest device per trace with `cistern replay`
+//! over the dev snapshots, every built-in workload and the minimalloc instances): modelled
+//! driver time on `llm-serving` 2.79x -> 2.19x expandable's, `llm-serving-mooncake` 1.85x ->
+//! 1.16x, the median over all traces 1.65x -> 1.50x and over the dev snapshots 1.07x -> 1.04x;
+//! the smallest device unchanged on all 37 traces, peak reserved at most 1.014x expandable's
+//! as before. With no minimum of moves Mooncake fell to 1.05x, but `llm-serving` needed a
+//! 0.64% larger device and `rmm-random` 0.41% (a single moved chunk replaced by a new handle
+//! strands it); with a minimum of four, `llm-serving` 1.95x and Mooncake 1.28x.
 
 use super::vmm::{Placement, Window};
+
+/// What moving one cached chunk costs against creating one handle, in the published A100
+/// figures (see Note [Cheaper than moving]): `cuMemUnmap` 26 + `cuMemMap` 1.5 +
+/// `cuMemSetAccess` 36 µs against `cuMemCreate` 195 + `cuMemMap` 1.5 + `cuMemSetAccess` 36 µs,
+/// in tenths of a microsecond.
+const MOVE_COST: usize = 635;
+const CREATE_COST: usize = 2325;
+/// New handles replace stitching only when it would move at least this many chunks.
+pub(super) const MIN_MOVES: usize = 2;
+
+/// Whether backing a window with new handles of up to `chunk_pages` costs less than moving
+/// the `cached_chunks` cached chunks (`cached` pages) that stitching would place there and
+/// creating handles for the rest.
+pub(super) fn creating_is_cheaper(
+    place: &Placement,
+    chunk_pages: u32,
+    cached: usize,
+    cached_chunks: usize,
+) -> bool {
+    let chunk = chunk_pages.max(1) as usize;
+    let all: usize = place
+        .runs
+        .iter()
+        .map(|&(_, n, f)| ((n - f) as usize).div_ceil(chunk))
+        .sum();
+    let open = place.open();
+    let rest = open.saturating_sub(cached).div_ceil(chunk);
+    cached_chunks >= MIN_MOVES && cached_chunks * MOVE_COST > all.saturating_sub(rest) * CREATE_COST
+}
 use super::DevicePool;
 use crate::arena::{ArenaState, HeapKind};
 use crate::config::Config;

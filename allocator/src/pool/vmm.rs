@@ -37,7 +37,7 @@ use std::sync::Arc;
 use super::device::{DeviceState, Lost};
 use super::grow::Grow;
 use super::pages::Taker;
-use super::sizing::{plentiful, request_chunk_pages, whole_chunk_pages};
+use super::sizing::{creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages};
 use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
@@ -86,11 +86,17 @@ struct Gathered {
 struct Feasible {
     /// Cached pages that could serve it.
     cached: usize,
+    /// The chunks (mappings) those pages are.
+    cached_chunks: usize,
     /// New memory alone (the room under the limit and on the device) cannot cover it.
     pressure: bool,
     /// Pages of new memory the limit and the device leave room for beyond the request (0
     /// when cached pages alone may cover it: the device's free memory was not read).
     headroom: usize,
+    /// The room beyond the request even when cached pages could cover it (from the last
+    /// `cuMemGetInfo`, read again only when several cached chunks would move): what decides
+    /// whether new handles may replace stitching (Note [Cheaper than moving]).
+    spare: usize,
 }
 
 /// Where gathered chunks go in a window: the window's missing pages as runs of consecutive
@@ -123,7 +129,7 @@ impl Placement {
     }
 
     /// Missing pages without a chunk yet.
-    fn open(&self) -> usize {
+    pub(super) fn open(&self) -> usize {
         self.runs.iter().map(|&(_, n, f)| (n - f) as usize).sum()
     }
 
@@ -319,7 +325,7 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
             lens.sort_unstable_by(|x, y| y.cmp(x));
-            let mut placed = 0usize;
+            let mut placed = (0usize, 0usize);
             for n in lens {
                 if fit.full() {
                     break;
@@ -329,13 +335,15 @@ impl<D: Driver> DevicePool<D> {
                         handle: crate::driver::PhysHandle(0),
                         pages: n,
                     });
-                    placed += n as usize;
+                    placed.0 += n as usize;
+                    placed.1 += 1;
                 }
             }
             placed
         } else {
-            0
+            (0, 0)
         };
+        let (cached, cached_chunks) = cached;
         let by_limit = (dev
             .limit
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
@@ -364,6 +372,27 @@ impl<D: Driver> DevicePool<D> {
         } else {
             usize::MAX
         };
+        let spare = if need > cached {
+            by_limit.min(by_device).saturating_sub(need)
+        } else if c.config.grow_whole_chunks == WholeChunks::Auto
+            && kind == HeapKind::Large
+            && cached_chunks >= super::sizing::MIN_MOVES
+        {
+            let reserved = dev.reserved[0].current.max(0) as u64;
+            let free = match dev.free_seen {
+                Some((free, then)) => free.saturating_add(then).saturating_sub(reserved),
+                None => match c.driver.mem_info(c.dev) {
+                    Ok(i) => {
+                        dev.free_seen = Some((i.free, reserved));
+                        i.free
+                    }
+                    Err(_) => 0,
+                },
+            };
+            by_limit.min((free / g) as usize).saturating_sub(need)
+        } else {
+            0
+        };
         if cached + by_limit.min(by_device) < need {
             // Blame the limit only when a limit below the device's size is what stops the
             // request; when the device could not hold it either, it is out of memory.
@@ -373,12 +402,10 @@ impl<D: Driver> DevicePool<D> {
         }
         Ok(Feasible {
             cached,
+            cached_chunks,
             pressure: by_limit.min(by_device) < need,
-            headroom: if need > cached {
-                by_limit.min(by_device).saturating_sub(need)
-            } else {
-                0
-            },
+            headroom: if need > cached { spare } else { 0 },
+            spare,
         })
     }
 
@@ -409,8 +436,27 @@ impl<D: Driver> DevicePool<D> {
         // cannot cover the request) cached chunks are what the request needs: wait for them
         // first, before creation uses up the room that the rest will need.
         let wait_first = c.config.stream_sync == StreamSync::Always || feasible.pressure;
+        let held = dev.reserved[0].current.max(0) as u64 / g;
+        let mode = c.config.grow_whole_chunks;
+        let auto = (mode == WholeChunks::Auto).then_some(held);
+        let roomy = |room: usize| {
+            auto.filter(|_| {
+                !feasible.pressure && plentiful(held, need as u64, need as u64, room as u64)
+            })
+        };
+        let chunk_pages = match kind {
+            HeapKind::Large => {
+                request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy(feasible.headroom))
+            }
+            HeapKind::Small => 1,
+        };
+        // While memory is plentiful, new handles instead of many moved ones when they cost less
+        // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
+        let create_instead = roomy(feasible.spare).is_some()
+            && kind == HeapKind::Large
+            && creating_is_cheaper(&place, chunk_pages, cached, feasible.cached_chunks);
         let mut moved = 0u64;
-        if need > 0 && cached > 0 {
+        if need > 0 && cached > 0 && !create_instead {
             moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
@@ -434,21 +480,7 @@ impl<D: Driver> DevicePool<D> {
         let mut limit_hit = false;
         let mut driver_err = None;
         let mut created: Vec<(usize, Chunk)> = Vec::new();
-        // The handles' sizes (`sizing.rs`): a request's, and whole chunks'.
-        let held = dev.reserved[0].current.max(0) as u64 / g;
-        let mode = c.config.grow_whole_chunks;
-        let auto = (mode == WholeChunks::Auto).then_some(held);
-        let chunk_pages = match kind {
-            HeapKind::Large => request_chunk_pages(
-                &c.config,
-                g,
-                (w.hi - w.lo) / g,
-                auto.filter(|_| {
-                    plentiful(held, need as u64, need as u64, feasible.headroom as u64)
-                }),
-            ),
-            HeapKind::Small => 1,
-        };
+        // The handles' sizes (`sizing.rs`): a request's (above), and whole chunks'.
         let big = chunk_pages;
         // `grow_whole_chunks`: the last run, when it ends the window in unmapped space, is
         // backed with whole chunks, and grows past the request to whole chunks while the limit
@@ -544,6 +576,10 @@ impl<D: Driver> DevicePool<D> {
             if let Some(&(_, n, f)) = place.runs.get(last_run) {
                 place.runs[last_run].1 -= optional.min(n - f);
             }
+        }
+        if !place.full() && cached > 0 && create_instead {
+            // Creation fell short (the limit, the device): the cached chunks after all.
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
         }
         if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {
             // Memory pressure: the limit or the device stops creation, so waiting for busy

@@ -579,3 +579,60 @@ fn chunks_move_and_are_released_whole() {
     assert_eq!(sim.calls(DriverCall::ReleasePhysical), 4);
     assert_no_leak(&sim, pool);
 }
+
+/// Many small cached chunks: eighty 1 MiB blocks on stream A, in the small heap's
+/// single-granule chunks, freed. Returns the pool and simulator.
+fn small_chunks_cached(cap: u64) -> (std::sync::Arc<cistern::SimDriver>, SimPool) {
+    let (sim, pool) = pool(cap, true);
+    let blocks: Vec<u64> = (0..80).map(|_| alloc(&pool, MIB, A)).collect();
+    for p in blocks {
+        free(&pool, p, A);
+    }
+    check(&pool);
+    (sim, pool)
+}
+
+/// While memory is plentiful, a large request on another stream is backed by a few new
+/// handles rather than by moving dozens of single-granule chunks (each move costs a quarter
+/// of a creation: Note [Cheaper than moving]); the cached chunks stay, and serve stream A
+/// again without a driver call.
+#[test]
+fn plentiful_memory_creates_rather_than_moving_many_small_chunks() {
+    let (sim, pool) = small_chunks_cached(16 * GIB);
+    let (unmaps, creates) = (
+        sim.calls(DriverCall::Unmap),
+        sim.calls(DriverCall::CreatePhysical),
+    );
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert_eq!(
+        sim.calls(DriverCall::Unmap),
+        unmaps,
+        "cached chunks were moved"
+    );
+    let made = sim.calls(DriverCall::CreatePhysical) - creates;
+    assert!((1..=10).contains(&made), "{made} handles for 60 MiB");
+    assert_eq!(stat(&pool, "num_stitches"), 0);
+    let calls = sim.total_calls();
+    let again = alloc(&pool, MIB, A);
+    assert_eq!(sim.total_calls(), calls, "stream A's cache was kept");
+    free(&pool, again, A);
+    free(&pool, big, B);
+    assert_no_leak(&sim, pool);
+}
+
+/// Without room to spare the same request stitches the cached chunks: memory first.
+#[test]
+fn tight_memory_still_stitches_small_chunks() {
+    let (sim, pool) = small_chunks_cached(256 * MIB);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert!(
+        sim.calls(DriverCall::Unmap) > unmaps,
+        "nothing was stitched"
+    );
+    assert!(stat(&pool, "num_stitches") >= 1);
+    free(&pool, big, B);
+    assert_no_leak(&sim, pool);
+}
