@@ -115,7 +115,10 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         dev.peers.push(peer);
-        Ok(())
+        drop(dev);
+        // Ranges opened from other processes, after the device lock (`share.rs` takes the
+        // device lock inside its own): one opened meanwhile saw the peer already.
+        c.share.grant_peer(c, peer)
     }
 }
 

@@ -96,6 +96,21 @@ impl ShareState {
         core.driver.release_physical(core.dev, handle)
     }
 
+    /// Grants `peer` access to every range opened from other processes (VMM mappings; CUDA
+    /// IPC memory was opened with lazy peer access).
+    pub(crate) fn grant_peer<D: Driver>(&self, core: &DeviceCore<D>, peer: usize) -> Result<()> {
+        let opened = self.opened.lock();
+        for o in opened.values() {
+            if let OpenedKind::Mapped { len, .. } = o.kind {
+                if let Err(e) = core.driver.set_access(core.dev, o.base, len, &[peer]) {
+                    core.counters.num_driver_errors.fetch_add(1, Relaxed);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Unmaps and releases everything still opened from other processes (pool teardown).
     pub(crate) fn close_all<D: Driver>(&self, core: &DeviceCore<D>) {
         let opened: Vec<Opened> = self.opened.lock().drain().map(|(_, o)| o).collect();
@@ -299,6 +314,9 @@ impl<D: Driver> DevicePool<D> {
             at += size;
         }
         if failure.is_none() {
+            // The device lock inside the opened ranges' lock: `enable_peer_access` adds a peer
+            // under the device lock and grants opened ranges after releasing it, so a range
+            // opened meanwhile is granted by one or the other.
             let peers = self.state.lock().peers.clone();
             failure = c.driver.set_access(c.dev, base, len, &peers).err();
         }

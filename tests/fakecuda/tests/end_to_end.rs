@@ -989,7 +989,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 #[test]
 fn blocks_are_shared_with_another_process() {
-    run_child("child_share_receiver", &[]);
+    run_child("child_share_receiver", &[("CISTERN_FAKECUDA_DEVICES", "2")]);
 }
 
 #[test]
@@ -1082,11 +1082,13 @@ fn child_share_receiver() {
     let pool = Pool::new(d, Config::default()).unwrap();
     let vmm = pool.device(0).unwrap().uses_vmm();
     let mut opened = Vec::new();
+    let mut ranges = Vec::new();
     let mut kinds = std::collections::BTreeSet::new();
     for (bytes, offset, sent) in &shares {
         let memory = cistern::ipc::decode(bytes).unwrap();
         kinds.insert(bytes[1]);
         let base = pool.open_shared(0, &memory).unwrap();
+        ranges.push((base, memory.len()));
         assert_eq!(origin(base + offset), *sent, "{memory:?} + {offset}");
         // The range's last byte is the sender's too.
         if vmm {
@@ -1100,6 +1102,25 @@ fn child_share_receiver() {
         assert!(kinds.contains(&b'e') && kinds.contains(&b'v'), "{kinds:?}");
     } else {
         assert_eq!(kinds.into_iter().collect::<Vec<_>>(), vec![b'c']);
+    }
+    if vmm {
+        // A peer granted afterwards reaches the opened ranges too: work of device 1 on them
+        // is no illegal address.
+        let s1 = new_stream(pool.driver(), 1);
+        pool.enable_peer_access(0, 1).unwrap();
+        type Launch = unsafe extern "C" fn(u64, u64, usize) -> u32;
+        type Complete = unsafe extern "C" fn(u64) -> u32;
+        // SAFETY: the fake is loaded; the hooks have these signatures (the fake's README), and
+        // the stream and ranges are live.
+        unsafe {
+            let lib = libloading::Library::new("libcuda.so.1").unwrap();
+            let launch: libloading::Symbol<Launch> = lib.get(b"cisternFakeLaunch\0").unwrap();
+            let complete: libloading::Symbol<Complete> = lib.get(b"cisternFakeComplete\0").unwrap();
+            for &(base, len) in &ranges {
+                assert_eq!(launch(s1.0, base, len as usize), 0, "device 1 on {base:#x}");
+            }
+            assert_eq!(complete(s1.0), 0);
+        }
     }
     // Each pointer was opened once per share: the same description opened again is the same
     // range, counted; every open is closed.
