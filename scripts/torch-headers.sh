@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches what the native allocator's compile tests (pytorch-plugin/tests/test_native.py) build
 # against, from PyPI, without installing torch: the C++ headers and libc10.so of the newest torch
-# wheel and of torch 2.5.1 (the oldest the native allocator supports), and CUDA's runtime headers
+# wheel (with its torch/cuda/_memory_viz.py, for the snapshot tests) and of torch 2.5.1 (the oldest the native allocator supports), and CUDA's runtime headers
 # (nvidia-cuda-runtime with nvidia-cuda-crt, the part the runtime wheel alone lacks). Only those
 # files are unpacked; the wheels are deleted after. Cached under $CISTERN_TORCH_HEADERS (default
 # <target>/torch-headers): a second run downloads nothing.
@@ -22,7 +22,8 @@ mkdir -p "$dest"
 fetch() {
   local name="$1" spec="$2"
   shift 2
-  if [ -f "$dest/$name/.done" ]; then
+  # The marker lists the members unpacked: a cache made with fewer is fetched again.
+  if [ -f "$dest/$name/.done" ] && [ "$(cat "$dest/$name/.done")" = "$*" ]; then
     return 0
   fi
   rm -rf "$dest/$name"
@@ -43,11 +44,13 @@ with zipfile.ZipFile(whl) as z:
             z.extract(m, out)
 EOF
   rm -rf "$dest/$name/wheel"
-  touch "$dest/$name/.done"
+  echo "$*" > "$dest/$name/.done"
 }
 
 ok=0
-fetch torch-newest torch torch/include/ torch/lib/libc10.so || ok=1
+# torch/cuda/_memory_viz.py (pure Python, no torch import) checks cistern's snapshots the way
+# PyTorch's memory viewer tools read them (test_snapshot.py).
+fetch torch-newest torch torch/include/ torch/lib/libc10.so torch/cuda/_memory_viz.py || ok=1
 fetch torch-2.5 torch==2.5.1 torch/include/ torch/lib/libc10.so || ok=1
 fetch cuda-runtime nvidia-cuda-runtime nvidia/ || ok=1
 fetch cuda-crt nvidia-cuda-crt nvidia/ || ok=1

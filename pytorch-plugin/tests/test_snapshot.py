@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import os
 import pickle
 from typing import Any, Dict
 
@@ -93,13 +95,67 @@ def test_dump_snapshot_pickles_builtins(tmp_path) -> None:
     assert loaded == snap
 
 
-def test_memory_viz_reads_a_normalized_snapshot() -> None:
-    pytest.importorskip("torch", reason="torch is not installed")
-    from torch.cuda import _memory_viz
+def _memory_viz() -> Any:
+    """PyTorch's ``torch.cuda._memory_viz`` (pure Python: it imports no torch): the installed
+    torch's, else the file ``scripts/torch-headers.sh`` unpacks from the newest torch wheel."""
+    try:
+        from torch.cuda import _memory_viz as viz
 
+        return viz
+    except ImportError:
+        pass
+    for root in os.environ.get("CISTERN_TORCH_TORCH_DIRS", "").split(os.pathsep):
+        path = os.path.join(root, "cuda", "_memory_viz.py") if root else ""
+        if path and os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_cistern_test_memory_viz", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    pytest.skip("needs torch's _memory_viz: install torch, or run scripts/torch-headers.sh "
+                "(scripts/test.sh then sets CISTERN_TORCH_TORCH_DIRS)")
+
+
+def test_memory_viz_reads_a_normalized_snapshot() -> None:
+    viz = _memory_viz()
     snap = _snapshot.normalize(json.loads(json.dumps(RAW)))
-    assert "total_reserved: 4.0MiB" in _memory_viz.segsum(snap)
-    assert "Device 0" in _memory_viz.trace(snap)
+    assert "total_reserved: 4.0MiB" in viz.segsum(snap)
+    assert "Device 0" in viz.trace(snap)
+
+
+def test_memory_viz_reads_the_librarys_snapshot(allocs) -> None:
+    """torch's own readers of a snapshot (the flame graphs of ``segments`` and ``memory``, the
+    segment summary with its accounting checks, the trace and the HTML timeline) take
+    cistern's, with live, freed and merged blocks."""
+    viz = _memory_viz()
+    live = [allocs.malloc(size) for size in (3 * MiB + 100, 5000, 40 * MiB, 512)]
+    gone = allocs.malloc(2 * MiB)
+    allocs.free(gone)
+    other = allocs.malloc(6 * MiB)
+    snap = cistern_torch.snapshot()
+    pickled = pickle.loads(pickle.dumps(snap))
+    lines = viz.segments(pickled, format_flamegraph=lambda text: text)
+    assert "active_allocated" in lines
+    # Each segment's lines (blocks, and the gaps torch adds for what a block's requested size
+    # leaves) add up to the segment.
+    per_segment: Dict[str, int] = {}
+    for line in lines.splitlines():
+        stack, size = line.rsplit(" ", 1)
+        assert stack.startswith("stream_") and int(size) >= 0, line
+        seg = stack.split(";")[1]
+        per_segment[seg] = per_segment.get(seg, 0) + int(size)
+    assert per_segment == {f"seg_{seg['address']}": seg["total_size"] for seg in snap["segments"]}
+    assert "stream_0;active_allocated" in viz.memory(pickled, format_flamegraph=lambda t: t)
+    summary = viz.segsum(pickled)
+    reserved = sum(seg["total_size"] for seg in snap["segments"])
+    assert f"segments: {len(snap['segments'])}" in summary
+    assert reserved == cistern_torch.memory_reserved(0)
+    viz.trace(pickled)
+    html = viz.trace_plot(pickled)
+    assert "snapshot.pickle" in html and "add_local_files" in html
+    allocs.free(other)
+    for p in live:
+        allocs.free(p)
 
 
 def test_library_snapshot_shows_live_and_freed_blocks(allocs) -> None:
