@@ -1,6 +1,7 @@
 """Sharing memory with another process through the C ABI (``cistern_ipc_share``, ``_open``,
-``_close``): what ``torch.multiprocessing`` reaches through the native allocator's
-``shareIpcHandle`` / ``getIpcDevPtr``.
+``_close``), driven through ctypes: the calls under the native allocator's ``shareIpcHandle`` /
+``getIpcDevPtr`` (those C++ overrides are compiled by test_native.py and run only with torch on a
+GPU: ``scripts/gpu/torch_checks.py ipc``).
 
 On the simulated GPU (one process's memory) only the sender's side is checked. Over the fake
 libcuda (``scripts/test.sh``'s second run), a sender process started by this one shares blocks

@@ -118,7 +118,12 @@ impl<D: Driver> DevicePool<D> {
         drop(dev);
         // Ranges opened from other processes, after the device lock (`share.rs` takes the
         // device lock inside its own): one opened meanwhile saw the peer already.
-        c.share.grant_peer(c, peer)
+        let r = c.share.grant_peer(c, peer);
+        if r.is_err() {
+            // As documented: on an error the peer is not added (a retry grants everything).
+            self.state.lock().peers.retain(|&p| p != peer);
+        }
+        r
     }
 }
 

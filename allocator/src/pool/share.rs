@@ -55,7 +55,9 @@ use crate::driver::{Driver, DriverResult, PhysHandle};
 use crate::error::{Error, Result};
 use crate::ipc::{Share, Shared};
 
-/// What a device's pool has exported and opened (a leaf lock each).
+/// What a device's pool has exported and opened. `exported` is a leaf lock. `opened` is taken
+/// before the device state lock (`open_shared` reads the peers under it), never after: so
+/// nothing may call `open_shared`, `close_all` or `grant_peer` with the device lock held.
 #[derive(Debug, Default)]
 pub(crate) struct ShareState {
     /// Chunk handle -> its exported descriptor, open while the chunk lives.
@@ -200,10 +202,20 @@ impl<D: Driver> DevicePool<D> {
                 for ch in chunks {
                     let fd = match exported.entry(ch.handle.0) {
                         Entry::Occupied(e) => e.get().as_raw_fd(),
-                        Entry::Vacant(v) => {
-                            let fd = c.driver.export_handle(c.dev, ch.handle)?;
-                            v.insert(fd).as_raw_fd()
-                        }
+                        Entry::Vacant(v) => match c.driver.export_handle(c.dev, ch.handle) {
+                            Ok(fd) => v.insert(fd).as_raw_fd(),
+                            Err(e) => {
+                                c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                                return Err(Error::InvalidArgument(format!(
+                                    "share: device {} cannot export the memory under {ptr:#x} \
+                                     ({e}); the driver may have refused exportable handles \
+                                     when it was created (containers and WSL can: cistern then \
+                                     creates plain ones), and CISTERN_CONF=vmm:false shares \
+                                     through CUDA IPC instead",
+                                    c.dev
+                                )));
+                            }
+                        },
                     };
                     handles.push((fd, ch.pages as u64 * g));
                 }
@@ -250,7 +262,9 @@ impl<D: Driver> DevicePool<D> {
     /// Imports `handles` of process `pid` and maps them one after another.
     fn import_range(&self, pid: u32, handles: &[(i32, u64)]) -> Result<Opened> {
         let c = &*self.core;
-        if !c.vmm {
+        // The device's support, not the pool's setting: a `vmm:false` pool on a VMM device
+        // still receives VMM memory, as PyTorch's receiver does whatever its own setting.
+        if !c.caps.vmm {
             return Err(Error::InvalidArgument(format!(
                 "open_shared: device {} has no virtual memory management, which mapping \
                  another process's physical handles needs",
@@ -270,7 +284,16 @@ impl<D: Driver> DevicePool<D> {
                 c.dev
             )));
         }
-        let len: u64 = handles.iter().map(|h| h.1).sum();
+        let len = handles
+            .iter()
+            .try_fold(0u64, |sum, h| sum.checked_add(h.1))
+            .filter(|&l| l <= c.caps.total_memory.max(g))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "open_shared: the shared handles add up to more than device {}'s memory",
+                    c.dev
+                ))
+            })?;
         let mut imported: Vec<(PhysHandle, u64)> = Vec::with_capacity(handles.len());
         let undo_imports = |imported: &[(PhysHandle, u64)]| {
             for &(h, _) in imported {
@@ -321,7 +344,9 @@ impl<D: Driver> DevicePool<D> {
             failure = c.driver.set_access(c.dev, base, len, &peers).err();
         }
         if let Some(e) = failure {
-            let mapped: Vec<u64> = maps.iter().map(|m| m.2 .0).collect();
+            // The first `maps.len()` imports are mapped (in order); release the rest by
+            // position (importing one memory twice may give the same handle value).
+            let rest = imported.split_off(maps.len());
             unmap_opened(
                 c,
                 Opened {
@@ -330,10 +355,6 @@ impl<D: Driver> DevicePool<D> {
                     kind: OpenedKind::Mapped { len, maps },
                 },
             );
-            let rest: Vec<_> = imported
-                .into_iter()
-                .filter(|(h, _)| !mapped.contains(&h.0))
-                .collect();
             undo_imports(&rest);
             return Err(e.into());
         }

@@ -378,16 +378,18 @@ impl<D: Driver> DevicePool<D> {
             && kind == HeapKind::Large
             && cached_chunks >= super::sizing::MIN_MOVES
         {
+            // Read afresh (~10 µs, against at least two moves of ~64 µs): a stale estimate
+            // showing room another process has taken since would make growth fill the device.
             let reserved = dev.reserved[0].current.max(0) as u64;
-            let free = match dev.free_seen {
-                Some((free, then)) => free.saturating_add(then).saturating_sub(reserved),
-                None => match c.driver.mem_info(c.dev) {
-                    Ok(i) => {
-                        dev.free_seen = Some((i.free, reserved));
-                        i.free
-                    }
-                    Err(_) => 0,
-                },
+            let free = match c.driver.mem_info(c.dev) {
+                Ok(i) => {
+                    dev.free_seen = Some((i.free, reserved));
+                    i.free
+                }
+                Err(_) => {
+                    dev.free_seen = None;
+                    0
+                }
             };
             by_limit.min((free / g) as usize).saturating_sub(need)
         } else {
@@ -551,6 +553,12 @@ impl<D: Driver> DevicePool<D> {
                         dev.free_seen = None;
                         place.runs[r].1 -= optional.min(open);
                         optional = 0;
+                    }
+                    Err(e) if e.is_oom() && create_instead => {
+                        // Less room than it seemed: stop creating, stitch the cached chunks
+                        // (below) as growth would have without the choice.
+                        dev.free_seen = None;
+                        break 'runs;
                     }
                     Err(e) if e.is_oom() && pages > 1 => {
                         // No room for a whole chunk: the rest in single granules.

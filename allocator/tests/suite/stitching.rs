@@ -636,3 +636,25 @@ fn tight_memory_still_stitches_small_chunks() {
     free(&pool, big, B);
     assert_no_leak(&sim, pool);
 }
+
+/// The choice reads the device's free memory afresh: after another process took all but
+/// 30 MiB since the pool last looked, the same request stitches the cached chunks instead of
+/// creating, and leaves the device's last 30 MiB to others.
+#[test]
+fn another_processs_memory_makes_growth_stitch_again() {
+    let (sim, pool) = small_chunks_cached(16 * GIB);
+    let held = sim.committed_bytes(0);
+    sim.set_other_process_bytes(16 * GIB - held - 30 * MIB);
+    let creates = sim.calls(DriverCall::CreatePhysical);
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        creates,
+        "it created handles"
+    );
+    assert_eq!(sim.committed_bytes(0), held, "the device's room was used");
+    free(&pool, big, B);
+    sim.set_other_process_bytes(0);
+    assert_no_leak(&sim, pool);
+}

@@ -35,9 +35,12 @@ pub const PEERS: &str = "CISTERN_FAKECUDA_PEERS";
 pub const FABRIC: &str = "CISTERN_FAKECUDA_FABRIC";
 /// `1`: the devices support GPUDirect RDMA allocations (`gpuDirectRDMACapable`) (default 0).
 pub const RDMA: &str = "CISTERN_FAKECUDA_RDMA";
+/// `1`: the devices report POSIX file-descriptor handles (attribute 103) but `cuMemCreate`
+/// refuses to make them (`CUDA_ERROR_NOT_PERMITTED`), as some containers do (default 0).
+pub const FD_REFUSED: &str = "CISTERN_FAKECUDA_FD_REFUSED";
 
 /// Every knob, for tests that must start from a clean environment.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 13] = [
     ENABLE,
     CAPACITY,
     DEVICES,
@@ -50,6 +53,7 @@ pub const ALL: [&str; 12] = [
     PEERS,
     FABRIC,
     RDMA,
+    FD_REFUSED,
 ];
 
 /// The most devices the fake simulates.
@@ -115,6 +119,8 @@ pub struct Knobs {
     pub fabric: bool,
     /// Whether GPUDirect RDMA allocations are supported.
     pub rdma: bool,
+    /// Whether `cuMemCreate` refuses POSIX file-descriptor handles the device reports.
+    pub fd_refused: bool,
     /// Injected faults (the simulator's).
     pub faults: Vec<Fault>,
     /// Injected faults with an explicit code (the fake's).
@@ -134,6 +140,7 @@ impl Default for Knobs {
             peers: true,
             fabric: false,
             rdma: false,
+            fd_refused: false,
             faults: Vec::new(),
             coded_faults: Vec::new(),
         }
@@ -229,6 +236,7 @@ impl Knobs {
             (PEERS, &mut k.peers, "1"),
             (FABRIC, &mut k.fabric, "0"),
             (RDMA, &mut k.rdma, "0"),
+            (FD_REFUSED, &mut k.fd_refused, "0"),
         ] {
             if let Some(v) = get(name) {
                 match v.trim() {
@@ -423,6 +431,7 @@ mod tests {
             (PEERS, "0"),
             (FABRIC, "1"),
             (RDMA, "1"),
+            (FD_REFUSED, "1"),
             (
                 FAIL,
                 "cuEventQuery:3=700,cuStreamSynchronize:1+=719,cuMemAlloc:2=2",
@@ -432,7 +441,7 @@ mod tests {
         assert_eq!(k.recommended_granularity, 1 << 20);
         assert_eq!(k.reserve, 300 << 20);
         assert_eq!(k.va_limit, 2 << 40);
-        assert!(!k.peers && k.fabric && k.rdma);
+        assert!(!k.peers && k.fabric && k.rdma && k.fd_refused);
         assert!(k.faults.is_empty());
         assert_eq!(
             k.coded_faults,
@@ -466,7 +475,7 @@ mod tests {
         assert_eq!(k.recommended_granularity, 8 << 20, "twice the minimum");
         assert_eq!(k.reserve, 128 << 20, "at most an eighth of the capacity");
         assert_eq!(k.va_limit, DEFAULT_VA_LIMIT);
-        assert!(k.peers && !k.fabric && !k.rdma);
+        assert!(k.peers && !k.fabric && !k.rdma && !k.fd_refused);
         let (k, _) = read(&[]);
         assert_eq!(k.reserve, DEFAULT_RESERVE);
     }

@@ -245,7 +245,7 @@ const ATTR_VMM: c_uint = 102;
 const ATTR_POSIX_FD: c_uint = 103;
 
 /// The description of each code the fake can return, as the real driver words it.
-const ERROR_STRINGS: [(CUresult, &CStr); 24] = [
+const ERROR_STRINGS: [(CUresult, &CStr); 25] = [
     (CUDA_SUCCESS, c"no error"),
     (CUDA_ERROR_INVALID_VALUE, c"invalid argument"),
     (CUDA_ERROR_OUT_OF_MEMORY, c"out of memory"),
@@ -258,6 +258,7 @@ const ERROR_STRINGS: [(CUresult, &CStr); 24] = [
     (CUDA_ERROR_INVALID_HANDLE, c"invalid resource handle"),
     (CUDA_ERROR_NOT_READY, c"device not ready"),
     (CUDA_ERROR_NOT_SUPPORTED, c"operation not supported"),
+    (CUDA_ERROR_NOT_PERMITTED, c"operation not permitted"),
     (CUDA_ERROR_UNKNOWN, c"unknown error"),
     (
         CUDA_ERROR_ILLEGAL_ADDRESS,

@@ -97,6 +97,9 @@ impl Fake {
         {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
+        if ht & HANDLE_POSIX_FD != 0 && self.knobs.fd_refused {
+            return Err(CUDA_ERROR_NOT_PERMITTED);
+        }
         let [compression, rdma, u0, u1, reserved @ ..] = prop.allocFlags;
         let usage = u16::from_ne_bytes([u0, u1]);
         if reserved != [0; 4] || compression > COMP_GENERIC || rdma > 1 || usage > USAGE_TILE_POOL {

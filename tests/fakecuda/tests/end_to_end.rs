@@ -992,6 +992,19 @@ fn blocks_are_shared_with_another_process() {
     run_child("child_share_receiver", &[("CISTERN_FAKECUDA_DEVICES", "2")]);
 }
 
+/// A receiver whose own pool is `vmm:false` still maps VMM memory (the device supports it),
+/// as PyTorch's receiver does whatever its own setting.
+#[test]
+fn a_vmm_false_receiver_opens_vmm_memory() {
+    run_child(
+        "child_share_receiver",
+        &[
+            ("CISTERN_FAKECUDA_DEVICES", "2"),
+            ("SHARE_RECEIVER_CONF", "vmm:false"),
+        ],
+    );
+}
+
 #[test]
 fn linear_blocks_are_shared_through_cuda_ipc() {
     run_child("child_share_receiver", &[("CISTERN_FAKECUDA_VMM", "0")]);
@@ -1079,8 +1092,11 @@ fn child_share_receiver() {
     }
     assert_eq!(shares.len(), 10, "the sender shared ten pointers");
     let d = driver();
-    let pool = Pool::new(d, Config::default()).unwrap();
-    let vmm = pool.device(0).unwrap().uses_vmm();
+    let conf = std::env::var("SHARE_RECEIVER_CONF").unwrap_or_default();
+    let pool = Pool::new(d, Config::parse(&conf).unwrap()).unwrap();
+    // What the sender shares: VMM memory where the device supports it (the sender's pool uses
+    // VMM then), whatever this pool's own setting.
+    let vmm = pool.device(0).unwrap().caps().vmm;
     let mut opened = Vec::new();
     let mut ranges = Vec::new();
     let mut kinds = std::collections::BTreeSet::new();
@@ -1135,4 +1151,35 @@ fn child_share_receiver() {
     drop(stdin);
     for _ in lines {}
     assert!(sender.wait().unwrap().success(), "the sender failed");
+}
+
+/// Where the driver refuses exportable handles the device reports (some containers), growth
+/// goes on with plain handles, and sharing says why it cannot and what to do.
+#[test]
+fn refused_exportable_handles_fall_back_to_plain_ones() {
+    run_child("child_fd_refused", &[("CISTERN_FAKECUDA_FD_REFUSED", "1")]);
+}
+
+#[test]
+#[ignore = "child process of refused_exportable_handles_fall_back_to_plain_ones"]
+fn child_fd_refused() {
+    if !is_child("child_fd_refused") {
+        return;
+    }
+    let d = driver();
+    assert!(d.capabilities(0).unwrap().posix_fd_handles);
+    let s = new_stream(&d, 0);
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let live: Vec<(u64, StreamId)> = [3 * MIB, 40 * MIB]
+        .into_iter()
+        .map(|size| (pool.alloc_raw(0, size, s).unwrap(), s))
+        .collect();
+    check(&pool);
+    let e = pool.share(live[0].0).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && msg.contains("vmm:false"),
+        "{msg}"
+    );
+    drain(&pool, live);
 }

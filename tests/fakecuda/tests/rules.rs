@@ -1126,3 +1126,119 @@ fn child_properties_supported() {
     p.allocFlags.gpuDirectRDMACapable = 1;
     assert_eq!(create_with(&p), CUDA_SUCCESS);
 }
+
+#[test]
+fn sharing_follows_the_drivers_rules() {
+    run_child("child_sharing", &[]);
+    run_child(
+        "child_sharing_refused",
+        &[("CISTERN_FAKECUDA_FD_REFUSED", "1")],
+    );
+}
+
+#[test]
+#[ignore = "child process of sharing_follows_the_drivers_rules"]
+fn child_sharing() {
+    if !is_child("child_sharing") {
+        return;
+    }
+    // The handle types as the driver's type (read back from a property).
+    let (fd_t, fabric_t) = (
+        with_handle_types(1).requestedHandleTypes,
+        with_handle_types(8).requestedHandleTypes,
+    );
+    let ctx = init_ctx(0);
+    // SAFETY: every pointer is a live local; handles and addresses are the fake's own; each
+    // descriptor the fake gives is closed once.
+    unsafe {
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        let mut v = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+        assert_eq!(sys::cuDeviceGetAttribute(&mut v, attr, 0), CUDA_SUCCESS);
+        assert_eq!(v, 1);
+        let mut fd: c_int = -1;
+        let out = (&mut fd as *mut c_int).cast();
+        // A handle created without the type cannot be exported.
+        let mut plain = 0;
+        assert_eq!(
+            sys::cuMemCreate(&mut plain, 2 * MIB, &prop(0), 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuMemExportToShareableHandle(out, plain, fd_t, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuMemRelease(plain), CUDA_SUCCESS);
+        let mut h = 0;
+        assert_eq!(
+            sys::cuMemCreate(&mut h, 2 * MIB, &with_handle_types(1), 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuMemExportToShareableHandle(out, h, fabric_t, 0),
+            CUDA_ERROR_NOT_SUPPORTED
+        );
+        assert_eq!(
+            sys::cuMemExportToShareableHandle(out, h, fd_t, 1),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuMemExportToShareableHandle(out, h, fd_t, 0),
+            CUDA_SUCCESS
+        );
+        assert!(fd >= 0);
+        // Imported, in this process too: a new handle of the same memory, released on its own.
+        let mut h2 = 0;
+        let os = fd as usize as *mut std::ffi::c_void;
+        assert_eq!(
+            sys::cuMemImportFromShareableHandle(&mut h2, os, fd_t),
+            CUDA_SUCCESS
+        );
+        assert_ne!(h2, h);
+        assert_eq!(sys::cuMemRelease(h2), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(h), CUDA_SUCCESS);
+        // A descriptor that is not an exported handle.
+        let bad = libc::memfd_create(c"not-a-handle".as_ptr(), 0);
+        let os = bad as usize as *mut std::ffi::c_void;
+        assert_eq!(
+            sys::cuMemImportFromShareableHandle(&mut h2, os, fd_t),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        libc::close(bad);
+        libc::close(fd);
+        // Linear memory: any pointer inside names the allocation; this process cannot open it.
+        let mut p = 0;
+        assert_eq!(sys::cuMemAlloc_v2(&mut p, 4 * MIB), CUDA_SUCCESS);
+        let mut ipc = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        assert_eq!(sys::cuIpcGetMemHandle(&mut ipc, p + 4096), CUDA_SUCCESS);
+        let mut q = 0;
+        assert_eq!(
+            sys::cuIpcOpenMemHandle_v2(&mut q, ipc, 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            sys::cuIpcOpenMemHandle_v2(&mut q, ipc, 1),
+            CUDA_ERROR_INVALID_CONTEXT
+        );
+        assert_eq!(sys::cuIpcCloseMemHandle(p), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            sys::cuIpcGetMemHandle(&mut ipc, 0x10),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(sys::cuMemFree_v2(p), CUDA_SUCCESS);
+        let mut popped = null_mut();
+        assert_eq!(sys::cuCtxPopCurrent_v2(&mut popped), CUDA_SUCCESS);
+    }
+}
+
+#[test]
+#[ignore = "child process of sharing_follows_the_drivers_rules"]
+fn child_sharing_refused() {
+    if !is_child("child_sharing_refused") {
+        return;
+    }
+    // SAFETY: a plain flags value.
+    assert_eq!(unsafe { sys::cuInit(0) }, CUDA_SUCCESS);
+    assert_eq!(create_with(&with_handle_types(1)), CUDA_ERROR_NOT_PERMITTED);
+    assert_eq!(create_with(&prop(0)), CUDA_SUCCESS);
+}

@@ -389,7 +389,6 @@ impl CudaDriver {
             })
             .is_ok()
             && fd_handles != 0;
-        d.exportable.store(posix_fd_handles, Ordering::Relaxed);
         Ok(DeviceCaps {
             total_memory: total as u64,
             vmm,
@@ -477,7 +476,13 @@ impl Driver for CudaDriver {
             return Ok(caps.clone());
         }
         let caps = self.query_caps(d)?;
-        Ok(d.caps.get_or_init(|| caps).clone())
+        Ok(d.caps
+            .get_or_init(|| {
+                // Once: a later query must not turn exports back on after a refusal.
+                d.exportable.store(caps.posix_fd_handles, Ordering::Relaxed);
+                caps
+            })
+            .clone())
     }
 
     fn mem_info(&self, dev: DeviceId) -> DriverResult<MemInfo> {
@@ -537,16 +542,22 @@ impl Driver for CudaDriver {
         let r = cu(call, "cuMemCreate", || unsafe {
             (self.api.cuMemCreate)(&mut handle, size, &prop, 0)
         });
+        // Codes with which a driver refuses the handle type itself (containers, WSL).
+        const REFUSALS: [CUresult; 3] = [
+            CUresult::CUDA_ERROR_NOT_SUPPORTED,
+            CUresult::CUDA_ERROR_NOT_PERMITTED,
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+        ];
         match r {
-            Err(e) if exportable && !e.is_oom() => {
-                // The handle type is refused (a container, WSL): create plain handles from now
-                // on; sharing then reports that the device cannot export.
-                d.exportable.store(false, Ordering::Relaxed);
+            Err(e) if exportable && REFUSALS.iter().any(|&c| c as i32 == e.code) => {
                 prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
                 // SAFETY: as above.
                 cu(call, "cuMemCreate", || unsafe {
                     (self.api.cuMemCreate)(&mut handle, size, &prop, 0)
                 })?;
+                // Plain handles work where exportable ones do not: create plain ones from now
+                // on; sharing then says the driver refused exportable handles.
+                d.exportable.store(false, Ordering::Relaxed);
             }
             r => r?,
         }

@@ -2,7 +2,7 @@
 //! `cuMemImportFromShareableHandle` for physical handles, `cuIpcGetMemHandle` /
 //! `cuIpcOpenMemHandle` for linear allocations.
 //!
-//! An exported handle is a real POSIX file descriptor, as the driver's: a sealed `memfd` holding
+//! An exported handle is a real POSIX file descriptor, as the driver's: a `memfd` holding
 //! a descriptor of the memory (this simulator's id, the device, the handle, its size). So it
 //! travels as the driver's does (inherited, passed over a socket, or taken with `pidfd_getfd`).
 //!
@@ -66,7 +66,7 @@ fn decode(magic: &[u8; 8], bytes: &[u8]) -> Option<[u64; 4]> {
     Some([f(0), f(1), f(2), f(3)])
 }
 
-/// A new sealed memfd holding `bytes`.
+/// A new memfd holding `bytes`.
 fn memfd_with(call: DriverCall, bytes: &[u8]) -> DriverResult<OwnedFd> {
     let os = |what: &str, e: std::io::Error| {
         err(call, DriverErrorKind::Other, 999, format!("{what}: {e}"))

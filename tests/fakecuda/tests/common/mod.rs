@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// The fake's knobs, cleared from a child's environment unless a test sets them.
-pub const KNOBS: [&str; 12] = [
+pub const KNOBS: [&str; 13] = [
     "CISTERN_FAKECUDA",
     "CISTERN_FAKECUDA_CAPACITY",
     "CISTERN_FAKECUDA_DEVICES",
@@ -24,6 +24,7 @@ pub const KNOBS: [&str; 12] = [
     "CISTERN_FAKECUDA_PEERS",
     "CISTERN_FAKECUDA_FABRIC",
     "CISTERN_FAKECUDA_RDMA",
+    "CISTERN_FAKECUDA_FD_REFUSED",
 ];
 
 /// The file cargo builds (`cdylib` of `cistern-fakecuda`).
