@@ -41,7 +41,7 @@
 //! them in place. Creation falling short (the limit, the device) stitches after all. Measured
 //! (`python3 scripts/cost-table.py`, then the smallest device per trace with `cistern replay`
 //! over the dev snapshots, every built-in workload and the minimalloc instances): modelled
-//! driver time on `llm-serving` 2.79x -> 2.19x expandable's, `llm-serving-mooncake` 1.85x ->
+//! driver time on `llm-serving` 2.79x -> 2.20x expandable's, `llm-serving-mooncake` 1.85x ->
 //! 1.16x, the median over all traces 1.65x -> 1.50x and over the dev snapshots 1.07x -> 1.04x;
 //! the smallest device unchanged on all 37 traces, peak reserved at most 1.014x expandable's
 //! as before. With no minimum of moves Mooncake fell to 1.05x, but `llm-serving` needed a
