@@ -266,6 +266,13 @@ int cistern_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
 // `cistern_release_pool`. Returns 1, or 0 for a bad device (last error).
 int cistern_create_or_incref_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
 
+// Whether graph pool `(pool_id_0, pool_id_1)` of device `device` serves, with its free blocks,
+// allocations outside it that run out of memory (`on` non-zero): PyTorch's
+// `MemPool(use_on_oom=True)` (`setUseOnOOM`). The block taken stays the pool's; the failed
+// attempt still counts in `num_ooms`. Returns 1, or 0 for a bad device or a pool that does
+// not exist (last error).
+int cistern_set_use_on_oom(int device, uint64_t pool_id_0, uint64_t pool_id_1, int on);
+
 // The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
 // there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
 int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);

@@ -185,6 +185,29 @@ pub extern "C" fn cistern_create_or_incref_pool(
     })
 }
 
+/// Whether graph pool `(pool_id_0, pool_id_1)` of device `device` serves, with its free blocks,
+/// allocations outside it that run out of memory (`on` non-zero): PyTorch's
+/// `MemPool(use_on_oom=True)` (`setUseOnOOM`). The block taken stays the pool's; the failed
+/// attempt still counts in `num_ooms`. Returns 1, or 0 for a bad device or a pool that does
+/// not exist (last error).
+#[no_mangle]
+pub extern "C" fn cistern_set_use_on_oom(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+    on: c_int,
+) -> c_int {
+    guard::call("cistern_set_use_on_oom", 0, || {
+        pool_call(
+            "cistern_set_use_on_oom",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| d.set_use_on_oom(id, on != 0),
+        )
+    })
+}
+
 /// The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
 /// there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
 #[no_mangle]
@@ -243,6 +266,7 @@ trait GraphPools {
     fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
     fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId);
     fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64;
+    fn set_use_on_oom(&self, id: cistern_alloc::MempoolId, on: bool) -> cistern_alloc::Result<()>;
 }
 
 impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
@@ -257,5 +281,8 @@ impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
     }
     fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64 {
         cistern_alloc::DevicePool::pool_use_count(self, id)
+    }
+    fn set_use_on_oom(&self, id: cistern_alloc::MempoolId, on: bool) -> cistern_alloc::Result<()> {
+        cistern_alloc::DevicePool::set_use_on_oom(self, id, on)
     }
 }

@@ -546,6 +546,18 @@ fn graph_pools_route_a_windows_streams_and_release_their_filters() {
     // SAFETY: as above.
     assert_eq!(unsafe { (abi.create_or_incref_pool)(dev, 0, 3) }, 1);
     assert_eq!(uses(dev, 0, 3), 1);
+    // MemPool(use_on_oom=True): only for a pool that exists (served blocks: suite graphs).
+    // SAFETY: as above.
+    let use_on_oom = |d, a, b, on| unsafe { (abi.set_use_on_oom)(d, a, b, on) };
+    assert_eq!(use_on_oom(dev, 0, 3, 1), 1, "{}", abi.last_error());
+    assert_eq!(use_on_oom(dev, 0, 3, 0), 1, "{}", abi.last_error());
+    assert_eq!(use_on_oom(dev, 0, 4, 1), 0);
+    assert!(
+        abi.last_error().contains("no graph pool (0, 4)"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(use_on_oom(99, 0, 3, 1), 0);
     assert_eq!(release(dev, 0, 3), 1);
     assert_eq!(uses(dev, 0, 3), 0);
     assert_eq!(uses(99, 0, 3), -1);

@@ -23,6 +23,7 @@
 //   attachOutOfMemoryObserver                                    called on each OOM
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
 //   shareIpcHandle / getIpcDevPtr                              cistern_ipc_share / _open / _close
+//   setUseOnOOM (MemPool(use_on_oom=True))                     cistern_set_use_on_oom
 // Not here yet: checkpointing (cudagraph trees).
 //
 // Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
@@ -82,6 +83,7 @@ struct Api {
   size_t (*ipc_share)(void*, int, uint8_t*, size_t, uint64_t*);
   void* (*ipc_open)(const uint8_t*, size_t, int);
   int (*ipc_close)(void*, int);
+  int (*set_use_on_oom)(int, uint64_t, uint64_t, int);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -354,6 +356,12 @@ class CisternAllocator : public PluggableBase {
     int64_t n = g_api.pool_use_count(device, mempool_id.first, mempool_id.second);
     TORCH_CHECK(n >= 0, "cistern: getPoolUseCount: ", last_error());
     return static_cast<int>(n);
+  }
+
+  // torch >= 2.8's MemPool(use_on_oom=True); a plain method in older torches (no override).
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
+    int ok = g_api.set_use_on_oom(device, mempool_id.first, mempool_id.second, use_on_oom ? 1 : 0);
+    TORCH_CHECK(ok == 1, "cistern: setUseOnOOM: ", last_error());
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {

@@ -477,7 +477,21 @@ impl<D: Driver> DevicePool<D> {
             if let Some(p) = self.fast_alloc(&arena, kind, rounded, size, o.as_ref()) {
                 break p;
             }
-            match self.alloc_slow(&arena, kind, rounded, size)? {
+            let slow = match self.alloc_slow(&arena, kind, rounded, size) {
+                Err(e) if e.is_oom() => {
+                    // PyTorch's MemPool(use_on_oom=True): a free block of such a pool.
+                    let from_pool = self
+                        .oom_arenas(stream)
+                        .iter()
+                        .find_map(|a| self.fast_alloc(a, kind, rounded, size, o.as_ref()));
+                    match from_pool {
+                        Some(p) => break p,
+                        None => return Err(e),
+                    }
+                }
+                r => r?,
+            };
+            match slow {
                 Some(p) => {
                     if let Some(o) = &o {
                         arena.state.lock().record_ptr(p, o);

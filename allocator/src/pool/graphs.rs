@@ -77,6 +77,9 @@ struct GraphPool<D: Driver> {
     uses: u64,
     /// The pool's arenas, by the driver's stream id.
     arenas: FxHashMap<u64, Arc<Arena<D>>>,
+    /// Its free blocks serve an allocation outside it that runs out of memory (PyTorch's
+    /// `MemPool(use_on_oom=True)`, `setUseOnOOM`).
+    use_on_oom: bool,
 }
 
 /// An open allocation window.
@@ -146,6 +149,7 @@ impl<D: Driver> DevicePool<D> {
                 .or_insert_with(|| GraphPool {
                     uses: 0,
                     arenas: FxHashMap::default(),
+                    use_on_oom: false,
                 })
                 .uses += 1;
             g.windows.push(Window { pool: id, filter });
@@ -177,8 +181,52 @@ impl<D: Driver> DevicePool<D> {
             .or_insert_with(|| GraphPool {
                 uses: 0,
                 arenas: FxHashMap::default(),
+                use_on_oom: false,
             })
             .uses += 1;
+    }
+
+    /// Whether graph pool `id`'s free blocks serve allocations outside it that run out of
+    /// memory (PyTorch's `MemPool(use_on_oom=True)`): such an allocation, having failed with
+    /// every other remedy, takes a free block of the pool on its stream, without growing the
+    /// pool; the block is the pool's (its free returns it there). It is still counted in
+    /// `num_ooms` (PyTorch does not count it), since the pool's own memory ran out.
+    /// [`Error::InvalidArgument`] when there is no such pool.
+    pub fn set_use_on_oom(&self, id: MempoolId, on: bool) -> Result<()> {
+        match self.graphs.lock().pools.get_mut(&id) {
+            Some(p) => {
+                p.use_on_oom = on;
+                Ok(())
+            }
+            None => Err(Error::InvalidArgument(format!(
+                "set_use_on_oom: device {} has no graph pool {id}: make it first \
+                 (create_or_incref_pool, as torch.cuda.MemPool does)",
+                self.core.dev
+            ))),
+        }
+    }
+
+    /// The arenas on `stream` of the pools whose free blocks serve an out-of-memory
+    /// allocation (see [`DevicePool::set_use_on_oom`]), by pool id; none while a window is
+    /// open (a capture may be underway, and its pools' blocks are its own).
+    pub(super) fn oom_arenas(&self, stream: StreamId) -> Vec<Arc<Arena<D>>> {
+        if self.core.capturing() {
+            return Vec::new();
+        }
+        let Ok(info) = self.stream_here(stream) else {
+            return Vec::new();
+        };
+        let g = self.graphs.lock();
+        let mut ids: Vec<_> = g
+            .pools
+            .iter()
+            .filter(|(_, p)| p.use_on_oom)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids.iter()
+            .filter_map(|id| g.pools[id].arenas.get(&info.id).cloned())
+            .collect()
     }
 
     /// The uses of graph pool `id` not yet released (0 when there is no such pool: PyTorch's

@@ -528,3 +528,76 @@ fn dropping_the_pool_with_live_graph_pools_leaks_nothing() {
         assert_eq!(sim.live_events(0), 0);
     });
 }
+
+/// PyTorch's `MemPool(use_on_oom=True)`: an allocation outside the pool that runs out of memory
+/// takes a free block of the pool on its stream (without growing it), and its free returns the
+/// block there; without the setting it fails, and during a window nothing is taken.
+#[test]
+fn use_on_oom_pools_serve_an_allocation_that_ran_out() {
+    for vmm in MODES {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(256 * MIB), vmm, "");
+        let dev = pool.device(0).unwrap();
+        let mp = MempoolId(0, 9);
+        dev.create_or_incref_pool(mp);
+        // 64 MiB allocated into the pool on stream S, then freed: cached, the pool's own.
+        // (`torch.cuda.use_mem_pool`: a window, ended and released at the block's end.)
+        dev.begin_allocate_to_pool(mp, only(S));
+        let cached = alloc(&pool, 64 * MIB, S);
+        dev.end_allocate_to_pool(mp).unwrap();
+        dev.release_pool(mp).unwrap();
+        free(&pool, cached, S);
+        let ranges = pool_ranges(&pool, mp);
+        // Fill the rest of the device outside the pool.
+        let mut hog = Vec::new();
+        while let Ok(p) = pool.alloc_raw(0, 16 * MIB, StreamId(S)) {
+            hog.push(p);
+        }
+        assert!(pool
+            .alloc_raw(0, 48 * MIB, StreamId(S))
+            .unwrap_err()
+            .is_oom());
+        let e = dev
+            .set_use_on_oom(MempoolId(0, 10), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no graph pool (0, 10)"), "{e}");
+        dev.set_use_on_oom(mp, true).unwrap();
+        // Another stream has no free block in the pool.
+        assert!(
+            pool.alloc_raw(0, 48 * MIB, StreamId(T))
+                .unwrap_err()
+                .is_oom(),
+            "vmm:{vmm}"
+        );
+        let p = pool.alloc_raw(0, 48 * MIB, StreamId(S)).unwrap();
+        check(&pool);
+        assert!(
+            ranges.iter().any(|&(lo, hi)| lo <= p && p + 48 * MIB <= hi),
+            "vmm:{vmm}: {p:#x} is not the pool's"
+        );
+        free(&pool, p, S);
+        // Back in the pool: served again from it, and not while a window is open.
+        dev.begin_allocate_to_pool(MempoolId(0, 11), only(U));
+        assert!(pool
+            .alloc_raw(0, 48 * MIB, StreamId(S))
+            .unwrap_err()
+            .is_oom());
+        dev.end_allocate_to_pool(MempoolId(0, 11)).unwrap();
+        dev.release_pool(MempoolId(0, 11)).unwrap();
+        let q = pool.alloc_raw(0, 48 * MIB, StreamId(S)).unwrap();
+        assert!(ranges.iter().any(|&(lo, hi)| lo <= q && q < hi));
+        free(&pool, q, S);
+        // Turned off: out of memory again.
+        dev.set_use_on_oom(mp, false).unwrap();
+        assert!(pool
+            .alloc_raw(0, 48 * MIB, StreamId(S))
+            .unwrap_err()
+            .is_oom());
+        for h in hog {
+            free(&pool, h, S);
+        }
+        dev.release_pool(mp).unwrap();
+        check(&pool);
+        assert_no_leak(&sim, pool);
+    }
+}

@@ -105,6 +105,7 @@ pub struct Abi {
     pub release_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     pub create_or_incref_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     pub pool_use_count: unsafe extern "C" fn(c_int, u64, u64) -> i64,
+    pub set_use_on_oom: unsafe extern "C" fn(c_int, u64, u64, c_int) -> c_int,
     pub free_and_release: unsafe extern "C" fn(*mut c_void, usize, c_int, Stream),
     pub abort_on_failure: unsafe extern "C" fn(c_int) -> c_int,
     pub set_observer: unsafe extern "C" fn(
@@ -166,6 +167,7 @@ pub fn load_with_env(env: &[(&str, &str)]) -> &'static Abi {
             release_pool: sym!(b"cistern_release_pool"),
             create_or_incref_pool: sym!(b"cistern_create_or_incref_pool"),
             pool_use_count: sym!(b"cistern_pool_use_count"),
+            set_use_on_oom: sym!(b"cistern_set_use_on_oom"),
             free_and_release: sym!(b"cistern_free_and_release"),
             abort_on_failure: sym!(b"cistern_abort_on_failure"),
             get_memory_fraction: sym!(b"cistern_get_memory_fraction"),
