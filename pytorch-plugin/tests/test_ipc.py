@@ -53,11 +53,16 @@ def test_sharing_what_is_not_live_is_a_clear_error(lib: object, allocs: object) 
         _lib.ipc_close(0x1000)
 
 
-def test_opening_this_processs_own_memory_is_refused(lib: object, allocs: object) -> None:
+def test_this_processs_own_memory_opens_at_a_second_address(lib: object, allocs: object) -> None:
     p = allocs.malloc(5 * MIB)
-    handle, _ = _lib.ipc_share(p)
-    with pytest.raises(ValueError, match="own|same process|another process"):
-        _lib.ipc_open(handle)
+    handle, offset = _lib.ipc_share(p)
+    base = _lib.ipc_open(handle)
+    assert base and base + offset != p
+    assert _lib.ipc_open(handle) == base
+    _lib.ipc_close(base)
+    _lib.ipc_close(base)
+    with pytest.raises(ValueError, match="nothing opened"):
+        _lib.ipc_close(base)
 
 
 SENDER = """

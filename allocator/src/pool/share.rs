@@ -32,7 +32,9 @@
 //! own descendants attach (`prctl(PR_SET_PTRACER, getpid())`, a grant as narrow as Yama allows:
 //! they run the same program). Others (siblings, unrelated processes) need scope 0.
 //!
-//! **Receiving.** `open_shared` takes each descriptor from the sender (`pidfd_getfd`), imports it
+//! **Receiving.** `open_shared` takes each descriptor from the sender (`pidfd_getfd`; the
+//! sender may be this process, as when a tensor comes back through a queue: the import then
+//! maps the same memory at a second address, as PyTorch's receiver does), imports it
 //! (`cuMemImportFromShareableHandle`), maps the handles one after another in a fresh
 //! reservation and grants access to the device and its peers in one `cuMemSetAccess`; a CUDA
 //! IPC handle is opened with `cuIpcOpenMemHandle`. Opened ranges are cached by their
@@ -236,8 +238,8 @@ impl<D: Driver> DevicePool<D> {
     /// and counts one more open (see Note [Sharing]).
     ///
     /// Errors: [`Error::InvalidArgument`] naming the fix when the sender's descriptors cannot
-    /// be taken (ptrace permission, a process that exited) or the description is of this
-    /// process; [`Error::Driver`] when the driver refuses.
+    /// be taken (ptrace permission, a process that exited); [`Error::Driver`] when the driver
+    /// refuses (a CUDA IPC handle of this process's own memory, which CUDA cannot open).
     pub fn open_shared(&self, memory: &Shared) -> Result<u64> {
         fork_check()?;
         let c = &*self.core;
@@ -270,11 +272,6 @@ impl<D: Driver> DevicePool<D> {
                  another process's physical handles needs",
                 c.dev
             )));
-        }
-        if pid == std::process::id() {
-            return Err(Error::InvalidArgument(
-                "open_shared: the memory is this process's own; use the block's pointer".into(),
-            ));
         }
         let g = c.granularity;
         if let Some(&(_, s)) = handles.iter().find(|h| h.1 == 0 || h.1 % g != 0) {

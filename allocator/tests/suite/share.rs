@@ -155,15 +155,24 @@ fn linear_blocks_share_their_allocations_ipc_handle() {
 }
 
 #[test]
-fn opening_this_processs_own_memory_is_refused() {
-    let (sim, pool) = pool(GIB, true);
+fn this_processs_own_memory_opens_at_a_second_address() {
+    let sim_conf = SimConfig::default().capacity(GIB).backing(true);
+    let (sim, pool) = pool_with(sim_conf, true, "");
     let p = alloc(&pool, 5 * MIB, 1);
+    let data = pattern(7, 4096);
+    sim.write(0, p, &data).unwrap();
     let (_, share) = pool.share(p).unwrap();
-    let e = pool.open_shared(0, &share.memory).unwrap_err();
-    assert!(
-        matches!(e, Error::InvalidArgument(ref m) if m.contains("own")),
-        "{e}"
-    );
+    let base = pool.open_shared(0, &share.memory).unwrap();
+    assert_ne!(base + share.offset, p);
+    assert_eq!(sim.read(0, base + share.offset, data.len()).unwrap(), data);
+    // Opened again: the same range, counted; each open is closed once.
+    assert_eq!(pool.open_shared(0, &share.memory).unwrap(), base);
+    pool.close_shared(0, base).unwrap();
+    pool.close_shared(0, base).unwrap();
+    assert!(pool.close_shared(0, base).is_err());
+    // The block's memory is still the pool's, and intact.
+    assert_eq!(sim.read(0, p, data.len()).unwrap(), data);
+    check(&pool);
     // A description naming another process whose descriptor cannot be taken (pid 1 is not
     // ours to trace, or has no such descriptor) is a clear error, and nothing is left mapped.
     let other = Shared::Handles {
