@@ -51,7 +51,8 @@ pub const KEYS: &[(&str, &str, &str)] = &[
         "When growth may block the host on another stream's (or its own) queued work to take its \
          cached pages: `pressure` (only when the request cannot be met otherwise: the limit or \
          the device is reached; until then cached pages whose stream is still busy are left and \
-         new memory is mapped) or `always` (take cached pages first, waiting for their stream).",
+         new memory is mapped) or `always` (take cached pages first, waiting for their stream, \
+         even where new handles would cost less than moving them).",
     ),
     (
         "chunk_size",

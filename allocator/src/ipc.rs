@@ -257,6 +257,16 @@ pub fn decode(bytes: &[u8]) -> Result<Shared, FormatError> {
             if size == 0 {
                 return Err(FormatError("the header's segment size is 0".into()));
             }
+            if version < 3 && bytes.len() - r.at == n.saturating_mul(64) {
+                // Versions 1 and 2 carry no handle type: 64 bytes a handle are fabric handles
+                // (torch's expandable_segments_handle_type:fabric), not descriptors.
+                return Err(FormatError(
+                    "the handle shares fabric handles (64 bytes each); cistern reads POSIX file \
+                     descriptors only: set expandable_segments_handle_type:posix_fd in the \
+                     sender's PYTORCH_CUDA_ALLOC_CONF"
+                        .into(),
+                ));
+            }
             let mut handles = Vec::with_capacity(n.min(1024));
             for _ in 0..n {
                 handles.push((r.i32("file descriptors")?, size));
@@ -376,6 +386,11 @@ mod tests {
         let mut b = encode(&m, TorchFormat::V1);
         b.push(0);
         assert!(err(&b).contains("follow"));
+        // Version 1 or 2 with a 64-byte fabric handle where a descriptor would be.
+        let mut b = encode(&m, TorchFormat::V1);
+        b.truncate(26);
+        b.extend_from_slice(&[7; 64]);
+        assert!(err(&b).contains("fabric"));
         let mut b = encode(&m, TorchFormat::V1);
         b[18..26].copy_from_slice(&0u64.to_le_bytes());
         assert!(err(&b).contains("0 physical handles"));

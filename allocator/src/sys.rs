@@ -93,9 +93,18 @@ pub(crate) fn allow_descendants_to_attach() {
         return;
     }
     // SAFETY: getpid has no preconditions; prctl with PR_SET_PTRACER and a pid only sets the
-    // process's Yama exception, and its result is ignored (a failure leaves sharing as it was).
-    unsafe {
+    // process's Yama exception; its result is checked.
+    let ok = unsafe {
         let me = libc::getpid() as libc::c_ulong;
-        libc::prctl(libc::PR_SET_PTRACER, me, 0, 0, 0);
-    }
+        libc::prctl(libc::PR_SET_PTRACER, me, 0, 0, 0) == 0
+    };
+    // Said once: the process's ptrace policy changed (a crash handler's own exception, if it
+    // had one, is replaced).
+    crate::log_rate_limited(if ok {
+        "cistern: sharing memory with other processes: this process's descendants may now take \
+         its descriptors (Yama ptrace_scope 1; prctl PR_SET_PTRACER)"
+    } else {
+        "cistern: sharing memory with other processes: prctl(PR_SET_PTRACER) failed, so under \
+         Yama ptrace_scope 1 only this process's ancestors can receive its memory"
+    });
 }

@@ -456,6 +456,7 @@ impl<D: Driver> DevicePool<D> {
         // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
         let create_instead = roomy(feasible.spare).is_some()
             && kind == HeapKind::Large
+            && c.config.stream_sync != StreamSync::Always
             && creating_is_cheaper(&place, chunk_pages, cached, feasible.cached_chunks);
         let mut moved = 0u64;
         if need > 0 && cached > 0 && !create_instead {

@@ -583,7 +583,11 @@ fn chunks_move_and_are_released_whole() {
 /// Many small cached chunks: eighty 1 MiB blocks on stream A, in the small heap's
 /// single-granule chunks, freed. Returns the pool and simulator.
 fn small_chunks_cached(cap: u64) -> (std::sync::Arc<cistern::SimDriver>, SimPool) {
-    let (sim, pool) = pool(cap, true);
+    small_chunks_cached_with(cap, "")
+}
+
+fn small_chunks_cached_with(cap: u64, conf: &str) -> (std::sync::Arc<cistern::SimDriver>, SimPool) {
+    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(cap), true, conf);
     let blocks: Vec<u64> = (0..80).map(|_| alloc(&pool, MIB, A)).collect();
     for p in blocks {
         free(&pool, p, A);
@@ -656,5 +660,20 @@ fn another_processs_memory_makes_growth_stitch_again() {
     assert_eq!(sim.committed_bytes(0), held, "the device's room was used");
     free(&pool, big, B);
     sim.set_other_process_bytes(0);
+    assert_no_leak(&sim, pool);
+}
+
+/// `stream_sync:always` takes cached pages first, even where new handles would cost less.
+#[test]
+fn stream_sync_always_still_stitches_first() {
+    let (sim, pool) = small_chunks_cached_with(16 * GIB, "stream_sync:always");
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert!(
+        sim.calls(DriverCall::Unmap) > unmaps,
+        "nothing was stitched"
+    );
+    free(&pool, big, B);
     assert_no_leak(&sim, pool);
 }
