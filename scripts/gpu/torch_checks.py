@@ -337,7 +337,7 @@ def cmd_snapshot(_a) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def _ipc_child(buf, install: bool, q) -> None:
+def _ipc_child(bufs, install: bool, q) -> None:
     try:
         from multiprocessing.reduction import ForkingPickler
 
@@ -348,13 +348,24 @@ def _ipc_child(buf, install: bool, q) -> None:
         import torch
         import torch.multiprocessing  # noqa: F401  registers the CUDA reductions
 
-        t = ForkingPickler.loads(buf)
-        q.put(("ok", float(t.sum().item())))
+        sums = []
+        for buf in bufs:
+            try:
+                t = ForkingPickler.loads(buf)
+                sums.append(("ok", float(t.sum().item())))
+            except Exception as e:  # noqa: BLE001  one tensor's failure, reported per tensor
+                sums.append(("error", err_text(e)))
+        q.put(("ok", sums))
     except Exception as e:  # noqa: BLE001
         q.put(("error", err_text(e)))
 
 
 def cmd_ipc(_a) -> None:
+    """Two tensors sent to a receiver running PyTorch's allocator and to one running cistern: a
+    small one (one physical handle: PyTorch's 'e' format) and a 90 MiB one (its handles may
+    differ in size: cistern's 'v' format, which only cistern reads). Both must reach the cistern
+    receiver, and every 'e' or 'c' tensor the native one; a 'v' tensor refused by the native
+    receiver is the known limitation, reported, not failed."""
     try:
         import torch.multiprocessing as mp
     except ImportError as e:
@@ -363,16 +374,22 @@ def cmd_ipc(_a) -> None:
 
     mp.set_start_method("spawn", force=True)
     torch = torch_or_skip("cistern")
-    x = torch.ones(1 << 20, device="cuda")
+    tensors = [torch.ones(1 << 20, device="cuda"), torch.full((90 << 18,), 2.0, device="cuda")]
+    want = [float(1 << 20), float(2 * (90 << 18))]
+    kinds = []
     try:
-        buf = bytes(ForkingPickler.dumps(x))
+        bufs = [bytes(ForkingPickler.dumps(t)) for t in tensors]
+        for t in tensors:
+            handle = t.untyped_storage()._share_cuda_()[1]
+            kinds.append(chr(handle[1]) if handle and len(handle) > 1 else "?")
     except Exception as e:  # noqa: BLE001
         key(sender_ok=0)
         raise Fail(f"the sender cannot share a cistern tensor: {err_text(e)}")
-    got = {}
+    emit("ipc", handle_types=kinds)
+    problems = []
     for receiver_installs in (False, True):
         q = mp.Queue()
-        p = mp.Process(target=_ipc_child, args=(buf, receiver_installs, q))
+        p = mp.Process(target=_ipc_child, args=(bufs, receiver_installs, q))
         p.start()
         try:
             status, val = q.get(timeout=60)
@@ -382,12 +399,23 @@ def cmd_ipc(_a) -> None:
         if p.is_alive():
             p.kill()
         name = "receiver_cistern" if receiver_installs else "receiver_native"
-        got[name] = (status, val)
         emit("ipc", receiver=name, status=status, value=val)
-    key(**{k: int(s == "ok" and v == float(1 << 20)) for k, (s, v) in got.items()})
-    bad = {k: v for k, v in got.items() if v != ("ok", float(1 << 20))}
-    if bad:
-        raise Fail(f"receivers failed: {bad}")
+        if status != "ok":
+            problems.append(f"{name}: {status} {val}")
+            key(**{name: 0})
+            continue
+        # float32 sums of millions of terms: equal within rounding, not bit for bit.
+        ok = [s == "ok" and abs(v - w) <= 1e-4 * w for (s, v), w in zip(val, want)]
+        key(**{name: int(all(ok))})
+        for i, good in enumerate(ok):
+            if good:
+                continue
+            if not receiver_installs and kinds[i] == "v":
+                emit("ipc", note=f"{name} cannot read tensor {i} ('v': handles of mixed sizes)")
+                continue
+            problems.append(f"{name}: tensor {i} ({kinds[i]!r}): {val[i]}")
+    if problems:
+        raise Fail("; ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------
