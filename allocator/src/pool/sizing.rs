@@ -38,13 +38,15 @@
 //! pressure, growth backs a large request with new handles instead when moving the cached
 //! chunks that would serve it costs more than the handles it saves, and at least two would
 //! move ([`creating_is_cheaper`]); the cached chunks stay where they are, for requests that fit
-//! them in place. Creation falling short (the limit, the device) stitches after all. Measured
-//! (`python3 scripts/cost-table.py`, then the smallest device per trace with `cistern replay`
-//! over the dev snapshots, every built-in workload and the minimalloc instances): modelled
-//! driver time on `llm-serving` 2.79x -> 2.20x expandable's, `llm-serving-mooncake` 1.85x ->
-//! 1.16x, the median over all traces 1.65x -> 1.50x and over the dev snapshots 1.07x -> 1.04x;
-//! the smallest device unchanged on all 37 traces, peak reserved at most 1.014x expandable's
-//! as before. With no minimum of moves Mooncake fell to 1.05x, but `llm-serving` needed a
+//! them in place. The new handles are sized as plentiful memory allows (1/32 of what the
+//! process holds, above). The room is read afresh from `cuMemGetInfo`. Creation falling short
+//! (the limit, the device) stitches after all. Measured (`python3 scripts/cost-table.py`, then
+//! the smallest device per trace with `cistern replay` over the dev snapshots, every built-in
+//! workload and the minimalloc instances): modelled driver time on `llm-serving` 2.79x -> 1.99x
+//! expandable's, `llm-serving-mooncake` 1.85x -> 1.03x, the median over all traces 1.65x ->
+//! 1.50x and over the dev snapshots 1.07x -> 1.04x; the smallest device unchanged on all 37
+//! traces, peak reserved at most 1.014x expandable's as before (Mooncake's 36.0 -> 37.5 GB,
+//! expandable's 51.6). Handles sized as the memory-first path sizes them gave 2.20x and 1.16x. With no minimum of moves Mooncake fell to 1.05x, but `llm-serving` needed a
 //! 0.64% larger device and `rmm-random` 0.41% (a single moved chunk replaced by a new handle
 //! strands it); with a minimum of four, `llm-serving` 1.95x and Mooncake 1.28x.
 

@@ -454,10 +454,18 @@ impl<D: Driver> DevicePool<D> {
         };
         // While memory is plentiful, new handles instead of many moved ones when they cost less
         // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
+        // Those handles are sized as plentiful memory allows.
+        let instead_pages =
+            request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy(feasible.spare));
         let create_instead = roomy(feasible.spare).is_some()
             && kind == HeapKind::Large
             && c.config.stream_sync != StreamSync::Always
-            && creating_is_cheaper(&place, chunk_pages, cached, feasible.cached_chunks);
+            && creating_is_cheaper(&place, instead_pages, cached, feasible.cached_chunks);
+        let chunk_pages = if create_instead {
+            instead_pages
+        } else {
+            chunk_pages
+        };
         let mut moved = 0u64;
         if need > 0 && cached > 0 && !create_instead {
             moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
