@@ -127,6 +127,7 @@ mod grow;
 mod observe;
 mod pages;
 mod peers;
+mod placement;
 mod publish;
 mod release;
 mod report;

@@ -50,7 +50,8 @@
 //! 0.64% larger device and `rmm-random` 0.41% (a single moved chunk replaced by a new handle
 //! strands it); with a minimum of four, `llm-serving` 1.95x and Mooncake 1.28x.
 
-use super::vmm::{Placement, Window};
+use super::placement::Placement;
+use super::vmm::Window;
 
 /// What moving one cached chunk costs against creating one handle, in the published A100
 /// figures (see Note [Cheaper than moving]): `cuMemUnmap` 26 + `cuMemMap` 1.5 +

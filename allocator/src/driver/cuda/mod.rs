@@ -60,9 +60,11 @@
 
 pub mod api;
 mod call;
+mod caps;
+mod share;
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ffi::{c_int, c_uint};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -79,8 +81,7 @@ use super::{
 use api::Api;
 pub use api::CUDA_SYMBOLS;
 use call::{
-    cu, cuda_error, device_location, event_ptr, format_uuid, pinned_on, stream_ptr, to_usize,
-    unavailable,
+    cu, cuda_error, device_location, event_ptr, pinned_on, stream_ptr, to_usize, unavailable,
 };
 
 /// How to get going when no usable driver is found; every [`CudaDriver::new`] error ends with it.
@@ -315,89 +316,6 @@ impl CudaDriver {
         }
         r
     }
-
-    /// Reads what device `d` can do (no context needed).
-    fn query_caps(&self, d: &Device) -> DriverResult<DeviceCaps> {
-        let call = DriverCall::Capabilities;
-        let mut total: usize = 0;
-        // SAFETY: `total` is a live, writable usize; `d.cu` came from cuDeviceGet.
-        cu(call, "cuDeviceTotalMem_v2", || unsafe {
-            (self.api.cuDeviceTotalMem_v2)(&mut total, d.cu)
-        })?;
-        let mut vmm: c_int = 0;
-        // SAFETY: `vmm` is a live, writable c_int; the attribute is a valid enum value.
-        cu(call, "cuDeviceGetAttribute", || unsafe {
-            (self.api.cuDeviceGetAttribute)(
-                &mut vmm,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-                d.cu,
-            )
-        })?;
-        let vmm = vmm != 0;
-        let granularity = if vmm {
-            let prop = pinned_on(d.cu);
-            let mut g: usize = 0;
-            // SAFETY: `g` is a live, writable usize and `prop` a fully initialised allocation
-            // property that outlives the call.
-            cu(call, "cuMemGetAllocationGranularity", || unsafe {
-                (self.api.cuMemGetAllocationGranularity)(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                )
-            })?;
-            let g = g as u64;
-            if !g.is_power_of_two() {
-                return Err(DriverError::new(
-                    call,
-                    DriverErrorKind::Other,
-                    CUresult::CUDA_ERROR_INVALID_VALUE as i32,
-                    format!("cuMemGetAllocationGranularity: {g} is not a power of two"),
-                ));
-            }
-            g
-        } else {
-            LINEAR_GRANULARITY
-        };
-        let mut name: [c_char; 256] = [0; 256];
-        // SAFETY: `name` is a live, writable buffer of exactly the length passed.
-        cu(call, "cuDeviceGetName", || unsafe {
-            (self.api.cuDeviceGetName)(name.as_mut_ptr(), name.len() as c_int, d.cu)
-        })?;
-        let name: Vec<u8> = name.iter().map(|&c| c as u8).collect();
-        let name = match CStr::from_bytes_until_nul(&name) {
-            Ok(s) => s.to_string_lossy().into_owned(),
-            Err(_) => String::from_utf8_lossy(&name).into_owned(),
-        };
-        let mut uuid = sys::CUuuid { bytes: [0; 16] };
-        // SAFETY: `uuid` is a live, writable CUuuid.
-        let uuid = cu(call, "cuDeviceGetUuid_v2", || unsafe {
-            (self.api.cuDeviceGetUuid_v2)(&mut uuid, d.cu)
-        })
-        .ok()
-        .map(|()| format_uuid(uuid.bytes.map(|c| c as u8)));
-        let mut fd_handles: c_int = 0;
-        // SAFETY: `fd_handles` is a live, writable c_int; the attribute is a valid enum value.
-        // A driver that does not know the attribute has no such handles.
-        let posix_fd_handles = vmm
-            && cu(call, "cuDeviceGetAttribute", || unsafe {
-                (self.api.cuDeviceGetAttribute)(
-                    &mut fd_handles,
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                    d.cu,
-                )
-            })
-            .is_ok()
-            && fd_handles != 0;
-        Ok(DeviceCaps {
-            total_memory: total as u64,
-            vmm,
-            granularity,
-            name,
-            uuid,
-            posix_fd_handles,
-        })
-    }
 }
 
 impl Drop for CudaDriver {
@@ -565,85 +483,23 @@ impl Driver for CudaDriver {
     }
 
     fn export_handle(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<OwnedFd> {
-        let call = DriverCall::ExportHandle;
-        let _bound = self.bind(call, dev)?;
-        let mut fd: c_int = -1;
-        // SAFETY: for the POSIX type the driver writes an `int` through the pointer, which is
-        // a live, writable c_int; the handle is a plain value the driver validates; flags 0.
-        cu(call, "cuMemExportToShareableHandle", || unsafe {
-            (self.api.cuMemExportToShareableHandle)(
-                (&mut fd as *mut c_int).cast(),
-                handle.0,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        })?;
-        if fd < 0 {
-            return Err(DriverError::new(
-                call,
-                DriverErrorKind::Other,
-                CUresult::CUDA_ERROR_UNKNOWN as i32,
-                format!("cuMemExportToShareableHandle gave the descriptor {fd}"),
-            ));
-        }
-        // SAFETY: the driver made a new descriptor for the caller, which nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        self.export_fd(dev, handle)
     }
 
     fn import_handle(&self, dev: DeviceId, fd: BorrowedFd<'_>) -> DriverResult<PhysHandle> {
-        let call = DriverCall::ImportHandle;
-        let _bound = self.bind(call, dev)?;
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: for the POSIX type the "OS handle" argument is the descriptor's value cast to
-        // a pointer (the driver's documented convention); the descriptor is live for the call
-        // and stays the caller's. `handle` is a live, writable handle.
-        cu(call, "cuMemImportFromShareableHandle", || unsafe {
-            (self.api.cuMemImportFromShareableHandle)(
-                &mut handle,
-                fd.as_raw_fd() as usize as *mut c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        })?;
-        Ok(PhysHandle(handle))
+        self.import_fd(dev, fd)
     }
 
     fn ipc_get_handle(&self, dev: DeviceId, ptr: u64) -> DriverResult<[u8; 64]> {
-        let call = DriverCall::IpcGetHandle;
-        let _bound = self.bind(call, dev)?;
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        // SAFETY: `h` is a live, writable handle; `ptr` a plain value the driver validates.
-        cu(call, "cuIpcGetMemHandle", || unsafe {
-            (self.api.cuIpcGetMemHandle)(&mut h, ptr)
-        })?;
-        Ok(h.reserved.map(|c| c as u8))
+        self.ipc_handle_of(dev, ptr)
     }
 
     fn ipc_open(&self, dev: DeviceId, handle: &[u8; 64]) -> DriverResult<u64> {
-        let call = DriverCall::IpcOpen;
-        let _bound = self.bind(call, dev)?;
-        let h = sys::CUipcMemHandle_st {
-            reserved: handle.map(|b| b as c_char),
-        };
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is live and writable; the handle is passed by value; the flag is the
-        // documented CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
-        cu(call, "cuIpcOpenMemHandle", || unsafe {
-            (self.api.cuIpcOpenMemHandle_v2)(
-                &mut ptr,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint,
-            )
-        })?;
-        Ok(ptr)
+        self.ipc_open_handle(dev, handle)
     }
 
     fn ipc_close(&self, dev: DeviceId, ptr: u64) -> DriverResult<()> {
-        let call = DriverCall::IpcClose;
-        let _bound = self.bind(call, dev)?;
-        // SAFETY: a plain address the driver validates.
-        cu(call, "cuIpcCloseMemHandle", || unsafe {
-            (self.api.cuIpcCloseMemHandle)(ptr)
-        })
+        self.ipc_close_handle(dev, ptr)
     }
 
     fn release_physical(&self, dev: DeviceId, handle: PhysHandle) -> DriverResult<()> {
