@@ -94,9 +94,9 @@ struct Feasible {
     /// Pages of new memory the limit and the device leave room for beyond the request (0
     /// when cached pages alone may cover it: the device's free memory was not read).
     headroom: usize,
-    /// The room beyond the request even when cached pages could cover it (from the last
-    /// `cuMemGetInfo`, read again only when several cached chunks would move): what decides
-    /// whether new handles may replace stitching (Note [Cheaper than moving]).
+    /// The room beyond the request even when cached pages could cover it (then read afresh
+    /// from `cuMemGetInfo`, only when several cached chunks would move): what decides whether
+    /// new handles may replace stitching (Note [Cheaper than moving]).
     spare: usize,
 }
 
