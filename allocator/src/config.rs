@@ -90,10 +90,10 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
          and the device allow it, in chunks of at most an eighth of what it holds, and then \
-         also backs large requests with handles of up to 1/32 of what it holds, and with new \
-         handles rather than by moving cached chunks where moving them costs more (two or \
-         more of them): cheap growth while memory is plentiful, memory first as it runs \
-         short. `off` never does. On the \
+         also backs large requests with handles of up to 1/32 of what it holds; and while it \
+         holds at most half, with new handles rather than by moving cached chunks where \
+         moving them costs more (two or more of them): cheap growth while memory is \
+         plentiful, memory first as it runs short. `off` never does. On the \
          dev snapshots, median modelled driver time 1.04x pytorch-expandable's with `auto` \
          (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
          expandable on a device with room; the smallest device each dev snapshot and built-in \
@@ -204,7 +204,9 @@ pub enum WholeChunks {
     On,
     /// While the process would then hold at most a quarter of what the limit and the device
     /// allow it, in chunks of at most an eighth of what it holds; then large requests are also
-    /// backed with handles of up to 1/32 of what it holds.
+    /// backed with handles of up to 1/32 of what it holds; and while it would hold at most
+    /// half, with new handles rather than by moving two or more cached chunks where moving
+    /// costs more.
     Auto,
 }
 

@@ -38,7 +38,10 @@ use super::device::{DeviceState, Lost};
 use super::grow::Grow;
 use super::pages::Taker;
 use super::placement::Placement;
-use super::sizing::{creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages};
+use super::sizing::{
+    creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages, AUTO_SHARE,
+    INSTEAD_SHARE,
+};
 use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Backing, Chunk, HeapKind};
@@ -380,23 +383,25 @@ impl<D: Driver> DevicePool<D> {
         let held = dev.reserved[0].current.max(0) as u64 / g;
         let mode = c.config.grow_whole_chunks;
         let auto = (mode == WholeChunks::Auto).then_some(held);
-        let roomy = |room: usize| {
+        let roomy = |share: u64, room: usize| {
             auto.filter(|_| {
-                !feasible.pressure && plentiful(held, need as u64, need as u64, room as u64)
+                !feasible.pressure && plentiful(share, held, need as u64, need as u64, room as u64)
             })
         };
         let chunk_pages = match kind {
             HeapKind::Large => {
-                request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy(feasible.headroom))
+                let held = roomy(AUTO_SHARE, feasible.headroom);
+                request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, held)
             }
             HeapKind::Small => 1,
         };
         // While memory is plentiful, new handles instead of many moved ones when they cost less
         // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
-        // Those handles are sized as plentiful memory allows.
-        let instead_pages =
-            request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy(feasible.spare));
-        let create_instead = roomy(feasible.spare).is_some()
+        // Those handles are sized as plentiful memory allows, and replace stitching while the
+        // process holds up to half of what it may ([`INSTEAD_SHARE`]).
+        let roomy_instead = roomy(INSTEAD_SHARE, feasible.spare);
+        let instead_pages = request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy_instead);
+        let create_instead = roomy_instead.is_some()
             && kind == HeapKind::Large
             && c.config.stream_sync != StreamSync::Always
             && creating_is_cheaper(&place, instead_pages, cached, feasible.cached_chunks);
