@@ -76,7 +76,9 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          cuMemCreate calls (with grow_whole_chunks:off, on the dev snapshots and built-in \
          workloads, median modelled driver time 1.8x pytorch-expandable's instead of 4.3x) for \
          more memory: up to 1.2% more peak reserved there, and 13-39% more on the small, \
-         tightly packed packed-* workloads. Growth that maps whole chunks does not apply it.",
+         tightly packed packed-* workloads. Growth that maps whole chunks does not apply it, \
+         and grow_whole_chunks:auto, while memory is plentiful, lets a handle reach an eighth \
+         of what the process holds where that is more than the split allows.",
     ),
     (
         "grow_whole_chunks",
@@ -90,11 +92,12 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
          and the device allow it, in chunks of at most an eighth of what it holds, and then \
-         also backs large requests with handles of up to 1/32 of what it holds; and while it \
+         also backs large requests with handles of up to 1/32 of what it holds (and up to an \
+         eighth of it whatever chunk_split says); and while it \
          holds at most half, with new handles rather than by moving cached chunks where \
          moving them costs more (two or more of them): cheap growth while memory is \
          plentiful, memory first as it runs short. `off` never does. On the \
-         dev snapshots, median modelled driver time 1.04x pytorch-expandable's with `auto` \
+         dev snapshots, median modelled driver time 0.88x pytorch-expandable's with `auto` \
          (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
          expandable on a device with room; the smallest device each dev snapshot and built-in \
          workload runs on is within 0.5% of `off`'s (`on`: up to 66% more on packed-*).",
@@ -204,7 +207,8 @@ pub enum WholeChunks {
     On,
     /// While the process would then hold at most a quarter of what the limit and the device
     /// allow it, in chunks of at most an eighth of what it holds; then large requests are also
-    /// backed with handles of up to 1/32 of what it holds; and while it would hold at most
+    /// backed with handles of up to 1/32 of what it holds (an eighth whatever `chunk_split`
+    /// says); and while it would hold at most
     /// half, with new handles rather than by moving two or more cached chunks where moving
     /// costs more.
     Auto,

@@ -7,14 +7,19 @@
 //! `chunk_split` and `grow_whole_chunks` (Note [Chunks] in `vmm.rs`) trade handles (each
 //! `cuMemCreate` ~195 µs) against pinned memory: a handle partly covered by a live block
 //! cannot move, so a freed block's range reused by smaller blocks strands the rest of its
-//! handles, and what is stranded decides the smallest device a program runs on. `grow_whole_chunks:auto`, the default, buys cheaply while memory is
-//! plentiful and memory first as it runs short. While the process, after the growth, holds at
-//! most a quarter of what the limit and the device allow it ([`AUTO_SHARE`]):
+//! handles, and what is stranded decides the smallest device a program runs on.
+//! `grow_whole_chunks:auto`, the default, buys cheaply while memory is plentiful and memory
+//! first as it runs short. While the process, after the growth, holds at most a quarter of
+//! what the limit and the device allow it ([`AUTO_SHARE`]):
 //! - it maps whole chunks, each at most an eighth of what it holds ([`AUTO_CHUNK_SHARE`], so a
 //!   100 MiB program does not strand 20 MiB handles);
 //! - it backs a request with handles of up to 1/32 of what it holds where that is more than
-//!   `chunk_size` ([`AUTO_HANDLE_SHARE`]; still a `chunk_split`-th of the request at most), so
-//!   a KV cache of 1 GiB is bought, and later moved, in four handles, not fifty.
+//!   `chunk_size` ([`AUTO_HANDLE_SHARE`]), so a KV cache of 1 GiB is bought, and later moved,
+//!   in four handles, not fifty;
+//! - and `chunk_split` yields to the whole chunks' cap: a request's handle may be up to an
+//!   eighth of what the process holds where a `chunk_split`-th of the request is less, so a
+//!   program holding gigabytes buys a 16 MiB request in one handle, not four, while a 100 MiB
+//!   program still splits it.
 //!
 //! Past that, `chunk_size` and `chunk_split` rule. Measured with the replay's cost model
 //! (`cistern replay`, the dev snapshots and every built-in workload): median modelled driver
@@ -27,6 +32,18 @@
 //! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
 //! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
 //! 2.2%).
+//!
+//! The split yielding to the eighth came later (`python3 scripts/cost-table.py` and the
+//! smallest device per trace, as in the next note): median modelled driver time over the dev
+//! snapshots 1.04x -> 0.88x expandable's and over all traces 1.41x -> 1.31x, at or under
+//! expandable's on 11 traces of 26 instead of 6 (`rmm-random` 1.20x -> 0.58x, the `magma27`
+//! snapshot 1.02x -> 0.45x, `llm-serving` 1.39x -> 0.92x, Mooncake 0.45x -> 0.28x); peak
+//! reserved still at most 1.4% above expandable's; the smallest device 0.05-0.15% larger on
+//! `training`, `llm-serving` and Mooncake and 0.5% on `rmm-random` (1.032x -> 1.037x its peak
+//! live bytes), unchanged on the rest. With no cap at all the time was the same but the
+//! minimalloc instances needed up to 19% more; a sixteenth instead of an eighth changed
+//! nothing; the split dropped only while the process holds an eighth (not a quarter) gave
+//! `rmm-random` 0.90x.
 //!
 //! # Note [Cheaper than moving]
 //!
@@ -125,25 +142,44 @@ pub(super) fn plentiful(share: u64, held: u64, adding: u64, missing: u64, headro
     held.saturating_add(adding) <= held.saturating_add(missing).saturating_add(headroom) / share
 }
 
+/// How much room `auto` growth sees for a large request's handles ([`request_chunk_pages`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plenty {
+    /// Not `auto`, under pressure, or the process holds more than half of what it may.
+    Tight,
+    /// After the growth it holds at most half ([`INSTEAD_SHARE`]; `held` pages now).
+    Half(u64),
+    /// ... at most a quarter ([`AUTO_SHARE`]).
+    Quarter(u64),
+}
+
 /// The largest handle backing a large-heap request of `window_pages`: up to `chunk_size`, or,
-/// with `plentiful_held` (`auto` while memory is plentiful: the pages the process holds), up
-/// to 1/`AUTO_HANDLE_SHARE` of them when that is more, so that a large block (a KV cache) is
-/// bought, and later moved, in a few handles; and (`chunk_split`, 4 by default) at most a
+/// while memory is plentiful (`plenty` not [`Plenty::Tight`]), up to 1/`AUTO_HANDLE_SHARE` of
+/// the pages the process holds when that is more, so that a large block (a KV cache) is
+/// bought, and later moved, in a few handles. Then (`chunk_split`, 4 by default) at most a
 /// quarter of the request, so that a block spans at least four handles and, when it is freed
 /// and its range is reused by smaller blocks, at most a quarter of it is pinned by a partly
-/// used one (`chunk_split:none` trades that for fewer handles). At least one granule.
+/// used one (`chunk_split:none` trades that for fewer handles); but with [`Plenty::Quarter`],
+/// up to 1/`AUTO_CHUNK_SHARE` of what the process holds where that is more than the split
+/// allows, as whole chunks are (Note [Auto growth]). At least one granule.
 pub(super) fn request_chunk_pages(
     config: &Config,
     g: u64,
     window_pages: u64,
-    plentiful_held: Option<u64>,
+    plenty: Plenty,
 ) -> u32 {
     let mut most = config.chunk_size / g;
-    if let Some(held) = plentiful_held {
+    if let Plenty::Half(held) | Plenty::Quarter(held) = plenty {
         most = most.max(held / AUTO_HANDLE_SHARE);
     }
     match config.chunk_split {
-        Some(n) => most.min(window_pages / u64::from(n.max(1))),
+        Some(n) => {
+            let mut split = window_pages / u64::from(n.max(1));
+            if let Plenty::Quarter(held) = plenty {
+                split = split.max(held / AUTO_CHUNK_SHARE);
+            }
+            most.min(split)
+        }
         None => most,
     }
     .clamp(1, u32::MAX as u64) as u32
@@ -225,5 +261,65 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         Some(extra)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 2 << 20;
+
+    /// Memory first splits a request into `chunk_split` handles of at most `chunk_size`;
+    /// plentiful memory lifts the size to 1/32 of what the process holds; a quarter's plenty
+    /// also lets the split reach an eighth of it, for large processes only.
+    #[test]
+    fn request_handles_follow_how_plentiful_memory_is() {
+        let c = Config::default(); // chunk_size 20 MiB = 10 granules, chunk_split 4
+        let held_small = 20; // 40 MiB
+        let held_large = 1024; // 2 GiB
+                               // A 20 MiB request (10 granules): a quarter is 2 granules.
+        assert_eq!(request_chunk_pages(&c, G, 10, Plenty::Tight), 2);
+        assert_eq!(request_chunk_pages(&c, G, 10, Plenty::Half(held_large)), 2);
+        assert_eq!(
+            request_chunk_pages(&c, G, 10, Plenty::Quarter(held_small)),
+            2
+        );
+        assert_eq!(
+            request_chunk_pages(&c, G, 10, Plenty::Quarter(held_large)),
+            32
+        );
+        // A 1 GiB request (512 granules): 1/32 of 2 GiB is 32 granules, more than chunk_size.
+        assert_eq!(request_chunk_pages(&c, G, 512, Plenty::Tight), 10);
+        assert_eq!(
+            request_chunk_pages(&c, G, 512, Plenty::Half(held_large)),
+            32
+        );
+        assert_eq!(
+            request_chunk_pages(&c, G, 512, Plenty::Quarter(held_large)),
+            32
+        );
+        // `chunk_split:none`: the size alone.
+        let none = Config::parse("chunk_split:none").unwrap();
+        assert_eq!(request_chunk_pages(&none, G, 10, Plenty::Tight), 10);
+        assert_eq!(
+            request_chunk_pages(&none, G, 10, Plenty::Half(held_large)),
+            32
+        );
+        // Never below a granule.
+        assert_eq!(request_chunk_pages(&c, G, 1, Plenty::Tight), 1);
+    }
+
+    /// A quarter and a half of what the limit and the device allow, after the growth.
+    #[test]
+    fn plentiful_is_a_share_of_what_the_process_may_hold() {
+        // Holding 100 pages, adding 20, with 380 more of room beyond them: 120 of 500.
+        assert!(plentiful(AUTO_SHARE, 100, 20, 20, 380));
+        assert!(plentiful(INSTEAD_SHARE, 100, 20, 20, 380));
+        // 220 of 500: past a quarter, within half.
+        assert!(!plentiful(AUTO_SHARE, 200, 20, 20, 280));
+        assert!(plentiful(INSTEAD_SHARE, 200, 20, 20, 280));
+        // 270 of 500: past half.
+        assert!(!plentiful(INSTEAD_SHARE, 250, 20, 20, 230));
     }
 }

@@ -39,7 +39,7 @@ use super::grow::Grow;
 use super::pages::Taker;
 use super::placement::Placement;
 use super::sizing::{
-    creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages, AUTO_SHARE,
+    creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages, Plenty, AUTO_SHARE,
     INSTEAD_SHARE,
 };
 use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
@@ -383,15 +383,29 @@ impl<D: Driver> DevicePool<D> {
         let held = dev.reserved[0].current.max(0) as u64 / g;
         let mode = c.config.grow_whole_chunks;
         let auto = (mode == WholeChunks::Auto).then_some(held);
-        let roomy = |share: u64, room: usize| {
-            auto.filter(|_| {
-                !feasible.pressure && plentiful(share, held, need as u64, need as u64, room as u64)
-            })
+        // How plentiful memory is for `auto` growth (`sizing.rs`), given the room beyond the
+        // request.
+        let plenty = |room: usize| match auto {
+            Some(held) if !feasible.pressure => {
+                let p = |share| plentiful(share, held, need as u64, need as u64, room as u64);
+                if p(AUTO_SHARE) {
+                    Plenty::Quarter(held)
+                } else if p(INSTEAD_SHARE) {
+                    Plenty::Half(held)
+                } else {
+                    Plenty::Tight
+                }
+            }
+            _ => Plenty::Tight,
         };
         let chunk_pages = match kind {
             HeapKind::Large => {
-                let held = roomy(AUTO_SHARE, feasible.headroom);
-                request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, held)
+                // Handles beyond what a quarter allows are for replacing moves (below) only.
+                let now = match plenty(feasible.headroom) {
+                    Plenty::Half(_) => Plenty::Tight,
+                    p => p,
+                };
+                request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, now)
             }
             HeapKind::Small => 1,
         };
@@ -399,9 +413,9 @@ impl<D: Driver> DevicePool<D> {
         // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
         // Those handles are sized as plentiful memory allows, and replace stitching while the
         // process holds up to half of what it may ([`INSTEAD_SHARE`]).
-        let roomy_instead = roomy(INSTEAD_SHARE, feasible.spare);
-        let instead_pages = request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, roomy_instead);
-        let create_instead = roomy_instead.is_some()
+        let instead = plenty(feasible.spare);
+        let instead_pages = request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, instead);
+        let create_instead = instead != Plenty::Tight
             && kind == HeapKind::Large
             && c.config.stream_sync != StreamSync::Always
             && creating_is_cheaper(&place, instead_pages, cached, feasible.cached_chunks);

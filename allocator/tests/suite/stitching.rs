@@ -365,6 +365,38 @@ fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
     }
 }
 
+/// While memory is plentiful, `chunk_split` yields to the whole chunks' cap of an eighth of
+/// what the process holds: holding 2 GiB of a 16 GiB device, a 60 MiB request over a released
+/// 20 MiB hole and the 40 MiB of cached pages after it (so not grown as whole chunks) backs
+/// the hole with one handle, where memory first (`off`) takes two (a quarter of the request,
+/// 7 granules, and the rest). (A small process still splits: `sizing::tests`.)
+#[test]
+fn auto_lets_a_request_handle_reach_an_eighth_of_what_the_process_holds() {
+    for (conf, handles) in [("", 1), ("grow_whole_chunks:off", 2)] {
+        let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(16 * GIB), true, conf);
+        let held = alloc(&pool, 2 * GIB, A);
+        let hole = alloc(&pool, 20 * MIB, A);
+        let cached = alloc(&pool, 40 * MIB, A);
+        let after = alloc(&pool, 20 * MIB, A);
+        free(&pool, hole, A);
+        pool.empty_cache();
+        free(&pool, cached, A);
+        let creates = sim.calls(DriverCall::CreatePhysical);
+        let p = alloc(&pool, 60 * MIB, A);
+        check(&pool);
+        assert_eq!(p, hole, "{conf}: the request did not go into the hole");
+        assert_eq!(
+            sim.calls(DriverCall::CreatePhysical),
+            creates + handles,
+            "{conf}"
+        );
+        for q in [p, after, held] {
+            free(&pool, q, A);
+        }
+        assert_no_leak(&sim, pool);
+    }
+}
+
 /// `grow_whole_chunks:on`: a 3 MiB request that ends in unmapped space maps one whole 20 MiB
 /// chunk, and the next requests are served from its cached rest with no driver call.
 #[test]
@@ -621,6 +653,25 @@ fn plentiful_memory_creates_rather_than_moving_many_small_chunks() {
     let again = alloc(&pool, MIB, A);
     assert_eq!(sim.total_calls(), calls, "stream A's cache was kept");
     free(&pool, again, A);
+    free(&pool, big, B);
+    assert_no_leak(&sim, pool);
+}
+
+/// New handles replace moves while the process holds up to half of what it may, not only a
+/// quarter: on a 400 MiB device, holding 80 MiB of cached chunks, a 60 MiB request (then 140
+/// MiB of 400) still creates rather than moving them.
+#[test]
+fn up_to_half_of_the_device_creates_rather_than_moving() {
+    let (sim, pool) = small_chunks_cached(400 * MIB);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert_eq!(
+        sim.calls(DriverCall::Unmap),
+        unmaps,
+        "cached chunks were moved"
+    );
+    assert_eq!(stat(&pool, "num_stitches"), 0);
     free(&pool, big, B);
     assert_no_leak(&sim, pool);
 }
