@@ -23,6 +23,7 @@
 #   torch_snapshot       cistern's snapshot through PyTorch's memory viewer (_memory_viz)
 #   torch_ipc            a cistern tensor shared with another process (torch.multiprocessing)
 #   torch_graphs         CUDA graph capture and replay under cistern
+#   torch_graph_trees    torch.compile(mode="reduce-overhead"): graph trees' checkpoints
 #   torch_memory_apis    native mode: torch.cuda.memory_stats/allocated/summary/snapshot and the
 #                        peak and accumulated resets answer from cistern
 #   plugin_pytest        pytorch-plugin/tests' GPU tests (test_gpu_*), when pytest is there
@@ -395,6 +396,7 @@ main() {
   step torch_snapshot 45 run_torch snapshot
   step torch_ipc 75 run_torch ipc
   step torch_graphs 45 run_torch graphs
+  step torch_graph_trees 120 run_torch graph_trees
   step torch_memory_apis 60 run_torch memory_apis
   step plugin_pytest 90 run_plugin_pytest
   step replay_measured 45 run_replay

@@ -362,6 +362,30 @@ impl Heap {
         id
     }
 
+    /// Turns `[lo, lo + size)`, inside the free span `id`, into a live block; the free space
+    /// on either side stays free. Returns the block's span. (Restoring a graph pool's
+    /// checkpoint puts blocks back at their addresses.)
+    pub fn take_range(&mut self, id: SpanId, lo: u64, size: u64) -> SpanId {
+        let s = &self.spans[id as usize];
+        debug_assert_eq!(s.state, SpanState::Free);
+        debug_assert!(s.start <= lo && size > 0 && lo + size <= s.end());
+        let start = s.start;
+        self.remove_free(id);
+        let mid = if lo > start {
+            let m = self.split_at(id, lo);
+            self.insert_free(id);
+            m
+        } else {
+            id
+        };
+        if self.spans[mid as usize].len > size {
+            let upper = self.split_at(mid, lo + size);
+            self.insert_free(upper);
+        }
+        self.spans[mid as usize].state = SpanState::Live;
+        mid
+    }
+
     /// Marks a live span pending (freed, waiting on other streams).
     pub fn set_pending(&mut self, id: SpanId) {
         debug_assert_eq!(self.spans[id as usize].state, SpanState::Live);

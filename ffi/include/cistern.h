@@ -35,6 +35,10 @@
 // completed.
 #define CISTERN_EVENT_FREE_COMPLETED 5
 
+// A checkpoint of a graph pool's live blocks (`cistern_pool_checkpoint`), opaque; freed with
+// `cistern_checkpoint_free`.
+typedef struct cistern_checkpoint_t cistern_checkpoint_t;
+
 // A CUDA stream: the same value as `cudaStream_t` / `CUstream` (NULL is the legacy default
 // stream). cistern never dereferences it; it identifies the stream to the driver.
 typedef void *cistern_stream_t;
@@ -51,6 +55,12 @@ typedef int (*cistern_stream_filter_t)(void *ctx, cistern_stream_t stream);
 // from any thread and with no lock of cistern's held, when cistern no longer needs it. Must not
 // unwind or throw.
 typedef void (*cistern_release_fn_t)(void *ctx);
+
+// Called by `cistern_pool_restore` for each block it changed: `allocated` 0 for a block that
+// was live and is now free (`size` 0, `stream` NULL), 1 for a checkpoint block live again
+// (`size`: the bytes asked for; `stream`: its allocation's stream). Must not unwind, throw or
+// call cistern.
+typedef void (*cistern_restore_fn_t)(void *ctx, int allocated, void *ptr, size_t size, cistern_stream_t stream);
 
 // One event: `kind` (a `CISTERN_EVENT_*`), on `device`, for the `bytes` bytes at `addr`.
 typedef struct cistern_event_t {
@@ -276,6 +286,44 @@ int cistern_set_use_on_oom(int device, uint64_t pool_id_0, uint64_t pool_id_1, i
 // The uses of graph pool `(pool_id_0, pool_id_1)` of device `device` not yet released (0 when
 // there is none); -1 for a bad device (last error). PyTorch's `getPoolUseCount`.
 int64_t cistern_pool_use_count(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// The live blocks of graph pool `(pool_id_0, pool_id_1)` of device `device`: writes up to
+// `cap` of their addresses, in order, to `out` (which may be NULL when `cap` is 0) and
+// returns how many there are (call again with a larger buffer when that is more than `cap`);
+// -1 for a bad device or a pool that does not exist (last error). PyTorch's
+// `checkPoolLiveAllocations` compares them with the tensors it knows to be alive.
+//
+// # Safety
+//
+// `out` must be valid for writing `cap` pointers, or `cap` must be 0.
+int64_t cistern_pool_live_blocks(int device, uint64_t pool_id_0, uint64_t pool_id_1, void **out, size_t cap);
+
+// A checkpoint of graph pool `(pool_id_0, pool_id_1)` of device `device`: its live blocks now
+// (PyTorch's `getCheckpointState`, which CUDA graph trees take after each recording). NULL for
+// a bad device or a pool that does not exist (last error). Free it with
+// `cistern_checkpoint_free`.
+struct cistern_checkpoint_t *cistern_pool_checkpoint(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+// Frees a checkpoint. NULL does nothing.
+//
+// # Safety
+//
+// `cp` must be NULL or a checkpoint from `cistern_pool_checkpoint` not freed yet.
+void cistern_checkpoint_free(struct cistern_checkpoint_t *cp);
+
+// Puts the graph pool of checkpoint `cp` back to it (PyTorch's `setCheckpointPoolState`):
+// frees every block live in the pool now and makes the checkpoint's blocks live again at
+// their addresses, then calls `each` (when not NULL) with `ctx` for every block freed and
+// every block made live, in that order. Returns 1; 0 (last error) for a NULL checkpoint, a
+// pool released since, an allocation window open on the device, or a checkpoint whose block
+// ranges are not free after the frees (then the pool's blocks are freed and `each` hears of
+// no block).
+//
+// # Safety
+//
+// `cp` must be NULL or a live checkpoint from `cistern_pool_checkpoint`; `each` must follow
+// `cistern_restore_fn_t`'s contract.
+int cistern_pool_restore(const struct cistern_checkpoint_t *cp, cistern_restore_fn_t each, void *ctx);
 
 // Writes the live allocation containing `ptr` as PyTorch's shareable handle for a receiver
 // running torch `torch_version` (`major * 100 + minor`, e.g. 205; 0 for the newest format):

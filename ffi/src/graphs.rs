@@ -232,6 +232,181 @@ pub extern "C" fn cistern_pool_use_count(device: c_int, pool_id_0: u64, pool_id_
     })
 }
 
+/// The live blocks of graph pool `(pool_id_0, pool_id_1)` of device `device`: writes up to
+/// `cap` of their addresses, in order, to `out` (which may be NULL when `cap` is 0) and
+/// returns how many there are (call again with a larger buffer when that is more than `cap`);
+/// -1 for a bad device or a pool that does not exist (last error). PyTorch's
+/// `checkPoolLiveAllocations` compares them with the tensors it knows to be alive.
+///
+/// # Safety
+///
+/// `out` must be valid for writing `cap` pointers, or `cap` must be 0.
+#[no_mangle]
+pub unsafe extern "C" fn cistern_pool_live_blocks(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+    out: *mut *mut c_void,
+    cap: usize,
+) -> i64 {
+    guard::call("cistern_pool_live_blocks", -1, || {
+        let mut blocks = Vec::new();
+        let ok = pool_call(
+            "cistern_pool_live_blocks",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                blocks = d.pool_live_blocks(id)?;
+                Ok(())
+            },
+        );
+        if ok != 1 {
+            return -1;
+        }
+        if !out.is_null() {
+            for (i, &b) in blocks.iter().take(cap).enumerate() {
+                // SAFETY: the caller gave room for `cap` pointers at `out`; `i < cap`.
+                unsafe { *out.add(i) = b as *mut c_void };
+            }
+        }
+        blocks.len().min(i64::MAX as usize) as i64
+    })
+}
+
+/// A checkpoint of a graph pool's live blocks (`cistern_pool_checkpoint`), opaque; freed with
+/// `cistern_checkpoint_free`.
+#[allow(non_camel_case_types)]
+pub struct cistern_checkpoint_t {
+    device: c_int,
+    cp: cistern_alloc::PoolCheckpoint,
+}
+
+/// A checkpoint of graph pool `(pool_id_0, pool_id_1)` of device `device`: its live blocks now
+/// (PyTorch's `getCheckpointState`, which CUDA graph trees take after each recording). NULL for
+/// a bad device or a pool that does not exist (last error). Free it with
+/// `cistern_checkpoint_free`.
+#[no_mangle]
+pub extern "C" fn cistern_pool_checkpoint(
+    device: c_int,
+    pool_id_0: u64,
+    pool_id_1: u64,
+) -> *mut cistern_checkpoint_t {
+    guard::call("cistern_pool_checkpoint", std::ptr::null_mut(), || {
+        let mut cp = None;
+        let ok = pool_call(
+            "cistern_pool_checkpoint",
+            device,
+            pool_id_0,
+            pool_id_1,
+            |d, id| {
+                cp = Some(d.checkpoint_pool(id)?);
+                Ok(())
+            },
+        );
+        match cp {
+            Some(cp) if ok == 1 => Box::into_raw(Box::new(cistern_checkpoint_t { device, cp })),
+            _ => std::ptr::null_mut(),
+        }
+    })
+}
+
+/// Frees a checkpoint. NULL does nothing.
+///
+/// # Safety
+///
+/// `cp` must be NULL or a checkpoint from `cistern_pool_checkpoint` not freed yet.
+#[no_mangle]
+pub unsafe extern "C" fn cistern_checkpoint_free(cp: *mut cistern_checkpoint_t) {
+    guard::call("cistern_checkpoint_free", (), || {
+        if !cp.is_null() {
+            // SAFETY: made by Box::into_raw in cistern_pool_checkpoint, freed once (contract).
+            drop(unsafe { Box::from_raw(cp) });
+        }
+    })
+}
+
+/// Called by `cistern_pool_restore` for each block it changed: `allocated` 0 for a block that
+/// was live and is now free (`size` 0, `stream` NULL), 1 for a checkpoint block live again
+/// (`size`: the bytes asked for; `stream`: its allocation's stream). Must not unwind, throw or
+/// call cistern.
+#[allow(non_camel_case_types)]
+pub type cistern_restore_fn_t = Option<
+    unsafe extern "C" fn(
+        ctx: *mut c_void,
+        allocated: c_int,
+        ptr: *mut c_void,
+        size: usize,
+        stream: cistern_stream_t,
+    ),
+>;
+
+/// Puts the graph pool of checkpoint `cp` back to it (PyTorch's `setCheckpointPoolState`):
+/// frees every block live in the pool now and makes the checkpoint's blocks live again at
+/// their addresses, then calls `each` (when not NULL) with `ctx` for every block freed and
+/// every block made live, in that order. Returns 1; 0 (last error) for a NULL checkpoint, a
+/// pool released since, an allocation window open on the device, or a checkpoint whose block
+/// ranges are not free after the frees (then the pool's blocks are freed and `each` hears of
+/// no block).
+///
+/// # Safety
+///
+/// `cp` must be NULL or a live checkpoint from `cistern_pool_checkpoint`; `each` must follow
+/// `cistern_restore_fn_t`'s contract.
+#[no_mangle]
+pub unsafe extern "C" fn cistern_pool_restore(
+    cp: *const cistern_checkpoint_t,
+    each: cistern_restore_fn_t,
+    ctx: *mut c_void,
+) -> c_int {
+    guard::call("cistern_pool_restore", 0, || {
+        if cp.is_null() {
+            fail_with(
+                "cistern_pool_restore".to_string(),
+                &cistern_alloc::Error::InvalidArgument(
+                    "the checkpoint is NULL: pass one from cistern_pool_checkpoint".into(),
+                ),
+            );
+            return 0;
+        }
+        // SAFETY: a live checkpoint (contract), only read here.
+        let cp = unsafe { &*cp };
+        let mut delta = None;
+        let ok = pool_call(
+            "cistern_pool_restore",
+            cp.device,
+            cp.cp.id.0,
+            cp.cp.id.1,
+            |d, _| {
+                delta = Some(d.restore_pool(&cp.cp)?);
+                Ok(())
+            },
+        );
+        let Some(delta) = delta.filter(|_| ok == 1) else {
+            return 0;
+        };
+        if let Some(f) = each {
+            for &p in &delta.freed {
+                // SAFETY: the caller's callback, under its contract.
+                unsafe { f(ctx, 0, p as *mut c_void, 0, std::ptr::null_mut()) };
+            }
+            for b in &delta.allocated {
+                // SAFETY: as above.
+                unsafe {
+                    f(
+                        ctx,
+                        1,
+                        b.ptr as *mut c_void,
+                        b.requested as usize,
+                        b.stream.0 as cistern_stream_t,
+                    )
+                };
+            }
+        }
+        1
+    })
+}
+
 /// Runs a graph-pool call `f` on device `device`: 1 on success, 0 with a last error.
 fn pool_call(
     name: &str,
@@ -267,6 +442,15 @@ trait GraphPools {
     fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId);
     fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64;
     fn set_use_on_oom(&self, id: cistern_alloc::MempoolId, on: bool) -> cistern_alloc::Result<()>;
+    fn pool_live_blocks(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<Vec<u64>>;
+    fn checkpoint_pool(
+        &self,
+        id: cistern_alloc::MempoolId,
+    ) -> cistern_alloc::Result<cistern_alloc::PoolCheckpoint>;
+    fn restore_pool(
+        &self,
+        cp: &cistern_alloc::PoolCheckpoint,
+    ) -> cistern_alloc::Result<cistern_alloc::RestoreDelta>;
 }
 
 impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
@@ -284,5 +468,20 @@ impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
     }
     fn set_use_on_oom(&self, id: cistern_alloc::MempoolId, on: bool) -> cistern_alloc::Result<()> {
         cistern_alloc::DevicePool::set_use_on_oom(self, id, on)
+    }
+    fn pool_live_blocks(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<Vec<u64>> {
+        cistern_alloc::DevicePool::pool_live_blocks(self, id)
+    }
+    fn checkpoint_pool(
+        &self,
+        id: cistern_alloc::MempoolId,
+    ) -> cistern_alloc::Result<cistern_alloc::PoolCheckpoint> {
+        cistern_alloc::DevicePool::checkpoint_pool(self, id)
+    }
+    fn restore_pool(
+        &self,
+        cp: &cistern_alloc::PoolCheckpoint,
+    ) -> cistern_alloc::Result<cistern_alloc::RestoreDelta> {
+        cistern_alloc::DevicePool::restore_pool(self, cp)
     }
 }

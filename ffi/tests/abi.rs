@@ -596,6 +596,103 @@ fn graph_pools_route_a_windows_streams_and_release_their_filters() {
     assert_eq!(st["reserved_bytes.all.current"], 0, "cached memory kept");
 }
 
+/// What `cistern_pool_restore` reported: (allocated, ptr, size, stream) per block.
+unsafe extern "C" fn note_restored(
+    ctx: *mut c_void,
+    allocated: c_int,
+    ptr: *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+) {
+    // SAFETY: the test passes a live Vec as the context.
+    let v = unsafe { &mut *(ctx as *mut Vec<(c_int, usize, usize, usize)>) };
+    v.push((allocated, ptr as usize, size, stream as usize));
+}
+
+/// CUDA graph trees' checkpoints through the C ABI: the live blocks, a checkpoint, and a
+/// restore that reports the blocks it freed and made live again (their requested sizes and
+/// streams); NULL and unknown pools are errors.
+#[test]
+fn graph_pool_checkpoints_restore_through_the_abi() {
+    let (abi, _g) = abi();
+    let dev = 8;
+    // SAFETY (each call): the exports' documented types; bad ids are part of their contract.
+    let begin =
+        |a, b| unsafe { (abi.begin_allocate_to_pool)(dev, a, b, None, ptr::null_mut(), None) };
+    let end = |a, b| unsafe { (abi.end_allocate_to_pool)(dev, a, b) };
+    let live = |a, b| {
+        let mut v = vec![ptr::null_mut(); 8];
+        // SAFETY: room for 8 pointers.
+        let n = unsafe { (abi.pool_live_blocks)(dev, a, b, v.as_mut_ptr(), v.len()) };
+        v.truncate(n.max(0) as usize);
+        (n, v.into_iter().map(|p| p as usize).collect::<Vec<_>>())
+    };
+    assert_eq!(begin(6, 0), 1, "{}", abi.last_error());
+    let a = malloc(abi, 3 * MIB, dev, stream(5));
+    let b = malloc(abi, 5 * MIB + 1, dev, stream(5));
+    assert_eq!(end(6, 0), 1);
+    // SAFETY: as above.
+    let cp = unsafe { (abi.pool_checkpoint)(dev, 6, 0) };
+    assert!(!cp.is_null(), "{}", abi.last_error());
+    free(abi, b, 5 * MIB + 1, dev, stream(5));
+    assert_eq!(live(6, 0), (1, vec![a as usize]));
+    // SAFETY: a NULL buffer with no room only counts.
+    assert_eq!(
+        unsafe { (abi.pool_live_blocks)(dev, 6, 0, ptr::null_mut(), 0) },
+        1
+    );
+
+    let mut seen: Vec<(c_int, usize, usize, usize)> = Vec::new();
+    // SAFETY: a live checkpoint; the callback and its context follow the contract.
+    let ok =
+        unsafe { (abi.pool_restore)(cp, Some(note_restored), &mut seen as *mut _ as *mut c_void) };
+    assert_eq!(ok, 1, "{}", abi.last_error());
+    let s5 = stream(5) as usize;
+    assert_eq!(
+        seen,
+        vec![
+            (0, a as usize, 0, 0),
+            (1, a as usize, 3 * MIB, s5),
+            (1, b as usize, 5 * MIB + 1, s5)
+        ]
+    );
+    let mut both = vec![a as usize, b as usize];
+    both.sort_unstable();
+    assert_eq!(live(6, 0), (2, both));
+    // SAFETY: as above; NULL is an error, not a crash.
+    assert_eq!(
+        unsafe { (abi.pool_restore)(ptr::null(), None, ptr::null_mut()) },
+        0
+    );
+    assert!(abi.last_error().contains("NULL"), "{}", abi.last_error());
+    // SAFETY: as above.
+    assert!(unsafe { (abi.pool_checkpoint)(dev, 7, 7) }.is_null());
+    assert!(
+        abi.last_error().contains("no graph pool (7, 7)"),
+        "{}",
+        abi.last_error()
+    );
+    assert_eq!(live(7, 7).0, -1);
+    free(abi, a, 3 * MIB, dev, stream(5));
+    free(abi, b, 5 * MIB + 1, dev, stream(5));
+    // SAFETY: as above.
+    assert_eq!(unsafe { (abi.release_pool)(dev, 6, 0) }, 1);
+    // A checkpoint of a released pool: an error naming it.
+    // SAFETY: the checkpoint is still live.
+    assert_eq!(unsafe { (abi.pool_restore)(cp, None, ptr::null_mut()) }, 0);
+    assert!(
+        abi.last_error().contains("no graph pool (6, 0)"),
+        "{}",
+        abi.last_error()
+    );
+    // SAFETY: freed once; NULL does nothing.
+    unsafe {
+        (abi.checkpoint_free)(cp);
+        (abi.checkpoint_free)(ptr::null_mut());
+    }
+    assert_eq!(abi.stats(dev)["allocated_bytes.all.current"], 0);
+}
+
 /// With `cistern_abort_on_failure`, a failed allocation aborts the process with the report
 /// instead of returning NULL (for PyTorch's pluggable mode without the OOM shim).
 #[test]

@@ -24,7 +24,9 @@
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
 //   shareIpcHandle / getIpcDevPtr                              cistern_ipc_share / _open / _close
 //   setUseOnOOM (MemPool(use_on_oom=True))                     cistern_set_use_on_oom
-// Not here yet: checkpointing (cudagraph trees).
+//   getCheckpointState / setCheckpointPoolState,
+//   checkPoolLiveAllocations (CUDA graph trees)                cistern_pool_checkpoint / _restore,
+//                                                              cistern_pool_live_blocks
 //
 // Signatures that differ between torch versions (snapshot(), snapshot(MempoolId_t[, bool]);
 // emptyCache(), emptyCache(MempoolId_t)) are all declared without `override`: the one the
@@ -46,7 +48,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 #define CISTERN_SHIM_EXPORT __attribute__((visibility("default")))
 
@@ -84,6 +89,10 @@ struct Api {
   void* (*ipc_open)(const uint8_t*, size_t, int);
   int (*ipc_close)(void*, int);
   int (*set_use_on_oom)(int, uint64_t, uint64_t, int);
+  int64_t (*pool_live_blocks)(int, uint64_t, uint64_t, void**, size_t);
+  void* (*pool_checkpoint)(int, uint64_t, uint64_t);
+  void (*checkpoint_free)(void*);
+  int (*pool_restore)(const void*, void (*)(void*, int, void*, size_t, Stream), void*);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -231,6 +240,37 @@ void filter_release(void* ctx) noexcept {
   delete static_cast<FilterBox*>(ctx);
 }
 
+// What cistern_pool_restore reported: the blocks it freed, and those it made live again.
+struct RestoreSeen {
+  std::vector<void*> freed;
+  std::vector<std::tuple<void*, size_t, Stream>> made;
+  bool failed = false;
+};
+
+void restore_trampoline(void* ctx, int allocated, void* ptr, size_t size, Stream stream) noexcept {
+  auto* seen = static_cast<RestoreSeen*>(ctx);
+  try {
+    if (allocated) {
+      seen->made.emplace_back(ptr, size, stream);
+    } else {
+      seen->freed.push_back(ptr);
+    }
+  } catch (...) {
+    seen->failed = true;
+  }
+}
+
+// A graph pool's checkpoint (CUDA graph trees keep one per recorded graph), freed with it.
+struct CisternPoolState : c10::cuda::CUDACachingAllocator::AllocatorState {
+  explicit CisternPoolState(void* c) : cp(c) {}
+  ~CisternPoolState() override {
+    g_api.checkpoint_free(cp);
+  }
+  CisternPoolState(const CisternPoolState&) = delete;
+  CisternPoolState& operator=(const CisternPoolState&) = delete;
+  void* cp;
+};
+
 using PluggableBase = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 using c10::cuda::MempoolId_t;
 
@@ -370,6 +410,68 @@ class CisternAllocator : public PluggableBase {
     PluggableBase::enablePeerAccess(dev, dev_to_access);
     int ok = g_api.enable_peer_access(dev_to_access, dev);
     TORCH_CHECK(ok == 1, "cistern: enablePeerAccess: ", last_error());
+  }
+
+  // CUDA graph trees (torch.compile(mode="reduce-overhead")) checkpoint the pool after each
+  // recording and put it back before recording a new branch: cistern frees the pool's blocks
+  // and makes the checkpoint's live again at their addresses. The base's books of each pointer
+  // (size, stream: what its raw_delete frees with) follow, so the new DataPtrs free through
+  // the usual path.
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex device,
+      MempoolId_t id) override {
+    void* cp = g_api.pool_checkpoint(device, id.first, id.second);
+    TORCH_CHECK(cp != nullptr, "cistern: getCheckpointState: ", last_error());
+    return std::make_shared<CisternPoolState>(cp);
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<CisternPoolState>(pps);
+    TORCH_CHECK(
+        state, "cistern: setCheckpointPoolState: the state was not made by cistern's "
+        "getCheckpointState (a checkpoint taken before cistern_torch.install()?)");
+    RestoreSeen seen;
+    int ok = g_api.pool_restore(state->cp, restore_trampoline, &seen);
+    TORCH_CHECK(ok == 1, "cistern: setCheckpointPoolState: ", last_error());
+    TORCH_CHECK(!seen.failed, "cistern: setCheckpointPoolState: out of host memory");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    {
+      std::lock_guard<std::mutex> g(allocator_mutex_);
+      for (void* p : seen.freed) {
+        allocation_metadata_.erase(p);
+      }
+      for (const auto& m : seen.made) {
+        allocation_metadata_[std::get<0>(m)] = torch::cuda::CUDAPluggableAllocator::
+            _AllocationMetadata(std::get<1>(m), device, static_cast<cudaStream_t>(std::get<2>(m)));
+      }
+    }
+    delta.ptrs_freed = std::move(seen.freed);
+    for (const auto& m : seen.made) {
+      void* p = std::get<0>(m);
+      delta.dataptrs_allocd.emplace_back(
+          p, p, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex device,
+      MempoolId_t id,
+      const std::unordered_set<void*>& expected) override {
+    std::vector<void*> live(expected.size() + 1);
+    int64_t n = g_api.pool_live_blocks(device, id.first, id.second, live.data(), live.size());
+    TORCH_CHECK(n >= 0, "cistern: checkPoolLiveAllocations: ", last_error());
+    if (static_cast<size_t>(n) != expected.size()) {
+      return false;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (!expected.count(live[i])) {
+        return false;
+      }
+    }
+    return true;
   }
 
   std::string name() override {

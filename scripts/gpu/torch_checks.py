@@ -456,6 +456,43 @@ def cmd_graphs(_a) -> None:
         raise Fail(f"replay: output correct={correct}, {corrupted} of 6 later blocks overwritten")
 
 
+def cmd_graph_trees(_a) -> None:
+    """CUDA graph trees (torch.compile(mode="reduce-overhead")): two branches recorded into one
+    pool need getCheckpointState / setCheckpointPoolState; outputs must match eager mode."""
+    torch = torch_or_skip("cistern")
+    dev = torch.device("cuda")
+    try:
+        import torch._inductor.config as ic  # noqa: F401
+
+        ic.triton.slow_path_cudagraph_asserts = True  # checkPoolLiveAllocations, each step
+    except Exception:  # noqa: BLE001  older torch: the fast path only
+        pass
+
+    def f(x, wide):
+        y = torch.relu(x @ x.T)
+        return (y * 2 if wide else y + 1).sum(dim=0)
+
+    try:
+        g = torch.compile(f, mode="reduce-overhead", dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        raise Skip(f"torch.compile unavailable: {err_text(e)}")
+    x = torch.randn(512, 512, device=dev)
+    mismatches = 0
+    try:
+        for step in range(8):
+            wide = step % 3 == 0  # two branches after the first recording
+            out = g(x, wide).clone()
+            mismatches += int(not torch.allclose(out, f(x, wide), rtol=1e-3, atol=1e-3))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        key(ran=0)
+        raise Fail(f"torch.compile(mode='reduce-overhead'): {err_text(e)}")
+    emit("graph_trees", steps=8, mismatches=mismatches)
+    key(ran=1, mismatches=mismatches)
+    if mismatches:
+        raise Fail(f"{mismatches} of 8 compiled steps differ from eager mode")
+
+
 def cmd_memory_apis(_a) -> None:
     """Every torch.cuda memory API answers from cistern (native mode), with cistern's numbers."""
     torch = torch_or_skip("cistern")
@@ -505,12 +542,14 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
     p.add_argument("--mode", choices=["native", "cistern"], required=True)
-    for name in ("shim", "oom", "record_stream", "snapshot", "ipc", "graphs", "memory_apis"):
+    for name in ("shim", "oom", "record_stream", "snapshot", "ipc", "graphs", "graph_trees",
+                 "memory_apis"):
         sub.add_parser(name)
     a = ap.parse_args()
     cmds = {"train": cmd_train, "shim": cmd_shim, "oom": cmd_oom, "record_stream": cmd_record_stream,
             "snapshot": cmd_snapshot,
-            "ipc": cmd_ipc, "graphs": cmd_graphs, "memory_apis": cmd_memory_apis}
+            "ipc": cmd_ipc, "graphs": cmd_graphs, "graph_trees": cmd_graph_trees,
+            "memory_apis": cmd_memory_apis}
     try:
         cmds[a.cmd](a)
     except Skip as e:

@@ -382,6 +382,46 @@ impl ArenaState {
         Some((ptr, id))
     }
 
+    /// A live block of `size` bytes (`requested` asked for) at exactly `ptr` in heap `kind`,
+    /// when that range lies inside one free span; `None` otherwise (nothing changes). Not for
+    /// the hot path: it walks the segment's spans.
+    pub fn take_at(
+        &mut self,
+        kind: HeapKind,
+        ptr: u64,
+        size: u64,
+        requested: u64,
+        shared: &SharedGauges,
+    ) -> Option<SpanId> {
+        let kh = &self.kinds[kind];
+        let seg = kh
+            .segments
+            .iter()
+            .flatten()
+            .find(|s| s.base <= ptr && ptr < s.base + s.len)?;
+        let (id, _) = kh
+            .heap
+            .segment_spans(seg.first)
+            .find(|(_, s)| s.state == SpanState::Free && s.start <= ptr && ptr + size <= s.end())?;
+        let before = self.free_totals(kind);
+        let h = &mut self.kinds[kind].heap;
+        let id = h.take_range(id, ptr, size);
+        h.set_requested(id, requested);
+        self.live.insert(ptr, LiveRef { kind, span: id });
+        let (fc, fb) = self.free_totals(kind);
+        let d = [
+            1,
+            size as i64,
+            1,
+            size as i64,
+            fc as i64 - before.0 as i64,
+            fb as i64 - before.1 as i64,
+            requested as i64,
+        ];
+        self.gauges.apply(kind.pool_index(), &d, shared);
+        Some(id)
+    }
+
     /// Records the provenance of the block just taken (span `id` of heap `kind`, `size` bytes
     /// rounded): its meta and the ledger. Only for pools with provenance on.
     #[inline]

@@ -76,6 +76,38 @@ fn holes_carve_and_fill() {
     assert_eq!(h.free_count(), 1);
 }
 
+/// A block taken at an exact address splits the free span around it, at its start, in its
+/// middle and at its end, and frees back to one span.
+#[test]
+fn take_range_puts_a_block_at_its_address() {
+    let base = 0x1000_0000;
+    let (mut h, first) = heap_with(8 * MIB);
+    let seg = [(first, base, 8 * MIB)];
+    let whole = h.find(8 * MIB).unwrap();
+    let mid = h.take_range(whole, base + 3 * MIB, MIB);
+    h.check(&seg).unwrap();
+    assert_eq!((h.span(mid).start, h.span(mid).len), (base + 3 * MIB, MIB));
+    assert_eq!(h.span(mid).state, SpanState::Live);
+    assert_eq!(h.free_count(), 2);
+    assert_eq!(h.free_bytes(), 7 * MIB);
+    let low = h.find(3 * MIB).unwrap();
+    assert_eq!(h.span(low).start, base);
+    let at_start = h.take_range(low, base, 512);
+    h.check(&seg).unwrap();
+    assert_eq!(h.span(at_start).start, base);
+    let high = h.find(4 * MIB).unwrap();
+    assert_eq!(h.span(high).start, base + 4 * MIB);
+    let at_end = h.take_range(high, base + 7 * MIB, MIB);
+    h.check(&seg).unwrap();
+    assert_eq!(h.span(at_end).end(), base + 8 * MIB);
+    for id in [mid, at_start, at_end] {
+        h.free(id);
+        h.check(&seg).unwrap();
+    }
+    assert_eq!(h.free_count(), 1);
+    assert_eq!(h.free_bytes(), 8 * MIB);
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Alloc(u64),

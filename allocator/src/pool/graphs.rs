@@ -41,14 +41,28 @@
 //! under the graph pools' lock, so none runs once its window has closed (PyTorch's filter
 //! refers to its `CUDAGraph`, which may be gone then). A window is one use of its pool, as in
 //! PyTorch: each graph that captured into a pool releases it once.
+//!
+//! # Note [Checkpoints]
+//!
+//! CUDA graph trees (`torch.compile(mode="reduce-overhead")`) record many graphs into one
+//! pool and, to record a new branch after replaying others, put the pool's books back to
+//! where they stood after an earlier recording: replays write memory but leave no trace in
+//! the allocator. [`DevicePool::checkpoint_pool`] records the pool's live blocks (address,
+//! size, stream); [`DevicePool::restore_pool`] frees every block live in the pool now and
+//! makes the checkpoint's blocks live again at their addresses, returning both lists so the
+//! caller can move its tensors' ownership (PyTorch's `setCheckpointPoolState`). The pool's
+//! pages never move while it lives (its arenas are pinned), so a block's range is free again
+//! once the pool's blocks are freed; blocks freed with other streams' uses are waited for
+//! there (a host wait, off the allocation path, as PyTorch's own restore does nothing
+//! cheaper). [`DevicePool::pool_live_blocks`] answers PyTorch's `checkPoolLiveAllocations`.
 
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
 use super::DevicePool;
-use crate::arena::{Arena, StreamRef};
+use crate::arena::{Arena, HeapKind, StreamRef};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, Result};
 
@@ -130,6 +144,40 @@ pub struct GraphPoolInfo {
     pub open: bool,
     /// Streams with an arena in it.
     pub streams: usize,
+}
+
+/// One live block of a graph pool, as [`DevicePool::checkpoint_pool`] records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointBlock {
+    /// Its address.
+    pub ptr: u64,
+    /// The bytes it holds (rounded).
+    pub size: u64,
+    /// The bytes that were asked for.
+    pub requested: u64,
+    /// The stream it was allocated on (the handle its arena was first seen with).
+    pub stream: StreamId,
+    heap: HeapKind,
+    /// The driver's id of that stream: the key of its arena in the pool.
+    arena: u64,
+}
+
+/// A graph pool's live blocks at one moment (see Note [Checkpoints]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolCheckpoint {
+    /// The pool.
+    pub id: MempoolId,
+    /// Its live blocks then, by address.
+    pub blocks: Vec<CheckpointBlock>,
+}
+
+/// What [`DevicePool::restore_pool`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreDelta {
+    /// The blocks that were live and are now free, by address.
+    pub freed: Vec<u64>,
+    /// The checkpoint's blocks, live again.
+    pub allocated: Vec<CheckpointBlock>,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -321,6 +369,129 @@ impl<D: Driver> DevicePool<D> {
             self.retire(arena);
         }
         Ok(())
+    }
+
+    /// The arenas of graph pool `id`, by the driver's stream id; an error naming `what` when
+    /// there is no such pool.
+    fn pool_arenas(&self, id: MempoolId, what: &str) -> Result<FxHashMap<u64, Arc<Arena<D>>>> {
+        match self.graphs.lock().pools.get(&id) {
+            Some(p) => Ok(p.arenas.clone()),
+            None => Err(Error::InvalidArgument(format!(
+                "{what}: device {} has no graph pool {id} (released, or never opened with \
+                 begin_allocate_to_pool)",
+                self.core.dev
+            ))),
+        }
+    }
+
+    /// The live blocks of graph pool `id` (their addresses, in order): PyTorch's
+    /// `checkPoolLiveAllocations` compares them with the tensors it knows to be alive.
+    pub fn pool_live_blocks(&self, id: MempoolId) -> Result<Vec<u64>> {
+        let mut v: Vec<u64> = Vec::new();
+        for arena in self.pool_arenas(id, "pool_live_blocks")?.values() {
+            v.extend(arena.state.lock().live.keys().copied());
+        }
+        v.sort_unstable();
+        Ok(v)
+    }
+
+    /// The live blocks of graph pool `id` now (see Note [Checkpoints]).
+    pub fn checkpoint_pool(&self, id: MempoolId) -> Result<PoolCheckpoint> {
+        let mut blocks = Vec::new();
+        for (&key, arena) in &self.pool_arenas(id, "checkpoint_pool")? {
+            let a = arena.state.lock();
+            for (&ptr, r) in a.live.iter() {
+                let span = a.kinds[r.kind].heap.span(r.span);
+                blocks.push(CheckpointBlock {
+                    ptr,
+                    size: span.len,
+                    requested: span.requested,
+                    stream: arena.stream,
+                    heap: r.kind,
+                    arena: key,
+                });
+            }
+        }
+        blocks.sort_unstable_by_key(|b| b.ptr);
+        Ok(PoolCheckpoint { id, blocks })
+    }
+
+    /// Puts graph pool `cp.id` back to checkpoint `cp` (see Note [Checkpoints]): frees every
+    /// block live in it now, then makes each of the checkpoint's blocks live again at its
+    /// address. Refused while an allocation window is open on the device (a capture may be
+    /// underway: waiting for a block's other streams, or freeing under the capture, is not
+    /// safe then) and for a pool released since; a checkpoint block whose range is not free
+    /// after the frees (a checkpoint of another pool, or one taken before its memory was given
+    /// up) is an error, with every block of the pool freed.
+    pub fn restore_pool(&self, cp: &PoolCheckpoint) -> Result<RestoreDelta> {
+        let id = cp.id;
+        if self.core.capturing() {
+            return Err(Error::InvalidArgument(format!(
+                "restore_pool: an allocation window is open on device {} (a CUDA graph may be \
+                 capturing): restore graph pool {id} after end_allocate_to_pool",
+                self.core.dev
+            )));
+        }
+        let arenas = self.pool_arenas(id, "restore_pool")?;
+        if let Some(b) = cp.blocks.iter().find(|b| !arenas.contains_key(&b.arena)) {
+            return Err(Error::InvalidArgument(format!(
+                "restore_pool: the checkpoint's block at {:#x} was allocated on stream {} of \
+                 graph pool {id}, which has no memory of that stream now: the checkpoint is not \
+                 this pool's",
+                b.ptr, b.stream
+            )));
+        }
+        let c = &*self.core;
+        let mut delta = RestoreDelta::default();
+        let mut keys: Vec<u64> = arenas.keys().copied().collect();
+        keys.sort_unstable();
+        for key in &keys {
+            let arena = &arenas[key];
+            let mut a = arena.state.lock();
+            let mut live: Vec<u64> = a.live.keys().copied().collect();
+            live.sort_unstable();
+            for ptr in live {
+                if let Some(r) = &c.recorder {
+                    r.free(ptr);
+                }
+                if a.free(ptr, &arena.sref, c) == crate::arena::FreeOutcome::Pending {
+                    c.counters.num_pending_frees.fetch_add(1, Relaxed);
+                }
+                delta.freed.push(ptr);
+            }
+            if !a.pending.is_empty() {
+                a.process_pending(true, c);
+            }
+        }
+        delta.freed.sort_unstable();
+        for b in &cp.blocks {
+            let arena = &arenas[&b.arena];
+            let taken = arena
+                .state
+                .lock()
+                .take_at(b.heap, b.ptr, b.size, b.requested, &c.shared);
+            if taken.is_none() {
+                // Leave no block live that the caller will not hear of.
+                for done in &delta.allocated {
+                    if let Some(r) = &c.recorder {
+                        r.free(done.ptr);
+                    }
+                    arenas[&done.arena]
+                        .state
+                        .lock()
+                        .free(done.ptr, &arenas[&done.arena].sref, c);
+                }
+                return Err(Error::InvalidArgument(format!(
+                    "restore_pool: graph pool {id} has no free range of {} bytes at {:#x} for \
+                     the checkpoint's block there: the checkpoint is not this pool's, or \
+                     predates a release of its memory",
+                    b.size, b.ptr
+                )));
+            }
+            self.handed_out(b.ptr, b.size, b.requested, b.stream);
+            delta.allocated.push(b.clone());
+        }
+        Ok(delta)
     }
 
     /// The graph pools now alive, by id.

@@ -148,7 +148,9 @@ use crate::stats::Stats;
 
 pub use buffer::Buffer;
 pub use device::DevicePool;
-pub use graphs::{GraphPoolInfo, MempoolId, StreamFilter};
+pub use graphs::{
+    CheckpointBlock, GraphPoolInfo, MempoolId, PoolCheckpoint, RestoreDelta, StreamFilter,
+};
 pub(crate) use observe::ObserverSlot;
 pub use observe::{Observer, PoolEvent, PoolEventKind};
 pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
@@ -409,6 +411,23 @@ impl<D: Driver> Pool<D> {
     /// Drops one use of graph pool `id` on device `dev` (see [`DevicePool::release_pool`]).
     pub fn release_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
         self.device(dev)?.release_pool(id)
+    }
+
+    /// The live blocks of graph pool `id` on device `dev` (see
+    /// [`DevicePool::pool_live_blocks`]).
+    pub fn pool_live_blocks(&self, dev: DeviceId, id: MempoolId) -> Result<Vec<u64>> {
+        self.device(dev)?.pool_live_blocks(id)
+    }
+
+    /// A checkpoint of graph pool `id` on device `dev` (see [`DevicePool::checkpoint_pool`]).
+    pub fn checkpoint_pool(&self, dev: DeviceId, id: MempoolId) -> Result<PoolCheckpoint> {
+        self.device(dev)?.checkpoint_pool(id)
+    }
+
+    /// Puts a graph pool of device `dev` back to checkpoint `cp` (see
+    /// [`DevicePool::restore_pool`]).
+    pub fn restore_pool(&self, dev: DeviceId, cp: &PoolCheckpoint) -> Result<RestoreDelta> {
+        self.device(dev)?.restore_pool(cp)
     }
 
     /// Sets device `dev`'s per-process limit as a fraction of its memory.

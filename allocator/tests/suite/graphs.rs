@@ -601,3 +601,119 @@ fn use_on_oom_pools_serve_an_allocation_that_ran_out() {
         assert_no_leak(&sim, pool);
     }
 }
+
+/// CUDA graph trees' checkpoints (Note [Checkpoints]): after a second recording freed `b` and
+/// allocated `c` over its range, restoring the checkpoint taken after the first frees `a` and
+/// `c` and makes `a` and `b` live again at their addresses, with the statistics of then, no
+/// driver call, and the same answer twice; the restored blocks free as any other.
+#[test]
+fn a_checkpoint_puts_a_graph_pools_blocks_back() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), vmm, "");
+        begin(&sim, &pool, GRAPH, S);
+        let a = alloc(&pool, 4 * MIB, S);
+        let b = alloc(&pool, 8 * MIB, S);
+        end(&sim, &pool, GRAPH, S);
+        let cp = pool.checkpoint_pool(0, GRAPH).unwrap();
+        assert_eq!(
+            cp.blocks.iter().map(|x| x.ptr).collect::<Vec<_>>(),
+            vec![a, b]
+        );
+        let allocated = stat(&pool, "allocated_bytes.all.current");
+        let requested = stat(&pool, "requested_bytes.all.current");
+
+        free(&pool, b, S);
+        begin(&sim, &pool, GRAPH, S);
+        let c = alloc(&pool, 6 * MIB, S);
+        end(&sim, &pool, GRAPH, S);
+        assert_eq!(c, b, "the second recording did not reuse b's range");
+        let mut live = vec![a, c];
+        live.sort_unstable();
+        assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), live);
+
+        let calls = sim.total_calls();
+        let d = pool.restore_pool(0, &cp).unwrap();
+        check(&pool);
+        assert_eq!(sim.total_calls(), calls, "a restore made driver calls");
+        assert_eq!(d.freed, live);
+        assert_eq!(d.allocated, cp.blocks);
+        assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), vec![a, b]);
+        assert_eq!(stat(&pool, "allocated_bytes.all.current"), allocated);
+        assert_eq!(stat(&pool, "requested_bytes.all.current"), requested);
+        // Again: the same blocks are freed and made live.
+        let again = pool.restore_pool(0, &cp).unwrap();
+        assert_eq!(again.freed, vec![a, b]);
+        assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), vec![a, b]);
+        check(&pool);
+
+        free(&pool, a, S);
+        free(&pool, b, S);
+        pool.release_pool(0, GRAPH).unwrap();
+        pool.release_pool(0, GRAPH).unwrap();
+        assert_no_leak(&sim, pool);
+    });
+}
+
+/// A checkpoint of an empty pool frees everything; blocks another stream still used
+/// (`record_stream`) are waited for, so their ranges can be restored.
+#[test]
+fn restoring_waits_for_blocks_other_streams_used() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    pool.create_or_incref_pool(0, GRAPH).unwrap();
+    let empty = pool.checkpoint_pool(0, GRAPH).unwrap();
+    assert!(empty.blocks.is_empty());
+    begin(&sim, &pool, GRAPH, S);
+    let a = alloc(&pool, 4 * MIB, S);
+    end(&sim, &pool, GRAPH, S);
+    let cp = pool.checkpoint_pool(0, GRAPH).unwrap();
+    pool.record_stream(a, StreamId(T)).unwrap();
+    sim.launch(0, StreamId(T), &[(a, 4 * MIB)]).unwrap();
+    let d = pool.restore_pool(0, &empty).unwrap();
+    assert_eq!(d.freed, vec![a]);
+    assert!(pool.pool_live_blocks(0, GRAPH).unwrap().is_empty());
+    let d = pool.restore_pool(0, &cp).unwrap();
+    assert!(d.freed.is_empty());
+    assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), vec![a]);
+    check(&pool);
+    free(&pool, a, S);
+    pool.release_pool(0, GRAPH).unwrap();
+    pool.release_pool(0, GRAPH).unwrap();
+    assert_no_leak(&sim, pool);
+}
+
+/// Checkpoints of pools that are gone, of other pools, and restores during a capture are
+/// clear errors that change nothing.
+#[test]
+fn checkpoint_misuse_is_a_clear_error() {
+    let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), true, "");
+    let other = MempoolId(2, 0);
+    let e = pool.checkpoint_pool(0, GRAPH).unwrap_err().to_string();
+    assert!(e.contains("no graph pool (1, 0)"), "{e}");
+    begin(&sim, &pool, GRAPH, S);
+    let a = alloc(&pool, 4 * MIB, S);
+    end(&sim, &pool, GRAPH, S);
+    begin(&sim, &pool, other, T);
+    let b = alloc(&pool, 4 * MIB, T);
+    let cp_other = pool.checkpoint_pool(0, other).unwrap();
+    let cp = pool.checkpoint_pool(0, GRAPH).unwrap();
+    let e = pool.restore_pool(0, &cp).unwrap_err().to_string();
+    assert!(e.contains("after end_allocate_to_pool"), "{e}");
+    end(&sim, &pool, other, T);
+    // `other`'s checkpoint named as GRAPH's: its stream has no memory in GRAPH.
+    let forged = cistern::PoolCheckpoint {
+        id: GRAPH,
+        blocks: cp_other.blocks.clone(),
+    };
+    let e = pool.restore_pool(0, &forged).unwrap_err().to_string();
+    assert!(e.contains("not this pool's"), "{e}");
+    assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), vec![a]);
+    assert_eq!(pool.pool_live_blocks(0, other).unwrap(), vec![b]);
+    check(&pool);
+    free(&pool, a, S);
+    free(&pool, b, T);
+    pool.release_pool(0, GRAPH).unwrap();
+    pool.release_pool(0, other).unwrap();
+    let e = pool.restore_pool(0, &cp).unwrap_err().to_string();
+    assert!(e.contains("no graph pool"), "{e}");
+    assert_no_leak(&sim, pool);
+}

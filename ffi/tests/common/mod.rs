@@ -7,6 +7,9 @@ use std::sync::OnceLock;
 
 /// `cistern_stream_t`.
 pub type Stream = *mut c_void;
+/// `cistern_restore_fn_t`.
+pub type RestoreFn =
+    Option<unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, usize, *mut c_void)>;
 
 /// Where the built library is: `CISTERN_LIB` if set, else next to the running test or bench
 /// binary (`target/<profile>/deps/..`), which follows `CARGO_TARGET_DIR` and the profile.
@@ -106,6 +109,10 @@ pub struct Abi {
     pub create_or_incref_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     pub pool_use_count: unsafe extern "C" fn(c_int, u64, u64) -> i64,
     pub set_use_on_oom: unsafe extern "C" fn(c_int, u64, u64, c_int) -> c_int,
+    pub pool_live_blocks: unsafe extern "C" fn(c_int, u64, u64, *mut *mut c_void, usize) -> i64,
+    pub pool_checkpoint: unsafe extern "C" fn(c_int, u64, u64) -> *mut c_void,
+    pub checkpoint_free: unsafe extern "C" fn(*mut c_void),
+    pub pool_restore: unsafe extern "C" fn(*const c_void, RestoreFn, *mut c_void) -> c_int,
     pub free_and_release: unsafe extern "C" fn(*mut c_void, usize, c_int, Stream),
     pub abort_on_failure: unsafe extern "C" fn(c_int) -> c_int,
     pub set_observer: unsafe extern "C" fn(
@@ -168,6 +175,10 @@ pub fn load_with_env(env: &[(&str, &str)]) -> &'static Abi {
             create_or_incref_pool: sym!(b"cistern_create_or_incref_pool"),
             pool_use_count: sym!(b"cistern_pool_use_count"),
             set_use_on_oom: sym!(b"cistern_set_use_on_oom"),
+            pool_live_blocks: sym!(b"cistern_pool_live_blocks"),
+            pool_checkpoint: sym!(b"cistern_pool_checkpoint"),
+            checkpoint_free: sym!(b"cistern_checkpoint_free"),
+            pool_restore: sym!(b"cistern_pool_restore"),
             free_and_release: sym!(b"cistern_free_and_release"),
             abort_on_failure: sym!(b"cistern_abort_on_failure"),
             get_memory_fraction: sym!(b"cistern_get_memory_fraction"),
