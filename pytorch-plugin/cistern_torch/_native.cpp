@@ -39,7 +39,9 @@
 #include "_native_history.h"
 #include "_native_json.h"
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -49,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -262,14 +265,18 @@ void restore_trampoline(void* ctx, int allocated, void* ptr, size_t size, Stream
 
 // A graph pool's checkpoint (CUDA graph trees keep one per recorded graph), freed with it.
 struct CisternPoolState : c10::cuda::CUDACachingAllocator::AllocatorState {
-  explicit CisternPoolState(void* c) : cp(c) {}
+  CisternPoolState(void* c, c10::DeviceIndex d) : cp(c), device(d) {}
   ~CisternPoolState() override {
     g_api.checkpoint_free(cp);
   }
   CisternPoolState(const CisternPoolState&) = delete;
   CisternPoolState& operator=(const CisternPoolState&) = delete;
   void* cp;
+  c10::DeviceIndex device;
 };
+
+// The deleter of every DataPtr cistern hands out (defined after the installed allocator).
+void cistern_raw_deleter(void* ptr);
 
 using PluggableBase = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 using c10::cuda::MempoolId_t;
@@ -282,6 +289,22 @@ class CisternAllocator : public PluggableBase {
     set_memory_fraction_fn([](double f, int d) { g_api.set_memory_fraction(f, d); });
     set_base_alloc_fn([](void* p, size_t* s) { return g_api.base_alloc(p, s); });
     set_record_stream_fn([](void* p, cudaStream_t s) { g_api.record_stream(p, s); });
+  }
+
+  // Every DataPtr carries its pointer as its context and frees through raw_delete (the base's
+  // books of each pointer's size, device and stream): the same in every torch (2.5's base
+  // makes a deleter context of its own instead), and what checkpoint restores hand out too,
+  // so torch's `_has_Standard_Deleter` holds for both.
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    void* r = this->malloc(size, device, stream);
+    return {r, r, &cistern_raw_deleter, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &cistern_raw_deleter;
   }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -422,7 +445,7 @@ class CisternAllocator : public PluggableBase {
       MempoolId_t id) override {
     void* cp = g_api.pool_checkpoint(device, id.first, id.second);
     TORCH_CHECK(cp != nullptr, "cistern: getCheckpointState: ", last_error());
-    return std::make_shared<CisternPoolState>(cp);
+    return std::make_shared<CisternPoolState>(cp, device);
   }
 
   c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
@@ -432,26 +455,43 @@ class CisternAllocator : public PluggableBase {
     TORCH_CHECK(
         state, "cistern: setCheckpointPoolState: the state was not made by cistern's "
         "getCheckpointState (a checkpoint taken before cistern_torch.install()?)");
+    TORCH_CHECK(
+        state->device == device, "cistern: setCheckpointPoolState: the checkpoint is of device ",
+        static_cast<int>(state->device), ", not ", static_cast<int>(device));
     RestoreSeen seen;
     int ok = g_api.pool_restore(state->cp, restore_trampoline, &seen);
     TORCH_CHECK(ok == 1, "cistern: setCheckpointPoolState: ", last_error());
     TORCH_CHECK(!seen.failed, "cistern: setCheckpointPoolState: out of host memory");
     c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    // Each freed block's size and stream, from the base's books, for the history.
+    std::vector<std::pair<size_t, cudaStream_t>> freed_meta(seen.freed.size(), {0, nullptr});
     {
       std::lock_guard<std::mutex> g(allocator_mutex_);
-      for (void* p : seen.freed) {
-        allocation_metadata_.erase(p);
+      for (size_t i = 0; i < seen.freed.size(); ++i) {
+        auto it = allocation_metadata_.find(seen.freed[i]);
+        if (it != allocation_metadata_.end()) {
+          freed_meta[i] = {it->second.size, it->second.stream};
+          allocation_metadata_.erase(it);
+        }
       }
       for (const auto& m : seen.made) {
         allocation_metadata_[std::get<0>(m)] = torch::cuda::CUDAPluggableAllocator::
             _AllocationMetadata(std::get<1>(m), device, static_cast<cudaStream_t>(std::get<2>(m)));
       }
     }
+    // The history, as PyTorch's own restore records it: the frees, then the allocations.
+    for (size_t i = 0; i < seen.freed.size(); ++i) {
+      g_history.free(device, seen.freed[i], freed_meta[i].first, freed_meta[i].second);
+    }
+    for (const auto& m : seen.made) {
+      g_history.alloc(device, std::get<0>(m), std::get<1>(m),
+                      static_cast<cudaStream_t>(std::get<2>(m)));
+    }
     delta.ptrs_freed = std::move(seen.freed);
     for (const auto& m : seen.made) {
       void* p = std::get<0>(m);
       delta.dataptrs_allocd.emplace_back(
-          p, p, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+          p, p, &cistern_raw_deleter, c10::Device(c10::DeviceType::CUDA, device));
     }
     return delta;
   }
@@ -571,6 +611,13 @@ class CisternAllocator : public PluggableBase {
 };
 
 std::shared_ptr<CisternAllocator> g_allocator;
+
+void cistern_raw_deleter(void* ptr) {
+  // The installed allocator lives as long as the process (g_allocator is never reset).
+  if (ptr != nullptr && g_allocator) {
+    g_allocator->raw_delete(ptr);
+  }
+}
 
 int64_t allocated_now(int device) {
   std::string text =

@@ -382,6 +382,27 @@ impl ArenaState {
         Some((ptr, id))
     }
 
+    /// Whether `[ptr, ptr + size)` lies in one segment of heap `kind`, in mapped memory (no
+    /// hole), whatever its blocks' states.
+    pub fn mapped_range(&self, kind: HeapKind, ptr: u64, size: u64) -> bool {
+        let kh = &self.kinds[kind];
+        let Some(seg) = kh
+            .segments
+            .iter()
+            .flatten()
+            .find(|s| s.base <= ptr && ptr < s.base + s.len)
+        else {
+            return false;
+        };
+        let end = ptr.saturating_add(size);
+        end <= seg.base + seg.len
+            && kh
+                .heap
+                .segment_spans(seg.first)
+                .filter(|(_, s)| s.start < end && ptr < s.end())
+                .all(|(_, s)| s.state != SpanState::Hole)
+    }
+
     /// A live block of `size` bytes (`requested` asked for) at exactly `ptr` in heap `kind`,
     /// when that range lies inside one free span; `None` otherwise (nothing changes). Not for
     /// the hot path: it walks the segment's spans.

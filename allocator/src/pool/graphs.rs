@@ -53,14 +53,19 @@
 //! caller can move its tensors' ownership (PyTorch's `setCheckpointPoolState`). The pool's
 //! pages never move while it lives (its arenas are pinned), so a block's range is free again
 //! once the pool's blocks are freed; blocks freed with other streams' uses are waited for
-//! there (a host wait, off the allocation path, as PyTorch's own restore does nothing
-//! cheaper). [`DevicePool::pool_live_blocks`] answers PyTorch's `checkPoolLiveAllocations`.
+//! there (a host wait, off the allocation path; PyTorch's own restore refuses such blocks).
+//! A restore checks the whole checkpoint against the pool before it frees anything, and
+//! restores each arena under one hold of its lock, so no other allocation takes a range in
+//! between. Restored blocks carry no provenance (tag, site): PyTorch's history in the shim
+//! records them. [`DevicePool::pool_live_blocks`] answers PyTorch's
+//! `checkPoolLiveAllocations`.
 
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
+use super::device::fork_check;
 use super::DevicePool;
 use crate::arena::{Arena, HeapKind, StreamRef};
 use crate::driver::{Driver, StreamId};
@@ -387,6 +392,7 @@ impl<D: Driver> DevicePool<D> {
     /// The live blocks of graph pool `id` (their addresses, in order): PyTorch's
     /// `checkPoolLiveAllocations` compares them with the tensors it knows to be alive.
     pub fn pool_live_blocks(&self, id: MempoolId) -> Result<Vec<u64>> {
+        fork_check()?;
         let mut v: Vec<u64> = Vec::new();
         for arena in self.pool_arenas(id, "pool_live_blocks")?.values() {
             v.extend(arena.state.lock().live.keys().copied());
@@ -397,6 +403,7 @@ impl<D: Driver> DevicePool<D> {
 
     /// The live blocks of graph pool `id` now (see Note [Checkpoints]).
     pub fn checkpoint_pool(&self, id: MempoolId) -> Result<PoolCheckpoint> {
+        fork_check()?;
         let mut blocks = Vec::new();
         for (&key, arena) in &self.pool_arenas(id, "checkpoint_pool")? {
             let a = arena.state.lock();
@@ -418,12 +425,16 @@ impl<D: Driver> DevicePool<D> {
 
     /// Puts graph pool `cp.id` back to checkpoint `cp` (see Note [Checkpoints]): frees every
     /// block live in it now, then makes each of the checkpoint's blocks live again at its
-    /// address. Refused while an allocation window is open on the device (a capture may be
-    /// underway: waiting for a block's other streams, or freeing under the capture, is not
-    /// safe then) and for a pool released since; a checkpoint block whose range is not free
-    /// after the frees (a checkpoint of another pool, or one taken before its memory was given
-    /// up) is an error, with every block of the pool freed.
+    /// address. Refused, changing nothing, while an allocation window is open on the device (a
+    /// capture may be underway: waiting for a block's other streams, or freeing under the
+    /// capture, is not safe then), for a pool released since, and for a checkpoint that is
+    /// not the pool's (a stream the pool has no memory of, a range that is not the pool's
+    /// mapped memory). Each arena is restored under one hold of its lock, so no allocation
+    /// (`use_on_oom`) takes a range between its free and its restore. Only a failed wait for
+    /// a block's other streams (a driver fault) fails after the frees: then that arena's
+    /// blocks are left free and the error says so.
     pub fn restore_pool(&self, cp: &PoolCheckpoint) -> Result<RestoreDelta> {
+        fork_check()?;
         let id = cp.id;
         if self.core.capturing() {
             return Err(Error::InvalidArgument(format!(
@@ -433,13 +444,33 @@ impl<D: Driver> DevicePool<D> {
             )));
         }
         let arenas = self.pool_arenas(id, "restore_pool")?;
-        if let Some(b) = cp.blocks.iter().find(|b| !arenas.contains_key(&b.arena)) {
-            return Err(Error::InvalidArgument(format!(
-                "restore_pool: the checkpoint's block at {:#x} was allocated on stream {} of \
-                 graph pool {id}, which has no memory of that stream now: the checkpoint is not \
-                 this pool's",
-                b.ptr, b.stream
-            )));
+        let mut by_arena: FxHashMap<u64, Vec<&CheckpointBlock>> = FxHashMap::default();
+        for b in &cp.blocks {
+            if !arenas.contains_key(&b.arena) {
+                return Err(Error::InvalidArgument(format!(
+                    "restore_pool: the checkpoint's block at {:#x} was allocated on stream {} \
+                     of graph pool {id}, which has no memory of that stream now: the \
+                     checkpoint is not this pool's",
+                    b.ptr, b.stream
+                )));
+            }
+            by_arena.entry(b.arena).or_default().push(b);
+        }
+        // Before anything changes: every block's range must be mapped memory of its arena's
+        // heap, which is free once the arena's blocks are (the pool's pages never move).
+        for (key, blocks) in &by_arena {
+            let a = arenas[key].state.lock();
+            if let Some(b) = blocks
+                .iter()
+                .find(|b| !a.mapped_range(b.heap, b.ptr, b.size))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "restore_pool: graph pool {id} has no memory of {} bytes at {:#x} for the \
+                     checkpoint's block there: the checkpoint is not this pool's, or predates \
+                     a release of its memory",
+                    b.size, b.ptr
+                )));
+            }
         }
         let c = &*self.core;
         let mut delta = RestoreDelta::default();
@@ -462,35 +493,31 @@ impl<D: Driver> DevicePool<D> {
             if !a.pending.is_empty() {
                 a.process_pending(true, c);
             }
+            let mut taken: Vec<CheckpointBlock> = Vec::new();
+            for b in by_arena.get(key).into_iter().flatten() {
+                if a.take_at(b.heap, b.ptr, b.size, b.requested, &c.shared)
+                    .is_none()
+                {
+                    for t in &taken {
+                        a.free(t.ptr, &arena.sref, c);
+                    }
+                    return Err(Error::InvalidArgument(format!(
+                        "restore_pool: the block at {:#x} of graph pool {id} still waits for \
+                         other streams' work (the wait failed: see the log); the pool's blocks \
+                         on stream {} are left free",
+                        b.ptr, b.stream
+                    )));
+                }
+                taken.push((*b).clone());
+            }
+            drop(a);
+            for b in taken {
+                self.handed_out(b.ptr, b.size, b.requested, b.stream);
+                delta.allocated.push(b);
+            }
         }
         delta.freed.sort_unstable();
-        for b in &cp.blocks {
-            let arena = &arenas[&b.arena];
-            let taken = arena
-                .state
-                .lock()
-                .take_at(b.heap, b.ptr, b.size, b.requested, &c.shared);
-            if taken.is_none() {
-                // Leave no block live that the caller will not hear of.
-                for done in &delta.allocated {
-                    if let Some(r) = &c.recorder {
-                        r.free(done.ptr);
-                    }
-                    arenas[&done.arena]
-                        .state
-                        .lock()
-                        .free(done.ptr, &arenas[&done.arena].sref, c);
-                }
-                return Err(Error::InvalidArgument(format!(
-                    "restore_pool: graph pool {id} has no free range of {} bytes at {:#x} for \
-                     the checkpoint's block there: the checkpoint is not this pool's, or \
-                     predates a release of its memory",
-                    b.size, b.ptr
-                )));
-            }
-            self.handed_out(b.ptr, b.size, b.requested, b.stream);
-            delta.allocated.push(b.clone());
-        }
+        delta.allocated.sort_unstable_by_key(|b| b.ptr);
         Ok(delta)
     }
 

@@ -706,6 +706,11 @@ fn checkpoint_misuse_is_a_clear_error() {
     };
     let e = pool.restore_pool(0, &forged).unwrap_err().to_string();
     assert!(e.contains("not this pool's"), "{e}");
+    // A block beyond the pool's memory: refused before anything is freed.
+    let mut far = cp.clone();
+    far.blocks[0].ptr += 512 * MIB;
+    let e = pool.restore_pool(0, &far).unwrap_err().to_string();
+    assert!(e.contains("has no memory of"), "{e}");
     assert_eq!(pool.pool_live_blocks(0, GRAPH).unwrap(), vec![a]);
     assert_eq!(pool.pool_live_blocks(0, other).unwrap(), vec![b]);
     check(&pool);
