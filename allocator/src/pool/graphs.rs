@@ -56,8 +56,8 @@
 //! there (a host wait, off the allocation path; PyTorch's own restore refuses such blocks).
 //! A restore checks the whole checkpoint against the pool before it frees anything, and
 //! restores each arena under one hold of its lock, so no other allocation takes a range in
-//! between. Restored blocks carry no provenance (tag, site): PyTorch's history in the shim
-//! records them. [`DevicePool::pool_live_blocks`] answers PyTorch's
+//! between. Restored blocks keep their provenance (tag, call site, thread, time) in the
+//! ledger. [`DevicePool::pool_live_blocks`] answers PyTorch's
 //! `checkPoolLiveAllocations`.
 
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
@@ -165,6 +165,8 @@ pub struct CheckpointBlock {
     heap: HeapKind,
     /// The driver's id of that stream: the key of its arena in the pool.
     arena: u64,
+    /// Its provenance (tag, call site, thread, time), restored with it.
+    meta: crate::heap::BlockMeta,
 }
 
 /// A graph pool's live blocks at one moment (see Note [Checkpoints]).
@@ -416,6 +418,7 @@ impl<D: Driver> DevicePool<D> {
                     stream: arena.stream,
                     heap: r.kind,
                     arena: key,
+                    meta: a.kinds[r.kind].heap.meta(r.span),
                 });
             }
         }
@@ -495,9 +498,7 @@ impl<D: Driver> DevicePool<D> {
             }
             let mut taken: Vec<CheckpointBlock> = Vec::new();
             for b in by_arena.get(key).into_iter().flatten() {
-                if a.take_at(b.heap, b.ptr, b.size, b.requested, &c.shared)
-                    .is_none()
-                {
+                let Some(span) = a.take_at(b.heap, b.ptr, b.size, b.requested, &c.shared) else {
                     for t in &taken {
                         a.free(t.ptr, &arena.sref, c);
                     }
@@ -507,6 +508,16 @@ impl<D: Driver> DevicePool<D> {
                          on stream {} are left free",
                         b.ptr, b.stream
                     )));
+                };
+                if b.meta.slot != 0 {
+                    // It was in the ledger: back in it, with its provenance.
+                    let o = crate::provenance::Origin {
+                        tag: b.meta.tag,
+                        site: b.meta.site,
+                        thread: b.meta.thread,
+                        time_ns: b.meta.time_ns,
+                    };
+                    a.record(b.heap, span, b.size, &o);
                 }
                 taken.push((*b).clone());
             }

@@ -722,3 +722,41 @@ fn checkpoint_misuse_is_a_clear_error() {
     assert!(e.contains("no graph pool"), "{e}");
     assert_no_leak(&sim, pool);
 }
+
+/// A restored block keeps its provenance: the ledger counts it under its tag again, and the
+/// block a restore freed leaves it.
+#[test]
+fn restored_blocks_keep_their_tags() {
+    let (sim, pool) = pool_with(
+        SimConfig::default().capacity(GIB),
+        true,
+        "provenance:stacks,stack_sample_rate:1",
+    );
+    let tagged = |name: &str| -> u64 {
+        pool.device(0)
+            .unwrap()
+            .ledger()
+            .iter()
+            .filter(|e| e.tag == name)
+            .map(|e| e.live_bytes)
+            .sum()
+    };
+    begin(&sim, &pool, GRAPH, S);
+    let a = cistern::with_tag("graph-a", || alloc(&pool, 4 * MIB, S));
+    end(&sim, &pool, GRAPH, S);
+    let cp = pool.checkpoint_pool(0, GRAPH).unwrap();
+    free(&pool, a, S);
+    begin(&sim, &pool, GRAPH, S);
+    let b = cistern::with_tag("graph-b", || alloc(&pool, 4 * MIB, S));
+    end(&sim, &pool, GRAPH, S);
+    assert_eq!((tagged("graph-a"), tagged("graph-b")), (0, 4 * MIB));
+    pool.restore_pool(0, &cp).unwrap();
+    assert_eq!((tagged("graph-a"), tagged("graph-b")), (4 * MIB, 0));
+    check(&pool);
+    free(&pool, a, S);
+    assert_eq!(tagged("graph-a"), 0);
+    let _ = b;
+    pool.release_pool(0, GRAPH).unwrap();
+    pool.release_pool(0, GRAPH).unwrap();
+    assert_no_leak(&sim, pool);
+}
