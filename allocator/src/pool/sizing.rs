@@ -41,7 +41,7 @@
 //! reserved still at most 1.4% above expandable's; the smallest device 0.05-0.15% larger on
 //! `training`, `llm-serving` and Mooncake and 0.5% on `rmm-random` (1.032x -> 1.037x its peak
 //! live bytes), unchanged on the rest. With no cap at all the time was the same but the
-//! minimalloc instances needed up to 19% more; a sixteenth instead of an eighth changed
+//! minimalloc instances needed up to 16% more; a sixteenth instead of an eighth changed
 //! nothing; the split dropped only while the process holds an eighth (not a quarter) gave
 //! `rmm-random` 0.90x.
 //!
@@ -79,10 +79,11 @@
 //! median over all traces 1.50x -> 1.41x; peak reserved up (`llm-serving` 7.2 -> 7.8 GiB,
 //! Mooncake 37.5 -> 45.1 GB, `training` 7.8 -> 9.0 GiB) and still below expandable's (8.7,
 //! 51.6, 9.1); the smallest device unchanged on every trace (Mooncake's 1.3% -> 1.0% over its
-//! peak live bytes). Any share up to all of the room gave the same times on a roomy device,
-//! but every share above a half needed a larger device: with all of it, `llm-serving` 6.9% and
-//! Mooncake 7.1% more. A half for whole chunks too (`AUTO_SHARE`) needed up to 13% more on the
-//! minimalloc instances and 7% on `packed-K`.
+//! peak live bytes). All of the room gave the same times on a roomy device but needed larger
+//! devices (`llm-serving` 6.8%, Mooncake 7.0% more); a third gave Mooncake 0.34x instead of
+//! 0.28x (with the rule below) for a 45 instead of 51 GB peak, the rest equal. A half for whole
+//! chunks too (`AUTO_SHARE`) needed up to 13% more on the minimalloc instances and 7% on
+//! `packed-K`.
 
 use super::placement::Placement;
 use super::vmm::Window;
