@@ -279,7 +279,8 @@ mod tests {
         let c = Config::default(); // chunk_size 20 MiB = 10 granules, chunk_split 4
         let held_small = 20; // 40 MiB
         let held_large = 1024; // 2 GiB
-                               // A 20 MiB request (10 granules): a quarter is 2 granules.
+
+        // A 20 MiB request (10 granules): a quarter is 2 granules.
         assert_eq!(request_chunk_pages(&c, G, 10, Plenty::Tight), 2);
         assert_eq!(request_chunk_pages(&c, G, 10, Plenty::Half(held_large)), 2);
         assert_eq!(
