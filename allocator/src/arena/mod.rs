@@ -363,10 +363,27 @@ impl ArenaState {
     ) -> Option<(u64, SpanId)> {
         let id = self.kinds[kind].heap.find(size)?;
         let before = self.free_totals(kind);
-        let h = &mut self.kinds[kind].heap;
-        let id = h.take(id, size);
-        let ptr = h.span(id).start;
-        h.set_requested(id, requested);
+        let id = self.kinds[kind].heap.take(id, size);
+        let ptr = self.kinds[kind].heap.span(id).start;
+        self.note_taken(kind, ptr, id, size, requested, before, shared);
+        Some((ptr, id))
+    }
+
+    /// The books of a span just taken from heap `kind` (free totals `before` the take): its
+    /// requested size, the live map and the gauges.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn note_taken(
+        &mut self,
+        kind: HeapKind,
+        ptr: u64,
+        id: SpanId,
+        size: u64,
+        requested: u64,
+        before: (u64, u64),
+        shared: &SharedGauges,
+    ) {
+        self.kinds[kind].heap.set_requested(id, requested);
         self.live.insert(ptr, LiveRef { kind, span: id });
         let (fc, fb) = self.free_totals(kind);
         let d = [
@@ -379,24 +396,26 @@ impl ArenaState {
             requested as i64,
         ];
         self.gauges.apply(kind.pool_index(), &d, shared);
-        Some((ptr, id))
+    }
+
+    /// The segment of heap `kind` that contains `ptr`.
+    fn segment_at(&self, kind: HeapKind, ptr: u64) -> Option<&Segment> {
+        self.kinds[kind]
+            .segments
+            .iter()
+            .flatten()
+            .find(|s| s.base <= ptr && ptr < s.base + s.len)
     }
 
     /// Whether `[ptr, ptr + size)` lies in one segment of heap `kind`, in mapped memory (no
     /// hole), whatever its blocks' states.
     pub fn mapped_range(&self, kind: HeapKind, ptr: u64, size: u64) -> bool {
-        let kh = &self.kinds[kind];
-        let Some(seg) = kh
-            .segments
-            .iter()
-            .flatten()
-            .find(|s| s.base <= ptr && ptr < s.base + s.len)
-        else {
+        let Some(seg) = self.segment_at(kind, ptr) else {
             return false;
         };
         let end = ptr.saturating_add(size);
         end <= seg.base + seg.len
-            && kh
+            && self.kinds[kind]
                 .heap
                 .segment_spans(seg.first)
                 .filter(|(_, s)| s.start < end && ptr < s.end())
@@ -414,32 +433,14 @@ impl ArenaState {
         requested: u64,
         shared: &SharedGauges,
     ) -> Option<SpanId> {
-        let kh = &self.kinds[kind];
-        let seg = kh
-            .segments
-            .iter()
-            .flatten()
-            .find(|s| s.base <= ptr && ptr < s.base + s.len)?;
-        let (id, _) = kh
+        let first = self.segment_at(kind, ptr)?.first;
+        let (id, _) = self.kinds[kind]
             .heap
-            .segment_spans(seg.first)
+            .segment_spans(first)
             .find(|(_, s)| s.state == SpanState::Free && s.start <= ptr && ptr + size <= s.end())?;
         let before = self.free_totals(kind);
-        let h = &mut self.kinds[kind].heap;
-        let id = h.take_range(id, ptr, size);
-        h.set_requested(id, requested);
-        self.live.insert(ptr, LiveRef { kind, span: id });
-        let (fc, fb) = self.free_totals(kind);
-        let d = [
-            1,
-            size as i64,
-            1,
-            size as i64,
-            fc as i64 - before.0 as i64,
-            fb as i64 - before.1 as i64,
-            requested as i64,
-        ];
-        self.gauges.apply(kind.pool_index(), &d, shared);
+        let id = self.kinds[kind].heap.take_range(id, ptr, size);
+        self.note_taken(kind, ptr, id, size, requested, before, shared);
         Some(id)
     }
 
