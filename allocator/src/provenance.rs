@@ -13,6 +13,8 @@
 //! - with `provenance:stacks`, every `stack_sample_rate`-th allocation of each thread (the first
 //!   one included) carries a **call site**: the return addresses of a native backtrace,
 //!   interned by their hash. Sites are symbolised only when a report asks ([`site_frames`]).
+//!   A client running an interpreter can give the frames of its own language instead
+//!   ([`set_site_provider`]; `libcistern.so` gives Python's, see Note [Foreign frames]).
 //!
 //! # Note [Provenance on the hot path]
 //!
@@ -244,10 +246,18 @@ pub fn now_ns() -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Call sites.
 
+/// What a call site is made of.
+enum SiteFrames {
+    /// Return addresses of a native backtrace, innermost first (symbolised when read).
+    Native(Box<[usize]>),
+    /// Frames a [`SiteProvider`] gave as text, innermost first.
+    Text(Box<[Box<str>]>),
+}
+
 struct Sites {
     by_hash: FxHashMap<u64, u32>,
     /// Frames by site id (index 0: unused).
-    frames: Vec<Box<[usize]>>,
+    frames: Vec<SiteFrames>,
 }
 
 fn sites() -> &'static Mutex<Sites> {
@@ -255,15 +265,73 @@ fn sites() -> &'static Mutex<Sites> {
     SITES.get_or_init(|| {
         Mutex::new(Sites {
             by_hash: FxHashMap::default(),
-            frames: vec![Box::new([])],
+            frames: vec![SiteFrames::Native(Box::new([]))],
         })
     })
 }
 
-/// Captures the calling thread's native stack and interns it; returns its site id (0 when
-/// [`MAX_SITES`] distinct sites are already kept). Costs a stack walk (microseconds).
+// Note [Foreign frames]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A native backtrace of an allocation made by Python code shows the interpreter's loop
+// (`_PyEval_EvalFrameDefault` ...), never the line of Python that allocated: `cistern leaks`
+// would name no user code. So a client may install a [`SiteProvider`]: when a sampled stack is
+// due ([`origin`], before any lock of the pool), [`capture_site`] asks it first, and when it
+// gives frames (the calling thread runs Python code), the site is those frames, interned by
+// their text; when it gives none, the native backtrace as before. A provider is called on the
+// allocating thread with no lock of cistern's held, only when a stack is due (one allocation in
+// `stack_sample_rate` with `provenance:stacks`, none otherwise), and must not allocate from the
+// pool. `libcistern.so` has one for CPython (`cistern_python_frames`), which cistern_torch turns
+// on.
+
+/// Fills `frames` with the calling thread's frames, innermost first, each as
+/// `function (file:line)`, at most `max` of them; leaves it empty when it has none.
+pub type SiteProvider = fn(frames: &mut Vec<String>, max: usize);
+
+fn provider() -> &'static RwLock<Option<SiteProvider>> {
+    static PROVIDER: RwLock<Option<SiteProvider>> = RwLock::new(None);
+    &PROVIDER
+}
+
+/// Installs (or, with `None`, removes) the provider of foreign frames that sampled call sites
+/// ask first (Note [Foreign frames]); returns the previous one.
+pub fn set_site_provider(p: Option<SiteProvider>) -> Option<SiteProvider> {
+    std::mem::replace(&mut *provider().write(), p)
+}
+
+/// The provider installed by [`set_site_provider`], if any.
+pub fn site_provider() -> Option<SiteProvider> {
+    *provider().read()
+}
+
+/// Interns `frames` (innermost first) as a call site; 0 when [`MAX_SITES`] are already kept.
+fn intern_site(hash: u64, frames: impl FnOnce() -> SiteFrames) -> u32 {
+    let mut s = sites().lock();
+    if let Some(&id) = s.by_hash.get(&hash) {
+        return id;
+    }
+    if s.frames.len() > MAX_SITES {
+        return 0;
+    }
+    let id = s.frames.len() as u32;
+    s.frames.push(frames());
+    s.by_hash.insert(hash, id);
+    id
+}
+
+/// Captures the calling thread's stack and interns it; returns its site id (0 when
+/// [`MAX_SITES`] distinct sites are already kept). The frames of the installed
+/// [`SiteProvider`] when it gives any, else a native backtrace. Costs a stack walk
+/// (microseconds).
 #[inline(never)]
 pub fn capture_site() -> u32 {
+    if let Some(provide) = site_provider() {
+        let mut text = Vec::new();
+        provide(&mut text, MAX_FRAMES);
+        if !text.is_empty() {
+            text.truncate(MAX_FRAMES);
+            return intern_text_site(text);
+        }
+    }
     let mut ips = [0usize; MAX_FRAMES];
     let mut n = 0;
     backtrace::trace(|f| {
@@ -273,19 +341,19 @@ pub fn capture_site() -> u32 {
     });
     let ips = &ips[..n];
     let mut h = FxHasher::default();
+    0u8.hash(&mut h);
     ips.hash(&mut h);
-    let hash = h.finish();
-    let mut s = sites().lock();
-    if let Some(&id) = s.by_hash.get(&hash) {
-        return id;
-    }
-    if s.frames.len() > MAX_SITES {
-        return 0;
-    }
-    let id = s.frames.len() as u32;
-    s.frames.push(ips.into());
-    s.by_hash.insert(hash, id);
-    id
+    intern_site(h.finish(), || SiteFrames::Native(ips.into()))
+}
+
+/// Interns frames given as text (innermost first).
+fn intern_text_site(text: Vec<String>) -> u32 {
+    let mut h = FxHasher::default();
+    1u8.hash(&mut h);
+    text.hash(&mut h);
+    intern_site(h.finish(), || {
+        SiteFrames::Text(text.into_iter().map(String::into_boxed_str).collect())
+    })
 }
 
 /// How many distinct call sites have been captured.
@@ -316,10 +384,26 @@ fn is_internal(frame: &str) -> bool {
         })
 }
 
-/// Whether a symbolised frame is cistern's own (the pool's), by name or by source file.
-fn is_cistern(frame: &str) -> bool {
-    frame.trim_start_matches('<').starts_with("cistern::")
-        || frame_file(frame).is_some_and(|f| f.starts_with(CRATE_SRC))
+/// Whether a symbolised frame is plumbing between the user's code and the pool, which a
+/// site's label skips: cistern's own (the pool's, the C ABI's, the Python package
+/// cistern_torch's) and Rust's standard library (`catch_unwind` around every C export), by
+/// name or by source file.
+fn is_plumbing(frame: &str) -> bool {
+    let name = frame.trim_start_matches('<');
+    ["cistern::", "core::", "std::", "alloc::", "__rust"]
+        .iter()
+        .any(|p| name.starts_with(p))
+        || frame_file(frame).is_some_and(|f| {
+            f.starts_with(CRATE_SRC)
+                || f.starts_with("/rustc/")
+                || f.contains("/cistern_torch/")
+                || CRATE_SRC
+                    .strip_suffix("allocator/src/")
+                    .is_some_and(|root| {
+                        f.strip_prefix(root)
+                            .is_some_and(|r| r.starts_with("ffi/src/"))
+                    })
+        })
 }
 
 /// The frames of call site `id`, symbolised now: `function (file:line)` per frame, innermost
@@ -329,7 +413,8 @@ pub fn site_frames(id: u32) -> Vec<String> {
         return Vec::new();
     }
     let ips = match sites().lock().frames.get(id as usize) {
-        Some(f) => f.clone(),
+        Some(SiteFrames::Native(f)) => f.clone(),
+        Some(SiteFrames::Text(t)) => return t.iter().map(|f| f.to_string()).collect(),
         None => return Vec::new(),
     };
     let mut out = Vec::new();
@@ -361,13 +446,13 @@ pub fn site_frames(id: u32) -> Vec<String> {
     out
 }
 
-/// A one-line label for site `id` (symbolised now): its first three frames outside cistern,
-/// innermost first, the first with its file and line.
+/// A one-line label for site `id` (symbolised now): its first three frames outside cistern
+/// and Rust's standard library, innermost first, the first with its file and line.
 pub fn site_label(id: u32) -> String {
     let frames = site_frames(id);
     let user: Vec<&str> = frames
         .iter()
-        .filter(|f| !is_cistern(f))
+        .filter(|f| !is_plumbing(f))
         .take(3)
         .enumerate()
         .map(|(i, f)| match f.find(" (") {
@@ -659,6 +744,57 @@ pub(crate) fn merge_ledgers<'a>(ledgers: impl Iterator<Item = &'a Ledger>) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// The frames the test provider gives on this thread (other tests' threads get none).
+        static FOREIGN: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+    }
+
+    fn test_provider(frames: &mut Vec<String>, max: usize) {
+        FOREIGN.with(|f| frames.extend(f.borrow().iter().take(max).cloned()));
+    }
+
+    #[test]
+    fn a_site_provider_names_the_frames_of_its_language() {
+        set_site_provider(Some(test_provider));
+        let python = vec![
+            "alloc_cache (/srv/model/kv.py:88)".to_string(),
+            "helper (/usr/lib/python3/site-packages/cistern_torch/_alloc.py:40)".into(),
+            "step (/srv/model/serve.py:12)".into(),
+            "main (/srv/model/serve.py:3)".into(),
+            "<module> (/srv/model/serve.py:1)".into(),
+        ];
+        FOREIGN.with(|f| *f.borrow_mut() = python.clone());
+        let a = capture_site();
+        let b = capture_site();
+        assert_ne!(a, 0);
+        assert_eq!(a, b, "the same frames intern to the same site");
+        assert_eq!(site_frames(a), python);
+        // The label skips cistern_torch's own frame; only the first keeps its place.
+        assert_eq!(
+            site_label(a),
+            format!("site {a}: alloc_cache (/srv/model/kv.py:88) <- step <- main")
+        );
+        let mut deep: Vec<String> = (0..100).map(|i| format!("f{i} (/x.py:{i})")).collect();
+        FOREIGN.with(|f| *f.borrow_mut() = deep.clone());
+        let d = capture_site();
+        deep.truncate(MAX_FRAMES);
+        assert_eq!(site_frames(d), deep, "at most MAX_FRAMES frames are kept");
+        // No foreign frames on this thread: the native stack, as without a provider (this
+        // file's frames are the capture's own and are skipped; the test runner's remain).
+        FOREIGN.with(|f| f.borrow_mut().clear());
+        let native = capture_site();
+        assert!(native != a && native != d);
+        assert!(
+            site_frames(native)
+                .iter()
+                .any(|f| f.contains("test::run_test")),
+            "{:?}",
+            site_frames(native)
+        );
+        assert!(set_site_provider(None).is_some());
+        assert!(site_provider().is_none());
+    }
 
     #[test]
     fn long_tags_are_cut_at_a_character_boundary() {

@@ -244,6 +244,18 @@ void cistern_tag_push(const char *tag);
 // Pops the innermost tag of this thread's stack (reported as an error when it is empty).
 void cistern_tag_pop(void);
 
+// Names call sites by their Python frames (`on` = 1) or by native backtraces (`on` = 0, the
+// default). With it on, each sampled stack (`CISTERN_CONF=provenance:stacks`, one allocation
+// in `stack_sample_rate`) made by a thread that runs Python code is that thread's Python
+// frames, innermost first, each `function (file:line)`, as `cistern leaks`, `cistern ps` and
+// OOM reports show them; other threads keep native backtraces. Reading the frames takes the
+// GIL on the allocating thread (as PyTorch's own history recorder does), only when a stack is
+// due. cistern_torch turns it on at `install()`.
+//
+// Returns 1 when it is on afterwards, 0 when off, and -1 when it cannot be turned on: the
+// process runs no CPython 3.9 or later (`cistern_last_error` says so).
+int cistern_python_frames(int on);
+
 // Opens an *allocation window* into the graph pool `(pool_id_0, pool_id_1)` of device `device`
 // (PyTorch's `beginAllocateToPool`, keyed by its `MempoolId_t`): until
 // `cistern_end_allocate_to_pool`, allocations on the streams `filter` accepts (every stream

@@ -66,6 +66,7 @@ mod graphs;
 mod guard;
 mod ipc;
 mod observe;
+mod pyframes;
 mod report;
 mod tags;
 
@@ -621,6 +622,29 @@ pub extern "C" fn cistern_tag_pop() {
     guard::call("cistern_tag_pop", (), || {
         if let Err(e) = tags::pop() {
             fail(format!("cistern_tag_pop: {e}"), true);
+        }
+    })
+}
+
+/// Names call sites by their Python frames (`on` = 1) or by native backtraces (`on` = 0, the
+/// default). With it on, each sampled stack (`CISTERN_CONF=provenance:stacks`, one allocation
+/// in `stack_sample_rate`) made by a thread that runs Python code is that thread's Python
+/// frames, innermost first, each `function (file:line)`, as `cistern leaks`, `cistern ps` and
+/// OOM reports show them; other threads keep native backtraces. Reading the frames takes the
+/// GIL on the allocating thread (as PyTorch's own history recorder does), only when a stack is
+/// due. cistern_torch turns it on at `install()`.
+///
+/// Returns 1 when it is on afterwards, 0 when off, and -1 when it cannot be turned on: the
+/// process runs no CPython 3.9 or later (`cistern_last_error` says so).
+#[no_mangle]
+pub extern "C" fn cistern_python_frames(on: c_int) -> c_int {
+    guard::call("cistern_python_frames", -1, || {
+        match pyframes::set(on != 0) {
+            Ok(()) => c_int::from(pyframes::is_on()),
+            Err(e) => {
+                fail(format!("cistern_python_frames: {e}"), false);
+                -1
+            }
         }
     })
 }

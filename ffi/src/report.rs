@@ -21,9 +21,14 @@
 //! One segment per `cuMemAlloc` segment, and one per run of mapped pages of a VMM extent (as
 //! PyTorch reports expandable segments); blocks tile their segment exactly (`_memory_viz.segsum`
 //! checks that). `device_traces` has one list per device and is empty: the pool keeps no
-//! history of events yet. `frames` are empty until the provenance layer records call sites.
+//! history of events (cistern_torch's native mode keeps PyTorch's). A block's `frames` are its
+//! sampled call site (`provenance:stacks`), innermost first, as PyTorch writes them:
+//! `{"filename", "line", "name"}` (Python frames when `cistern_python_frames` is on, else the
+//! native backtrace); empty for blocks without one, and for segments.
 
-use cistern_alloc::{BlockState, Driver, Pool, SegmentSnapshot};
+use std::collections::HashMap;
+
+use cistern_alloc::{provenance, BlockState, Driver, Pool, SegmentSnapshot};
 use serde_json::{json, Value};
 
 /// Copies `text` into `buf` as a NUL-terminated string, truncated to `cap - 1` bytes, and
@@ -67,16 +72,54 @@ pub(crate) fn stats_json<D: Driver>(
 
 /// The snapshot of every device pool in use, in PyTorch's schema (see the module docs).
 pub(crate) fn snapshot_json<D: Driver>(pool: &Pool<D>) -> String {
+    // Each site is symbolised once per snapshot (many blocks share one).
+    let mut sites = HashMap::new();
     let segments: Vec<Value> = pool
         .devices()
         .flat_map(|d| d.segments_snapshot())
-        .map(|s| segment_json(&s))
+        .map(|s| segment_json(&s, &mut sites))
         .collect();
     let traces: Vec<Value> = (0..pool.device_count()).map(|_| json!([])).collect();
     json!({ "segments": segments, "device_traces": traces }).to_string()
 }
 
-fn segment_json(s: &SegmentSnapshot) -> Value {
+/// One frame as PyTorch's snapshots write it, from provenance's `function (file:line)`.
+fn frame_json(frame: &str) -> Value {
+    let parsed = frame
+        .strip_suffix(')')
+        .and_then(|f| f.rsplit_once(" ("))
+        .map(|(name, place)| {
+            match place
+                .rsplit_once(':')
+                .and_then(|(file, line)| Some((file, line.parse::<u64>().ok()?)))
+            {
+                Some((file, line)) => (name, file, line),
+                None => (name, place, 0),
+            }
+        });
+    let (name, file, line) = parsed.unwrap_or((frame, "??", 0));
+    json!({ "filename": file, "line": line, "name": name })
+}
+
+/// The frames of call site `site`, symbolised once per snapshot.
+fn site_json(site: Option<u32>, cache: &mut HashMap<u32, Value>) -> Value {
+    match site {
+        None => json!([]),
+        Some(id) => cache
+            .entry(id)
+            .or_insert_with(|| {
+                Value::Array(
+                    provenance::site_frames(id)
+                        .iter()
+                        .map(|f| frame_json(f))
+                        .collect(),
+                )
+            })
+            .clone(),
+    }
+}
+
+fn segment_json(s: &SegmentSnapshot, sites: &mut HashMap<u32, Value>) -> Value {
     let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
     let blocks: Vec<Value> = s
         .blocks
@@ -96,7 +139,7 @@ fn segment_json(s: &SegmentSnapshot) -> Value {
                 "size": b.size,
                 "requested_size": b.requested_size,
                 "state": b.state.as_str(),
-                "frames": [],
+                "frames": site_json(b.site, sites),
             });
             if let Some(tag) = &b.tag {
                 v["tag"] = json!(tag);
@@ -144,4 +187,31 @@ pub(crate) fn base_allocation<D: Driver>(pool: &Pool<D>, addr: u64) -> Option<(u
     } else {
         (seg.address, seg.total_size)
     })
+}
+
+#[cfg(test)]
+mod frame_tests {
+    use super::frame_json;
+    use serde_json::json;
+
+    #[test]
+    fn frames_split_into_pytorchs_fields() {
+        assert_eq!(
+            frame_json("Model.forward (/srv/model.py:88)"),
+            json!({"filename": "/srv/model.py", "line": 88, "name": "Model.forward"})
+        );
+        assert_eq!(
+            frame_json("std::rt::lang_start (library/std/src/rt.rs)"),
+            json!({"filename": "library/std/src/rt.rs", "line": 0, "name": "std::rt::lang_start"})
+        );
+        assert_eq!(
+            frame_json("0x7f00aa"),
+            json!({"filename": "??", "line": 0, "name": "0x7f00aa"})
+        );
+        // Generic names keep their parentheses; only the last " (...)" is the place.
+        assert_eq!(
+            frame_json("f<(u8, u16)>::{closure#0} (src/a.rs:3)"),
+            json!({"filename": "src/a.rs", "line": 3, "name": "f<(u8, u16)>::{closure#0}"})
+        );
+    }
 }

@@ -295,6 +295,80 @@ fn child_linear_segments() {
 }
 
 #[test]
+fn python_frames_are_refused_outside_python() {
+    let (abi, _g) = abi();
+    // SAFETY: the export takes an int.
+    assert_eq!(unsafe { (abi.python_frames)(1) }, -1);
+    let err = abi.last_error();
+    assert!(
+        err.contains("no CPython 3.9 or later") && err.contains("only in a Python process"),
+        "{err}"
+    );
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { (abi.python_frames)(0) },
+        0,
+        "off is always possible"
+    );
+}
+
+#[test]
+fn snapshot_blocks_carry_their_sampled_frames() {
+    if is_child() {
+        return;
+    }
+    run_child(
+        "child_snapshot_frames",
+        &[
+            ("CISTERN_DRIVER", "sim"),
+            (
+                "CISTERN_CONF",
+                "registry:off,provenance:stacks,stack_sample_rate:2",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn child_snapshot_frames() {
+    if !is_child() {
+        return;
+    }
+    let abi = common::load_with_env(&[]);
+    // One allocation in two carries a site (the first one included).
+    let sampled = malloc(abi, 3 * MIB, 0, stream(0));
+    let unsampled = malloc(abi, 3 * MIB, 0, stream(0));
+    // SAFETY: `json` passes a buffer of the capacity it names.
+    let text = abi.json(|b, c| unsafe { (abi.snapshot_json)(b, c) });
+    let snap: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let block = |p: *mut c_void| {
+        snap["segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["blocks"].as_array().unwrap())
+            .find(|b| b["address"].as_u64() == Some(p as u64))
+            .unwrap_or_else(|| panic!("no block at {p:?}: {text}"))
+            .clone()
+    };
+    let frames = block(sampled)["frames"].as_array().unwrap().clone();
+    assert!(
+        frames.iter().any(|f| {
+            f["name"]
+                .as_str()
+                .unwrap()
+                .contains("child_snapshot_frames")
+                && f["filename"].as_str().unwrap().ends_with("abi.rs")
+                && f["line"].as_u64().unwrap() > 0
+        }),
+        "{frames:?}"
+    );
+    assert_eq!(block(unsampled)["frames"], serde_json::json!([]));
+    free(abi, sampled, 3 * MIB, 0, stream(0));
+    free(abi, unsampled, 3 * MIB, 0, stream(0));
+}
+
+#[test]
 fn record_stream_on_an_unknown_pointer_is_harmless() {
     let (abi, _g) = abi();
     // SAFETY: unknown pointers are part of the contract.

@@ -134,6 +134,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "cistern_log_errors"):
         lib.cistern_log_errors.restype = c.c_int
         lib.cistern_log_errors.argtypes = [c.c_int]
+    if hasattr(lib, "cistern_python_frames"):
+        lib.cistern_python_frames.restype = c.c_int
+        lib.cistern_python_frames.argtypes = [c.c_int]
     if hasattr(lib, "cistern_ipc_share"):
         lib.cistern_ipc_share.restype = c.c_size_t
         lib.cistern_ipc_share.argtypes = [
@@ -170,6 +173,10 @@ def load() -> ctypes.CDLL:
         _declare(lib)
         _driver_env = os.environ.get("CISTERN_DRIVER", "")
         _lib = lib
+        # Sampled call sites (provenance:stacks) name this process's Python lines, not the
+        # interpreter's C frames. Costs nothing until a stack is sampled.
+        if os.environ.get("CISTERN_TORCH_PYTHON_FRAMES", "1") != "0":
+            _python_frames(lib, True)
         return lib
 
 
@@ -399,6 +406,18 @@ def version() -> str:
     """``cistern_version``: the library's version string."""
     raw = load().cistern_version()
     return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+def _python_frames(lib: ctypes.CDLL, on: bool) -> bool:
+    fn = getattr(lib, "cistern_python_frames", None)
+    return fn is not None and fn(1 if on else 0) == 1
+
+
+def python_frames(on: bool) -> bool:
+    """``cistern_python_frames``: whether sampled call sites (``provenance:stacks``) are the
+    allocating thread's Python frames (on by default once the library is loaded, unless
+    ``CISTERN_TORCH_PYTHON_FRAMES=0``) or native backtraces. Returns whether it is on now."""
+    return _python_frames(load(), on)
 
 
 def tag_push(tag: str) -> None:

@@ -314,6 +314,10 @@ impl<D: Driver> DevicePool<D> {
                                     t => crate::provenance::tag_name(t),
                                 },
                             },
+                            site: match (state, kh.heap.meta(id).site) {
+                                (BlockState::Free, _) | (_, 0) => None,
+                                (_, site) => Some(site),
+                            },
                         });
                     }
                     out.extend(run.take());
@@ -497,6 +501,9 @@ pub struct BlockSnapshot {
     pub state: BlockState,
     /// The tag the block was allocated under, for live and pending blocks that have one.
     pub tag: Option<String>,
+    /// The sampled call site of a live or pending block (`provenance:stacks`;
+    /// [`crate::provenance::site_frames`] reads it).
+    pub site: Option<u32>,
 }
 
 /// The state of a block in a snapshot, named as in PyTorch's snapshots.

@@ -131,6 +131,7 @@ pub struct Abi {
     pub version: unsafe extern "C" fn() -> *const c_char,
     pub tag_push: unsafe extern "C" fn(*const c_char),
     pub tag_pop: unsafe extern "C" fn(),
+    pub python_frames: unsafe extern "C" fn(c_int) -> c_int,
     _lib: libloading::Library,
 }
 
@@ -192,6 +193,7 @@ pub fn load_with_env(env: &[(&str, &str)]) -> &'static Abi {
             version: sym!(b"cistern_version"),
             tag_push: sym!(b"cistern_tag_push"),
             tag_pop: sym!(b"cistern_tag_pop"),
+            python_frames: sym!(b"cistern_python_frames"),
             _lib: lib,
         }
     })
