@@ -69,6 +69,7 @@ fn publish(dir: &Path, pid: u32) {
         peak_live: live,
         top_tags: tags,
         top_sites: Vec::new(),
+        imported: Vec::new(),
     };
     Registry::with_identity(dir, id)
         .unwrap()

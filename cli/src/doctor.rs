@@ -40,7 +40,7 @@ pub struct Finding {
     /// `orphaned-context`, `zombie-context`, `orphaned-holder`, `stale-record`,
     /// `recently-dead`, `exited`, `exited-with-leaks`, `refused-record`,
     /// `refused-registry-dir`, `registry-dir-unreadable`, `xid`, `xid-unavailable`,
-    /// `nvml-unavailable`, `holders-unreadable`.
+    /// `nvml-unavailable`, `holders-unreadable`, `imported-from-dead`.
     pub kind: &'static str,
     pub severity: Severity,
     pub pid: Option<u32>,
@@ -229,8 +229,20 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
                     (
                         "exited-with-leaks",
                         Severity::Info,
-                        "`cistern leaks <pid>` shows the blocks it never freed (the driver freed \
-                         them with the process); `cistern doctor --clean-stale` removes the record",
+                        if psr
+                            .imports
+                            .iter()
+                            .any(|i| i.from_pid == p.container_pid.unwrap_or(p.pid))
+                        {
+                            "`cistern leaks <pid>` shows the blocks it never freed (the driver \
+                             freed them with the process, except what other processes still \
+                             map: imported-from-dead below); `cistern doctor --clean-stale` \
+                             removes the record"
+                        } else {
+                            "`cistern leaks <pid>` shows the blocks it never freed (the driver \
+                             freed them with the process); `cistern doctor --clean-stale` removes \
+                             the record"
+                        },
                     )
                 } else if past_grace {
                     (
@@ -285,6 +297,37 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
             }
             _ => {}
         }
+    }
+
+    // Memory a running process maps from a dead one's pool (CUDA tensors it received): the
+    // driver keeps it, with no running owner, until the receiver lets go of it.
+    for i in psr.imports.iter().filter(|i| {
+        matches!(
+            i.from_state,
+            Some(PsState::DeadRecordOnly | PsState::PidReused | PsState::DeadButMemoryHeld)
+        )
+    }) {
+        let mut f = finding(
+            "imported-from-dead",
+            Severity::Info,
+            format!(
+                "pid {} maps {} on device {} that pid {} ({}) created and, dead, no longer \
+                 holds: the driver keeps that memory for pid {} until it lets go",
+                i.pid,
+                format_bytes(i.bytes),
+                i.device,
+                i.from_pid,
+                i.from_command.as_deref().unwrap_or("?"),
+                i.pid
+            ),
+            "it is the memory of CUDA tensors the receiver got from the dead process \
+             (torch.multiprocessing, CUDA IPC): it is freed when the receiver drops them and \
+             every storage that shares them, or exits",
+        );
+        f.pid = Some(i.pid);
+        f.gpu = i.uuid.clone();
+        f.bytes = Some(i.bytes);
+        out.push(f);
     }
 
     // Holders of /dev/nvidia* whose process group leader is gone.

@@ -18,7 +18,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cistern::format_bytes;
-use cistern::registry::{self, AttributionRecord, Liveness, OomRecord, Record, State};
+use cistern::registry::{
+    self, AttributionRecord, ImportRecord, Liveness, OomRecord, Record, State,
+};
 use serde::Serialize;
 
 use crate::gpu::{self, GpuInfo, GpuProcess, GpuView, ProcKind};
@@ -286,6 +288,9 @@ pub struct PsReport {
     pub gpus: Vec<GpuRow>,
     /// Per process (one row per record, and one per NVML process with no record).
     pub processes: Vec<ProcRow>,
+    /// Memory processes map from other processes' pools (CUDA tensors they received), per
+    /// receiver, device and sender, most bytes first.
+    pub imports: Vec<ImportRow>,
     /// Record files that could not be read.
     pub refused_records: Vec<Refused>,
     /// Records of exited processes removed as expired (`registry_expire`) by this run.
@@ -441,6 +446,27 @@ pub struct ProcGpu {
     /// nvml_used - reserved: context, kernels, libraries, other allocators.
     pub overhead: Option<i64>,
     pub top_tags: Vec<AttributionRecord>,
+    /// Memory the process maps from other processes (received CUDA tensors), by sender: not in
+    /// `reserved` (the sender's), kept alive by this process even after the sender exits.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub imported: Vec<ImportRecord>,
+}
+
+/// Memory one process maps from another's pool (from the receiver's record).
+#[derive(Debug, Serialize)]
+pub struct ImportRow {
+    /// The receiver (this reader's pid).
+    pub pid: u32,
+    /// The receiver's device ordinal and its GPU's UUID.
+    pub device: u32,
+    pub uuid: Option<String>,
+    /// The sender's pid, as the receiver saw it.
+    pub from_pid: u32,
+    pub bytes: u64,
+    /// The sender's state when its record (the newest of that pid) is here; `None` when it
+    /// published none (it does not use cistern, or its registry is elsewhere).
+    pub from_state: Option<PsState>,
+    pub from_command: Option<String>,
 }
 
 /// Whether NVML's listing of `pid` belongs to the process a record describes.
@@ -496,6 +522,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                 pending: d.pending,
                 overhead: nvml_used.map(|u| u as i64 - d.reserved as i64),
                 top_tags: d.top_tags.iter().take(TOP_TAGS).cloned().collect(),
+                imported: d.imported.clone(),
             });
         }
         // NVML may list the process on GPUs its record does not name (a context with no pool).
@@ -518,6 +545,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                     pending: 0,
                     overhead: used.map(|u| u as i64),
                     top_tags: Vec::new(),
+                    imported: Vec::new(),
                 });
             }
         }
@@ -574,6 +602,7 @@ pub fn build(s: &Snapshot) -> PsReport {
             pending: 0,
             overhead: None,
             top_tags: Vec::new(),
+            imported: Vec::new(),
         });
     }
     for (pid, devs) in unclaimed {
@@ -610,6 +639,7 @@ pub fn build(s: &Snapshot) -> PsReport {
         });
     }
     rows.sort_by_key(|r| (r.state, r.pid, std::cmp::Reverse(r.updated_unix_ms)));
+    let imports = import_rows(&rows);
 
     let gpu_rows = gpus
         .iter()
@@ -667,6 +697,7 @@ pub fn build(s: &Snapshot) -> PsReport {
         unreadable_registry_dirs: s.dirs.unreadable.clone(),
         gpus: gpu_rows,
         processes: rows,
+        imports,
         refused_records: s
             .refused
             .iter()
@@ -678,6 +709,35 @@ pub fn build(s: &Snapshot) -> PsReport {
         expired_records: s.expired.clone(),
         xid: None,
     }
+}
+
+/// Who maps whose memory: each running receiver's imports, with the sender's state. A sender
+/// is found by the pid its record names (`from_pid` is as the receiver saw it, and a receiver
+/// takes descriptors only from a process it can see), the newest record of that pid first.
+fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
+    let mut out = Vec::new();
+    for p in rows.iter().filter(|p| p.state == PsState::Running) {
+        for d in &p.gpus {
+            for i in &d.imported {
+                let from = rows
+                    .iter()
+                    .filter(|q| q.record.is_some())
+                    .filter(|q| q.container_pid.unwrap_or(q.pid) == i.from_pid)
+                    .max_by_key(|q| q.updated_unix_ms);
+                out.push(ImportRow {
+                    pid: p.pid,
+                    device: d.device.unwrap_or(0),
+                    uuid: d.uuid.clone(),
+                    from_pid: i.from_pid,
+                    bytes: i.bytes,
+                    from_state: from.map(|q| q.state),
+                    from_command: from.map(|q| q.command.clone()),
+                });
+            }
+        }
+    }
+    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+    out
 }
 
 fn sum_opt(it: impl Iterator<Item = Option<u64>>) -> Option<u64> {

@@ -9,7 +9,7 @@ use crate::driver::Driver;
 use crate::error::{Attribution, OomReport, OtherProcess};
 use crate::pool::{DeviceReport, Pool};
 use crate::registry::{
-    self, AttributionRecord, DeviceRecord, LeakEntry, OomRecord, OtherProcessRecord,
+    self, AttributionRecord, DeviceRecord, ImportRecord, LeakEntry, OomRecord, OtherProcessRecord,
     ProcessSnapshot, RecordSource, Registry, RegistryError, RegistryHandle, MAX_TOP, NO_TAG,
 };
 
@@ -61,6 +61,7 @@ impl DeviceRecord {
             ooms: r.ooms,
             top_tags: Vec::new(),
             top_sites: Vec::new(),
+            imported: Vec::new(),
         }
     }
 }
@@ -230,6 +231,12 @@ impl<D: Driver> RecordSource for Pool<D> {
                 },
             );
             rec.top_sites = top_by(&ledger, |e| e.site, |&id| cached_site_label(id));
+            rec.imported = d
+                .imported()
+                .into_iter()
+                .take(MAX_TOP)
+                .map(|(from_pid, bytes)| ImportRecord { from_pid, bytes })
+                .collect();
             devices.push(rec);
             // Several devices may have failed: the record keeps one, the last device's.
             if let Some(o) = d.last_oom() {

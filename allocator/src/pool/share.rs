@@ -115,6 +115,24 @@ impl ShareState {
         Ok(())
     }
 
+    /// Bytes mapped from each other process (VMM imports; this process's own memory opened
+    /// again is not counted, and CUDA IPC opens name no process): `(sender pid, bytes)`, most
+    /// bytes first.
+    pub(crate) fn imported(&self) -> Vec<(u32, u64)> {
+        let me = std::process::id();
+        let mut by_pid: FxHashMap<u32, u64> = FxHashMap::default();
+        for (k, o) in self.opened.lock().iter() {
+            if let (Shared::Handles { pid, .. }, OpenedKind::Mapped { len, .. }) = (k, &o.kind) {
+                if *pid != me {
+                    *by_pid.entry(*pid).or_default() += len;
+                }
+            }
+        }
+        let mut v: Vec<(u32, u64)> = by_pid.into_iter().collect();
+        v.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+
     /// Unmaps and releases everything still opened from other processes (pool teardown).
     pub(crate) fn close_all<D: Driver>(&self, core: &DeviceCore<D>) {
         let opened: Vec<Opened> = self.opened.lock().drain().map(|(_, o)| o).collect();
@@ -360,6 +378,15 @@ impl<D: Driver> DevicePool<D> {
             opens: 1,
             kind: OpenedKind::Mapped { len, maps },
         })
+    }
+
+    /// The memory this device maps from other processes' pools, as `(sender pid, bytes)`, most
+    /// bytes first: what [`DevicePool::open_shared`] opened and is not closed yet (VMM memory;
+    /// CUDA IPC opens of `vmm:false` senders name no process and are left out). The registry
+    /// publishes it, so that `cistern ps` and `doctor` can say who keeps a sender's memory
+    /// alive after it exited.
+    pub fn imported(&self) -> Vec<(u32, u64)> {
+        self.core.share.imported()
     }
 
     /// Drops one open of the range at `base` (from [`DevicePool::open_shared`]); the last one

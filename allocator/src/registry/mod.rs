@@ -70,10 +70,10 @@ pub use publisher::{
 };
 pub use read::{read_all, read_record, RecordFile};
 pub use record::{
-    encode_record, parse_file_name, parse_record, AttributionRecord, DeviceRecord, LeakEntry,
-    MarkRecord, OomRecord, OtherProcessRecord, Record, RecordError, State, MAX_CMDLINE_BYTES,
-    MAX_DEVICES, MAX_DIR_BYTES, MAX_LEAKS, MAX_RECORDS_PER_DIR, MAX_RECORD_BYTES, MAX_TOP, NO_TAG,
-    RECORD_VERSION,
+    encode_record, parse_file_name, parse_record, AttributionRecord, DeviceRecord, ImportRecord,
+    LeakEntry, MarkRecord, OomRecord, OtherProcessRecord, Record, RecordError, State,
+    MAX_CMDLINE_BYTES, MAX_DEVICES, MAX_DIR_BYTES, MAX_LEAKS, MAX_RECORDS_PER_DIR,
+    MAX_RECORD_BYTES, MAX_TOP, NO_TAG, RECORD_VERSION,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -85,6 +85,22 @@ pub struct DeviceRecord {
     /// Requests that ran out of memory since the process started (a counter).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub ooms: u64,
+    /// Memory this process maps from other processes (CUDA tensors received through
+    /// `torch.multiprocessing` or `cistern_ipc_open`), by sender, most bytes first (at most
+    /// [`MAX_TOP`]). Not in `reserved`: the sender created it, and the driver keeps it alive,
+    /// even after the sender exits, until this process closes it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub imported: Vec<ImportRecord>,
+}
+
+/// Memory a process maps from another's pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImportRecord {
+    /// The sender's pid (as the sender saw itself: the receiver takes its descriptors by it,
+    /// so both are in one pid namespace).
+    pub from_pid: u32,
+    /// Bytes mapped.
+    pub bytes: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -439,14 +455,12 @@ pub fn parse_record(bytes: &[u8]) -> Result<Record, RecordError> {
             r.devices.len()
         )));
     }
-    if let Some(d) = r
-        .devices
-        .iter()
-        .find(|d| d.top_tags.len() > MAX_TOP || d.top_sites.len() > MAX_TOP)
-    {
+    if let Some(d) = r.devices.iter().find(|d| {
+        d.top_tags.len() > MAX_TOP || d.top_sites.len() > MAX_TOP || d.imported.len() > MAX_TOP
+    }) {
         return Err(RecordError::Parse(format!(
-            "device {} lists more than {MAX_TOP} tags or sites (the writer publishes at most \
-             {MAX_TOP})",
+            "device {} lists more than {MAX_TOP} tags, sites or senders (the writer publishes \
+             at most {MAX_TOP})",
             d.index
         )));
     }
@@ -518,6 +532,30 @@ mod tests {
         assert_eq!(back, r2);
         assert!(back.simulated());
         assert_eq!(back.placement().host_pid(), Some(4242));
+    }
+
+    #[test]
+    fn imports_are_optional_round_trip_and_bounded() {
+        let r = parse_record(V1_FULL.trim_end().as_bytes()).unwrap();
+        assert!(r.devices.iter().all(|d| d.imported.is_empty()));
+        let mut r2 = r.clone();
+        r2.devices[0].imported = vec![ImportRecord {
+            from_pid: 4242,
+            bytes: 3 << 30,
+        }];
+        let bytes = encode_record(&mut r2.clone());
+        assert!(String::from_utf8_lossy(&bytes).contains(r#""imported":[{"from_pid":4242"#));
+        assert_eq!(parse_record(&bytes).unwrap(), r2);
+        // More senders than a writer publishes: refused, as too many tags are.
+        r2.devices[0].imported = (0..=MAX_TOP as u32)
+            .map(|from_pid| ImportRecord { from_pid, bytes: 1 })
+            .collect();
+        let bytes = encode_record(&mut r2);
+        let e = parse_record(&bytes).unwrap_err();
+        assert!(
+            matches!(e, RecordError::Parse(ref m) if m.contains("senders")),
+            "{e:?}"
+        );
     }
 
     #[test]

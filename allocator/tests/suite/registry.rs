@@ -101,6 +101,7 @@ fn device(index: u32, live: u64, tags: usize) -> DeviceRecord {
             .map(|i| attribution(&format!("model.layer{i}.weights"), live / (i as u64 + 1)))
             .collect(),
         top_sites: vec![attribution("train.py:42 forward", live)],
+        imported: vec![],
     }
 }
 

@@ -161,6 +161,15 @@ pub fn render(r: &PsReport, colour: bool) -> String {
         }
         out.push_str(&t.render(colour));
     }
+    if !r.imports.is_empty() {
+        out.push_str(
+            "\nmemory mapped from other processes (CUDA tensors received; the sender's, not in \
+             the receiver's reserved):\n",
+        );
+        for i in &r.imports {
+            out.push_str(&format!("  {}\n", import_line(i)));
+        }
+    }
     if r.processes.iter().any(|p| p.simulated) {
         out.push_str("gpu simN: the process ran on cistern's simulated GPU (no device memory)\n");
     }
@@ -287,4 +296,19 @@ pub fn xid_section(x: &XidReport) -> String {
         out.push_str(&format!("  ({} older ones left out)\n", x.left_out));
     }
     out
+}
+
+/// `pid 200 maps 4.0 GiB on device 0 from pid 100 (dead-record-only: python train.py)`.
+pub(crate) fn import_line(i: &ImportRow) -> String {
+    let from = match (&i.from_state, &i.from_command) {
+        (Some(st), Some(cmd)) => format!(" ({}: {})", st.name(), printable(cmd)),
+        _ => " (no record: it does not use cistern, or its registry is elsewhere)".into(),
+    };
+    format!(
+        "pid {} maps {} on device {} from pid {}{from}",
+        i.pid,
+        format_bytes(i.bytes),
+        i.device,
+        i.from_pid
+    )
 }

@@ -431,3 +431,127 @@ fn clean_stale_keeps_records_in_a_directory_that_is_not_this_users() {
     assert!(!stale.exists(), "{doc}");
     assert_eq!(code, 0, "{doc}");
 }
+
+/// A trainer sent CUDA tensors to a worker and exited; the worker still maps them. `ps` says
+/// who maps whose memory, and `doctor` explains memory that outlives its dead owner.
+#[test]
+fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
+    let tmp = TempDir::new("doctor-imports");
+    let dir = tmp.path().join("registry");
+    let (me, start) = me();
+    let trainer = dead_pid(0);
+    let mut worker = device(0, "GPU-aaaa", GIB, MIB, &[]);
+    worker.imported = vec![
+        cistern::registry::ImportRecord {
+            from_pid: trainer,
+            bytes: 3 * GIB,
+        },
+        // A sender with no record: named, with no state.
+        cistern::registry::ImportRecord {
+            from_pid: dead_pid(1),
+            bytes: 2 * MIB,
+        },
+    ];
+    publish(
+        &dir,
+        identity(me, start, "python rollout_worker.py"),
+        vec![worker],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    publish(
+        &dir,
+        identity(trainer, 5, "python trainer.py"),
+        vec![device(0, "GPU-aaaa", 4 * GIB, 3 * GIB, &[])],
+        State::Exited,
+        vec![LeakEntry {
+            tag: "weights".into(),
+            site: None,
+            device: 0,
+            bytes: 3 * GIB,
+            blocks: 1,
+            oldest_age_ms: None,
+        }],
+        vec![],
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 4 * GIB,
+                         "free": 76 * GIB,
+                         "processes": [{"pid": me, "used_bytes": 4 * GIB, "kind": "compute"}]}]}),
+    );
+
+    let out = cistern(Some(&nvml))
+        .args(["ps", "--json", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let doc = json(&out);
+    let imports = doc["imports"].as_array().unwrap();
+    assert_eq!(imports.len(), 2, "{doc}");
+    assert_eq!(imports[0]["pid"], me);
+    assert_eq!(imports[0]["from_pid"], trainer);
+    assert_eq!(imports[0]["bytes"], 3 * GIB);
+    assert_eq!(imports[0]["from_state"], "dead-record-only");
+    assert_eq!(imports[0]["from_command"], "python trainer.py");
+    assert_eq!(imports[1]["from_state"], serde_json::Value::Null);
+    // The receiver's own reserved bytes are its pool's only.
+    let row = doc["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == me)
+        .unwrap();
+    assert_eq!(row["reserved"], GIB);
+    assert_eq!(row["gpus"][0]["imported"][0]["bytes"], 3 * GIB);
+
+    let text = cistern(Some(&nvml))
+        .args(["ps", "--registry-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains(&format!(
+            "pid {me} maps 3.0 GiB on device 0 from pid {trainer} (dead-record-only: python \
+             trainer.py)"
+        )),
+        "{text}"
+    );
+
+    let (code, doc) = doctor(&dir, &nvml, &[]);
+    assert_eq!(code, 0, "information, not attention: {doc}");
+    let findings = doc["findings"].as_array().unwrap();
+    let f = findings
+        .iter()
+        .find(|f| f["kind"] == "imported-from-dead")
+        .unwrap_or_else(|| panic!("{doc}"));
+    assert_eq!(f["pid"], me);
+    assert_eq!(f["bytes"], 3 * GIB);
+    let msg = f["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("pid {trainer} (python trainer.py)")),
+        "{msg}"
+    );
+    // Only the dead sender's memory is a finding; the sender with no record is not.
+    assert_eq!(
+        findings
+            .iter()
+            .filter(|f| f["kind"] == "imported-from-dead")
+            .count(),
+        1
+    );
+    // The dead sender's leak finding no longer says the driver freed everything.
+    let leak = findings
+        .iter()
+        .find(|f| f["kind"] == "exited-with-leaks")
+        .unwrap();
+    assert!(
+        leak["suggestion"]
+            .as_str()
+            .unwrap()
+            .contains("except what other processes still map"),
+        "{leak}"
+    );
+}

@@ -1138,12 +1138,35 @@ fn child_share_receiver() {
             assert_eq!(complete(s1.0), 0);
         }
     }
+    // What the registry publishes: the bytes mapped from the sender, each range once however
+    // often it was opened (CUDA IPC opens name no process).
+    let dev = pool.device(0).unwrap();
+    if vmm {
+        let mut distinct = std::collections::HashMap::new();
+        for (bytes, _, _) in &shares {
+            let m = cistern::ipc::decode(bytes).unwrap();
+            if let cistern::ipc::Shared::Handles { pid, .. } = &m {
+                distinct.insert(m.clone(), (*pid, m.len()));
+            }
+        }
+        let pid = distinct.values().next().unwrap().0;
+        assert_ne!(pid, std::process::id());
+        let total: u64 = distinct.values().map(|v| v.1).sum();
+        assert_eq!(dev.imported(), vec![(pid, total)]);
+    } else {
+        assert_eq!(dev.imported(), vec![]);
+    }
     // Each pointer was opened once per share: the same description opened again is the same
     // range, counted; every open is closed.
     for base in opened {
         pool.close_shared(0, base).unwrap();
     }
     assert!(pool.close_shared(0, 0x1000).is_err());
+    assert_eq!(
+        dev.imported(),
+        vec![],
+        "nothing is mapped from the sender any more"
+    );
     let info = pool.driver().mem_info(0).unwrap();
     assert_eq!(info.total - info.free, RESERVE, "opened memory left mapped");
     let mut stdin = sender.stdin.take().unwrap();

@@ -180,6 +180,7 @@ mod scrape {
             peak_live: live,
             top_tags: tags.iter().map(|(n, b)| tag(n, *b)).collect(),
             top_sites: Vec::new(),
+            imported: Vec::new(),
         };
         let r = Registry::with_identity(dir, id).unwrap();
         r.publish(

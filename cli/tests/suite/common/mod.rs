@@ -103,6 +103,7 @@ pub fn device(
             })
             .collect(),
         top_sites: Vec::new(),
+        imported: Vec::new(),
     }
 }
 
