@@ -229,10 +229,8 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
                     (
                         "exited-with-leaks",
                         Severity::Info,
-                        if psr
-                            .imports
-                            .iter()
-                            .any(|i| i.from_pid == p.container_pid.unwrap_or(p.pid))
+                        if p.record.is_some()
+                            && psr.imports.iter().any(|i| i.from_record == p.record)
                         {
                             "`cistern leaks <pid>` shows the blocks it never freed (the driver \
                              freed them with the process, except what other processes still \

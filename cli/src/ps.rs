@@ -404,6 +404,9 @@ pub struct ProcRow {
     pub record_state: Option<State>,
     pub start_time: Option<u64>,
     pub uid: Option<u32>,
+    /// The pid namespace the record's process ran in, when the record says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
     pub command: String,
     /// When the record was last rewritten (Unix ms).
     pub updated_unix_ms: Option<u64>,
@@ -467,6 +470,8 @@ pub struct ImportRow {
     /// published none (it does not use cistern, or its registry is elsewhere).
     pub from_state: Option<PsState>,
     pub from_command: Option<String>,
+    /// The sender's record.
+    pub from_record: Option<PathBuf>,
 }
 
 /// Whether NVML's listing of `pid` belongs to the process a record describes.
@@ -567,6 +572,7 @@ pub fn build(s: &Snapshot) -> PsReport {
             record_state: Some(r.state),
             start_time: Some(r.start_time),
             uid: Some(r.uid),
+            pid_ns: r.pid_ns,
             command: r.cmdline.join(" "),
             updated_unix_ms: Some(r.updated_unix_ms),
             record: Some(path.clone()),
@@ -622,6 +628,7 @@ pub fn build(s: &Snapshot) -> PsReport {
             record_state: None,
             start_time: stat.map(|s| s.start_time),
             uid: None,
+            pid_ns: None,
             command: gpu::command_of(pid),
             updated_unix_ms: None,
             record: None,
@@ -712,17 +719,32 @@ pub fn build(s: &Snapshot) -> PsReport {
 }
 
 /// Who maps whose memory: each running receiver's imports, with the sender's state. A sender
-/// is found by the pid its record names (`from_pid` is as the receiver saw it, and a receiver
-/// takes descriptors only from a process it can see), the newest record of that pid first.
+/// is the newest record that names `from_pid` as its own pid (`from_pid` is as the receiver
+/// saw it, and a receiver takes descriptors only from a process in its pid namespace) and has
+/// the receiver's uid (taking another process's descriptors needs ptrace rights over it) and,
+/// when both records say, its pid namespace. Records are untrusted: an import naming anyone
+/// else is shown with no sender.
 fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
+    let mut by_pid: HashMap<u32, Vec<&ProcRow>> = HashMap::new();
+    for q in rows.iter().filter(|q| q.record.is_some()) {
+        by_pid
+            .entry(q.container_pid.unwrap_or(q.pid))
+            .or_default()
+            .push(q);
+    }
     let mut out = Vec::new();
     for p in rows.iter().filter(|p| p.state == PsState::Running) {
         for d in &p.gpus {
             for i in &d.imported {
-                let from = rows
-                    .iter()
-                    .filter(|q| q.record.is_some())
-                    .filter(|q| q.container_pid.unwrap_or(q.pid) == i.from_pid)
+                let from = by_pid
+                    .get(&i.from_pid)
+                    .into_iter()
+                    .flatten()
+                    .filter(|q| q.uid == p.uid)
+                    .filter(|q| match (q.pid_ns, p.pid_ns) {
+                        (Some(a), Some(b)) => a == b,
+                        _ => true,
+                    })
                     .max_by_key(|q| q.updated_unix_ms);
                 out.push(ImportRow {
                     pid: p.pid,
@@ -732,6 +754,7 @@ fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
                     bytes: i.bytes,
                     from_state: from.map(|q| q.state),
                     from_command: from.map(|q| q.command.clone()),
+                    from_record: from.and_then(|q| q.record.clone()),
                 });
             }
         }

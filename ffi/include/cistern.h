@@ -250,7 +250,9 @@ void cistern_tag_pop(void);
 // frames, innermost first, each `function (file:line)`, as `cistern leaks`, `cistern ps` and
 // OOM reports show them; other threads keep native backtraces. Reading the frames takes the
 // GIL on the allocating thread (as PyTorch's own history recorder does), only when a stack is
-// due. cistern_torch turns it on at `install()`.
+// due, on a thread with a Python thread state. cistern_torch turns it on when it loads the
+// library, and off again at exit, before the interpreter finalises (turn it off before then
+// when calling this yourself).
 //
 // Returns 1 when it is on afterwards, 0 when off, and -1 when it cannot be turned on: the
 // process runs no CPython 3.9 or later (`cistern_last_error` says so).

@@ -8,18 +8,22 @@
 //!
 //! It links against nothing: the CPython functions are looked up in the process
 //! (`dlsym(RTLD_DEFAULT)`) when the provider is turned on, so `libcistern.so` still loads in a
-//! program without Python, where turning it on is refused with a message. Only functions of
-//! CPython's stable ABI (3.9 onward) are used, so any CPython from 3.9 serves.
+//! program without Python, where turning it on is refused with a message. Only functions every
+//! CPython from 3.9 exports are used (`PyFrame_GetBack` is not in the limited API, but is in
+//! every version's ABI).
 //!
 //! # When it walks, and the GIL
 //!
 //! The provider runs on the allocating thread, before any lock of cistern's is taken, and only
 //! when a sampled stack is due. PyTorch calls its allocator with the GIL released (its operator
 //! bindings release it), so reading the frames means taking the GIL back, as PyTorch's own
-//! history recorder does at the same point. It is taken only on a thread that has run Python
-//! (`PyGILState_GetThisThreadState` is not NULL: others have no frames to read), never while
-//! the interpreter is not initialised or is finalising, and never when the thread has a Python
-//! error pending. Frames are read through `PyEval_GetFrame`, `PyFrame_GetBack`,
+//! history recorder does at the same point. It is taken only on a thread that has a Python
+//! thread state (`PyGILState_GetThisThreadState` is not NULL: others have no frames to read;
+//! PyTorch's autograd threads have one, so a sampled allocation there waits for the GIL and
+//! finds no frames), never while the interpreter is not initialised or is finalising, and never
+//! when the thread has a Python error pending. A thread that takes the GIL once finalisation has
+//! begun is ended by CPython on the spot, so cistern_torch turns the provider off in an
+//! `atexit` hook, which runs before finalisation starts. Frames are read through `PyEval_GetFrame`, `PyFrame_GetBack`,
 //! `PyFrame_GetCode` and the code object's `co_qualname` (3.11) or `co_name` and `co_filename`.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -178,6 +182,11 @@ impl Python {
                 }
                 if !f.is_null() {
                     (self.dec_ref)(f);
+                }
+                // None was pending on entry: one now is the walk's own (`PyFrame_GetBack`
+                // creating a frame object may fail), and must not surface in the user's code.
+                if !(self.err_occurred)().is_null() {
+                    (self.err_clear)();
                 }
             }
             (self.gil_release)(gil);

@@ -16,6 +16,7 @@ process: PyTorch holds raw pointers to its functions once :func:`cistern_torch.i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import glob
@@ -175,8 +176,10 @@ def load() -> ctypes.CDLL:
         _lib = lib
         # Sampled call sites (provenance:stacks) name this process's Python lines, not the
         # interpreter's C frames. Costs nothing until a stack is sampled.
-        if os.environ.get("CISTERN_TORCH_PYTHON_FRAMES", "1") != "0":
-            _python_frames(lib, True)
+        if os.environ.get("CISTERN_TORCH_PYTHON_FRAMES", "1") != "0" and _python_frames(lib, True):
+            # Off before the interpreter finalises: a thread that takes the GIL then (to read
+            # its frames) is ended by CPython mid-allocation.
+            atexit.register(_python_frames, lib, False)
         return lib
 
 

@@ -117,14 +117,22 @@ impl ShareState {
 
     /// Bytes mapped from each other process (VMM imports; this process's own memory opened
     /// again is not counted, and CUDA IPC opens name no process): `(sender pid, bytes)`, most
-    /// bytes first.
+    /// bytes first. A physical handle under two opened ranges (two blocks on one chunk, shared
+    /// apart) is one memory: each (sender, descriptor, size) counts once.
     pub(crate) fn imported(&self) -> Vec<(u32, u64)> {
         let me = std::process::id();
+        let mut seen: rustc_hash::FxHashSet<(u32, i32, u64)> = Default::default();
         let mut by_pid: FxHashMap<u32, u64> = FxHashMap::default();
         for (k, o) in self.opened.lock().iter() {
-            if let (Shared::Handles { pid, .. }, OpenedKind::Mapped { len, .. }) = (k, &o.kind) {
-                if *pid != me {
-                    *by_pid.entry(*pid).or_default() += len;
+            if let (Shared::Handles { pid, handles }, OpenedKind::Mapped { .. }) = (k, &o.kind) {
+                if *pid == me {
+                    continue;
+                }
+                for &(fd, size) in handles {
+                    if seen.insert((*pid, fd, size)) {
+                        let e = by_pid.entry(*pid).or_default();
+                        *e = e.saturating_add(size);
+                    }
                 }
             }
         }

@@ -166,8 +166,14 @@ pub fn render(r: &PsReport, colour: bool) -> String {
             "\nmemory mapped from other processes (CUDA tensors received; the sender's, not in \
              the receiver's reserved):\n",
         );
-        for i in &r.imports {
+        for i in r.imports.iter().take(MAX_IMPORT_LINES) {
             out.push_str(&format!("  {}\n", import_line(i)));
+        }
+        if r.imports.len() > MAX_IMPORT_LINES {
+            out.push_str(&format!(
+                "  ... and {} more (`--json` lists them all)\n",
+                r.imports.len() - MAX_IMPORT_LINES
+            ));
         }
     }
     if r.processes.iter().any(|p| p.simulated) {
@@ -298,11 +304,16 @@ pub fn xid_section(x: &XidReport) -> String {
     out
 }
 
+/// Import lines shown; the largest first.
+const MAX_IMPORT_LINES: usize = 32;
+
 /// `pid 200 maps 4.0 GiB on device 0 from pid 100 (dead-record-only: python train.py)`.
 pub(crate) fn import_line(i: &ImportRow) -> String {
     let from = match (&i.from_state, &i.from_command) {
         (Some(st), Some(cmd)) => format!(" ({}: {})", st.name(), printable(cmd)),
-        _ => " (no record: it does not use cistern, or its registry is elsewhere)".into(),
+        _ => {
+            " (no record of it here: it does not use cistern, or its registry is elsewhere)".into()
+        }
     };
     format!(
         "pid {} maps {} on device {} from pid {}{from}",

@@ -1138,20 +1138,25 @@ fn child_share_receiver() {
             assert_eq!(complete(s1.0), 0);
         }
     }
-    // What the registry publishes: the bytes mapped from the sender, each range once however
-    // often it was opened (CUDA IPC opens name no process).
+    // What the registry publishes: the bytes mapped from the sender, each physical handle once
+    // however often it was opened, alone or under several ranges (CUDA IPC opens name no
+    // process).
     let dev = pool.device(0).unwrap();
     if vmm {
-        let mut distinct = std::collections::HashMap::new();
+        let mut distinct = std::collections::HashSet::new();
+        let mut senders = std::collections::HashSet::new();
         for (bytes, _, _) in &shares {
-            let m = cistern::ipc::decode(bytes).unwrap();
-            if let cistern::ipc::Shared::Handles { pid, .. } = &m {
-                distinct.insert(m.clone(), (*pid, m.len()));
+            if let cistern::ipc::Shared::Handles { pid, handles } =
+                cistern::ipc::decode(bytes).unwrap()
+            {
+                senders.insert(pid);
+                distinct.extend(handles);
             }
         }
-        let pid = distinct.values().next().unwrap().0;
+        assert_eq!(senders.len(), 1);
+        let pid = senders.into_iter().next().unwrap();
         assert_ne!(pid, std::process::id());
-        let total: u64 = distinct.values().map(|v| v.1).sum();
+        let total: u64 = distinct.iter().map(|h| h.1).sum();
         assert_eq!(dev.imported(), vec![(pid, total)]);
     } else {
         assert_eq!(dev.imported(), vec![]);
