@@ -33,7 +33,7 @@
 use std::cell::{Cell, RefCell};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
@@ -250,8 +250,9 @@ pub fn now_ns() -> u64 {
 enum SiteFrames {
     /// Return addresses of a native backtrace, innermost first (symbolised when read).
     Native(Box<[usize]>),
-    /// Frames a [`SiteProvider`] gave as text, innermost first.
-    Text(Box<[Box<str>]>),
+    /// Frames a [`SiteProvider`] gave as text, innermost first (shared with the provider's
+    /// own cache: a frame common to many sites is stored once).
+    Text(Box<[Arc<str>]>),
 }
 
 struct Sites {
@@ -284,8 +285,9 @@ fn sites() -> &'static Mutex<Sites> {
 // on.
 
 /// Fills `frames` with the calling thread's frames, innermost first, each as
-/// `function (file:line)`, at most `max` of them; leaves it empty when it has none.
-pub type SiteProvider = fn(frames: &mut Vec<String>, max: usize);
+/// `function (file:line)`, at most `max` of them; leaves it empty when it has none. Frames are
+/// shared strings, so that a provider can keep one copy of each and sites share it.
+pub type SiteProvider = fn(frames: &mut Vec<Arc<str>>, max: usize);
 
 fn provider() -> &'static RwLock<Option<SiteProvider>> {
     static PROVIDER: RwLock<Option<SiteProvider>> = RwLock::new(None);
@@ -347,13 +349,11 @@ pub fn capture_site() -> u32 {
 }
 
 /// Interns frames given as text (innermost first).
-fn intern_text_site(text: Vec<String>) -> u32 {
+fn intern_text_site(text: Vec<Arc<str>>) -> u32 {
     let mut h = FxHasher::default();
     1u8.hash(&mut h);
     text.hash(&mut h);
-    intern_site(h.finish(), || {
-        SiteFrames::Text(text.into_iter().map(String::into_boxed_str).collect())
-    })
+    intern_site(h.finish(), || SiteFrames::Text(text.into_boxed_slice()))
 }
 
 /// How many distinct call sites have been captured.
@@ -747,10 +747,10 @@ mod tests {
 
     thread_local! {
         /// The frames the test provider gives on this thread (other tests' threads get none).
-        static FOREIGN: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+        static FOREIGN: RefCell<Vec<Arc<str>>> = const { RefCell::new(Vec::new()) };
     }
 
-    fn test_provider(frames: &mut Vec<String>, max: usize) {
+    fn test_provider(frames: &mut Vec<Arc<str>>, max: usize) {
         FOREIGN.with(|f| frames.extend(f.borrow().iter().take(max).cloned()));
     }
 
@@ -764,7 +764,7 @@ mod tests {
             "main (/srv/model/serve.py:3)".into(),
             "<module> (/srv/model/serve.py:1)".into(),
         ];
-        FOREIGN.with(|f| *f.borrow_mut() = python.clone());
+        FOREIGN.with(|f| *f.borrow_mut() = python.iter().map(|s| s.as_str().into()).collect());
         let a = capture_site();
         let b = capture_site();
         assert_ne!(a, 0);
@@ -776,7 +776,7 @@ mod tests {
             format!("site {a}: alloc_cache (/srv/model/kv.py:88) <- step <- main")
         );
         let mut deep: Vec<String> = (0..100).map(|i| format!("f{i} (/x.py:{i})")).collect();
-        FOREIGN.with(|f| *f.borrow_mut() = deep.clone());
+        FOREIGN.with(|f| *f.borrow_mut() = deep.iter().map(|s| s.as_str().into()).collect());
         let d = capture_site();
         deep.truncate(MAX_FRAMES);
         assert_eq!(site_frames(d), deep, "at most MAX_FRAMES frames are kept");

