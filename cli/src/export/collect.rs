@@ -372,6 +372,13 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
             for (tag, b) in fold_tags(&d.top_tags, d.live, opts.top_tags) {
                 x.bytes("cistern_process_tag_live_bytes", with(&l, "tag", tag), b);
             }
+            for i in &d.imported {
+                x.bytes(
+                    "cistern_process_imported_bytes",
+                    with(&l, "from_pid", i.from_pid.to_string()),
+                    i.bytes,
+                );
+            }
         }
     }
 

@@ -88,6 +88,9 @@ pub const METRICS: &[Desc] = &[
     // Per process, tag and GPU.
     desc!("cistern_process_tag_live_bytes", Gauge, "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, gpu?, UUID?, tag",
         "Live bytes by tag: the process's largest tags (--top-tags), the rest summed as tag=\"other\"."),
+    // Per process, GPU and sender.
+    desc!("cistern_process_imported_bytes", Gauge, "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, gpu?, UUID?, from_pid",
+        "Bytes the process maps from another process's pool (CUDA tensors it received), by the sender's pid as the receiver saw it: the sender's memory, not in the receiver's reserved bytes, kept alive by the receiver even after the sender exits."),
     // Per process.
     desc!("cistern_process_state", Gauge, "pid, command, uid?, container?, pod?, namespace?, container_id?, pod_uid?, simulated?, state",
         "1 for the process's state: running, zombie, exited (clean exit), dead-but-memory-held, dead-record-only (killed or crashed), pid-reused, no-record (NVML lists it, it publishes no record), not-visible (its pid namespace is out of the exporter's sight)."),

@@ -180,7 +180,10 @@ mod scrape {
             peak_live: live,
             top_tags: tags.iter().map(|(n, b)| tag(n, *b)).collect(),
             top_sites: Vec::new(),
-            imported: Vec::new(),
+            imported: vec![registry::ImportRecord {
+                from_pid: 4242,
+                bytes: MIB,
+            }],
         };
         let r = Registry::with_identity(dir, id).unwrap();
         r.publish(
@@ -280,6 +283,13 @@ mod scrape {
                 &[("pid", &mine), ("tag", "other")]
             ),
             Some(Value::Int((8 * MIB) as i64))
+        );
+        assert_eq!(
+            x.get(
+                "cistern_process_imported_bytes",
+                &[("pid", &mine), ("from_pid", "4242"), ("gpu", "0")]
+            ),
+            Some(Value::Int(MIB as i64))
         );
         assert_eq!(
             x.get(
