@@ -446,20 +446,43 @@ pub fn site_frames(id: u32) -> Vec<String> {
     out
 }
 
-/// A one-line label for site `id` (symbolised now): its first three frames outside cistern
-/// and Rust's standard library, innermost first, the first with its file and line.
+/// Whether a frame is a library's rather than the program's own: installed Python packages
+/// (`site-packages`, `dist-packages`: torch's `Module._call_impl`, transformers), Python's
+/// standard library (`threading.py`), and crates from cargo's registry. A label names the
+/// program's frames first: for a PyTorch program the innermost Python frames are torch's
+/// (`Linear.forward`, `Module._call_impl`), the same for every site, and the line that matters
+/// is the caller's.
+fn is_library(frame: &str) -> bool {
+    frame_file(frame).is_some_and(|f| {
+        f.contains("/site-packages/")
+            || f.contains("/dist-packages/")
+            || f.contains("/lib/python3")
+            || f.starts_with("<frozen ")
+            || f.contains("/.cargo/registry/")
+    })
+}
+
+/// A one-line label for site `id` (symbolised now): its first three frames of the program's
+/// own, innermost first, the first with its file and line; without any, its first three
+/// outside cistern and Rust's standard library (a site reached only through libraries).
 pub fn site_label(id: u32) -> String {
     let frames = site_frames(id);
-    let user: Vec<&str> = frames
-        .iter()
-        .filter(|f| !is_plumbing(f))
-        .take(3)
-        .enumerate()
-        .map(|(i, f)| match f.find(" (") {
-            Some(cut) if i > 0 => &f[..cut],
-            _ => f.as_str(),
-        })
-        .collect();
+    let pick = |skip: &dyn Fn(&str) -> bool| -> Vec<&str> {
+        frames
+            .iter()
+            .filter(|f| !is_plumbing(f) && !skip(f))
+            .take(3)
+            .enumerate()
+            .map(|(i, f)| match f.find(" (") {
+                Some(cut) if i > 0 => &f[..cut],
+                _ => f.as_str(),
+            })
+            .collect()
+    };
+    let mut user = pick(&is_library);
+    if user.is_empty() {
+        user = pick(&|_| false);
+    }
     if user.is_empty() {
         format!("site {id}")
     } else {
@@ -774,6 +797,30 @@ mod tests {
         assert_eq!(
             site_label(a),
             format!("site {a}: alloc_cache (/srv/model/kv.py:88) <- step <- main")
+        );
+        // A PyTorch program: torch's own frames (innermost) and the standard library's are
+        // skipped for the program's; a site reached only through libraries names them.
+        let torch = "/venv/lib/python3.11/site-packages/torch/nn/modules";
+        let in_torch = [
+            format!("Linear.forward ({torch}/linear.py:125)"),
+            format!("Module._call_impl ({torch}/module.py:1750)"),
+            "train_step (/srv/train.py:88)".to_string(),
+            format!("Module._wrapped_call_impl ({torch}/module.py:1739)"),
+            "main (/srv/train.py:120)".into(),
+            "Thread.run (/usr/lib/python3.11/threading.py:975)".into(),
+        ];
+        FOREIGN.with(|f| *f.borrow_mut() = in_torch.iter().map(|s| s.as_str().into()).collect());
+        let t = capture_site();
+        assert_eq!(
+            site_label(t),
+            format!("site {t}: train_step (/srv/train.py:88) <- main")
+        );
+        let only_torch = in_torch[..2].to_vec();
+        FOREIGN.with(|f| *f.borrow_mut() = only_torch.iter().map(|s| s.as_str().into()).collect());
+        let o = capture_site();
+        assert_eq!(
+            site_label(o),
+            format!("site {o}: {} <- Module._call_impl", only_torch[0])
         );
         let mut deep: Vec<String> = (0..100).map(|i| format!("f{i} (/x.py:{i})")).collect();
         FOREIGN.with(|f| *f.borrow_mut() = deep.iter().map(|s| s.as_str().into()).collect());
