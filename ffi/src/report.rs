@@ -83,22 +83,10 @@ pub(crate) fn snapshot_json<D: Driver>(pool: &Pool<D>) -> String {
     json!({ "segments": segments, "device_traces": traces }).to_string()
 }
 
-/// One frame as PyTorch's snapshots write it, from provenance's `function (file:line)`.
+/// One frame as PyTorch's snapshots write it (`??` and 0 for what is not known).
 fn frame_json(frame: &str) -> Value {
-    let parsed = frame
-        .strip_suffix(')')
-        .and_then(|f| f.rsplit_once(" ("))
-        .map(|(name, place)| {
-            match place
-                .rsplit_once(':')
-                .and_then(|(file, line)| Some((file, line.parse::<u64>().ok()?)))
-            {
-                Some((file, line)) => (name, file, line),
-                None => (name, place, 0),
-            }
-        });
-    let (name, file, line) = parsed.unwrap_or((frame, "??", 0));
-    json!({ "filename": file, "line": line, "name": name })
+    let (name, file, line) = provenance::split_frame(frame);
+    json!({ "filename": file.unwrap_or("??"), "line": line.unwrap_or(0), "name": name })
 }
 
 /// The frames of call site `site`, symbolised once per snapshot.

@@ -298,6 +298,8 @@ impl<D: Driver> DevicePool<D> {
                             blocks: Vec::new(),
                         });
                         r.total_size += s.len;
+                        // Free blocks carry no provenance.
+                        let meta = (state != BlockState::Free).then(|| kh.heap.meta(id));
                         r.blocks.push(BlockSnapshot {
                             address: s.start,
                             size: s.len,
@@ -307,17 +309,10 @@ impl<D: Driver> DevicePool<D> {
                                 s.requested
                             },
                             state,
-                            tag: match state {
-                                BlockState::Free => None,
-                                _ => match kh.heap.meta(id).tag {
-                                    0 => None,
-                                    t => crate::provenance::tag_name(t),
-                                },
-                            },
-                            site: match (state, kh.heap.meta(id).site) {
-                                (BlockState::Free, _) | (_, 0) => None,
-                                (_, site) => Some(site),
-                            },
+                            tag: meta
+                                .filter(|m| m.tag != 0)
+                                .and_then(|m| crate::provenance::tag_name(m.tag)),
+                            site: meta.map(|m| m.site).filter(|&site| site != 0),
                         });
                     }
                     out.extend(run.take());

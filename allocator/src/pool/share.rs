@@ -48,7 +48,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::Relaxed;
 
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::device::fork_check;
 use super::device::DevicePool;
@@ -121,7 +121,7 @@ impl ShareState {
     /// apart) is one memory: each (sender, descriptor, size) counts once.
     pub(crate) fn imported(&self) -> Vec<(u32, u64)> {
         let me = std::process::id();
-        let mut seen: rustc_hash::FxHashSet<(u32, i32, u64)> = Default::default();
+        let mut seen: FxHashSet<(u32, i32, u64)> = FxHashSet::default();
         let mut by_pid: FxHashMap<u32, u64> = FxHashMap::default();
         for (k, o) in self.opened.lock().iter() {
             if let (Shared::Handles { pid, handles }, OpenedKind::Mapped { .. }) = (k, &o.kind) {
