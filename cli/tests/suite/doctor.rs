@@ -296,10 +296,9 @@ fn expired_records_are_removed_by_the_reader_except_those_holding_memory_or_leak
         assert!(kept.exists(), "{} was removed: {doc}", kept.display());
     }
     // `ps` expires too, by the configured time.
-    let out = cistern(Some(&nvml))
+    let out = ps_in(Some(&nvml), &dir)
         .env("CISTERN_CONF", "registry_expire:10m")
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(&dir)
+        .arg("--json")
         .output()
         .unwrap();
     let doc = json(&out);
@@ -482,12 +481,7 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
                          "processes": [{"pid": me, "used_bytes": 4 * GIB, "kind": "compute"}]}]}),
     );
 
-    let out = cistern(Some(&nvml))
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let doc = json(&out);
+    let doc = ps_json(Some(&nvml), &dir);
     let imports = doc["imports"].as_array().unwrap();
     assert_eq!(imports.len(), 2, "{doc}");
     assert_eq!(imports[0]["pid"], me);
@@ -506,12 +500,7 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
     assert_eq!(row["reserved"], GIB);
     assert_eq!(row["gpus"][0]["imported"][0]["bytes"], 3 * GIB);
 
-    let text = cistern(Some(&nvml))
-        .args(["ps", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = ps_text(Some(&nvml), &dir);
     assert!(
         text.contains(&format!(
             "pid {me} maps 3.0 GiB on device 0 from pid {trainer} (dead-record-only: python \

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::holders::{free_port, http_get, on_path, url_encode, HolderKit, Killed};
-use crate::common::{cistern, fake_nvml, json, TempDir, MIB};
+use crate::common::{cistern, fake_nvml, ps_json, TempDir, MIB};
 
 /// `prometheus` and `promtool`, or `None` (with the reason printed) when they are missing and
 /// not required.
@@ -43,12 +43,7 @@ fn private_dir(t: &TempDir) -> &Path {
 }
 
 fn ps(registry: &Path) -> serde_json::Value {
-    let out = cistern(None)
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(registry)
-        .output()
-        .unwrap();
-    json(&out)
+    ps_json(None, registry)
 }
 
 fn process(ps: &serde_json::Value, pid: u32) -> Option<&serde_json::Value> {

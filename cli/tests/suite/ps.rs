@@ -323,12 +323,7 @@ fn without_nvml_ps_says_so_and_shows_the_registry() {
         assert!(text.contains("NVML not available"), "{text}");
         assert!(text.contains("registry alone"), "{text}");
         assert!(text.contains(&s.dead_record.to_string()), "{text}");
-        let out = cistern(nvml)
-            .args(["ps", "--json", "--registry-dir"])
-            .arg(&s.dir)
-            .output()
-            .unwrap();
-        let doc = json(&out);
+        let doc = ps_json(nvml, &s.dir);
         assert_eq!(doc["nvml"]["available"], false);
         assert_eq!(rows(&doc, s.dead_held)[0]["state"], "dead-record-only");
         assert_eq!(doc["processes"].as_array().unwrap().len(), 5);
@@ -339,12 +334,7 @@ fn without_nvml_ps_says_so_and_shows_the_registry() {
 fn refused_records_are_reported_not_dropped() {
     let s = scenario();
     std::fs::write(s.dir.join("123-456.json"), b"{not json").unwrap();
-    let out = cistern(Some(&s.nvml))
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(&s.dir)
-        .output()
-        .unwrap();
-    let doc = json(&out);
+    let doc = ps_json(Some(&s.nvml), &s.dir);
     let refused = doc["refused_records"].as_array().unwrap();
     assert_eq!(refused.len(), 1);
     assert!(refused[0]["path"]
@@ -393,11 +383,7 @@ fn ps_with_100_records_prints_its_time() {
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
-        let out = cistern(Some(&nvml))
-            .args(["ps", "--json", "--registry-dir"])
-            .arg(&dir)
-            .output()
-            .unwrap();
+        let out = ps_in(Some(&nvml), &dir).arg("--json").output().unwrap();
         best = best.min(t.elapsed().as_secs_f64());
         assert!(out.status.success());
         assert_eq!(json(&out)["processes"].as_array().unwrap().len(), 100);
@@ -488,12 +474,7 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
         json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 2 * GIB, "free": 78 * GIB,
                          "processes": [{"pid": me, "used_bytes": 2 * GIB, "kind": "compute"}]}]}),
     );
-    let out = cistern(Some(&nvml))
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let doc = json(&out);
+    let doc = ps_json(Some(&nvml), &dir);
     let mine = rows(&doc, me)[0];
     assert_eq!(mine["simulated"], false);
     let g = &mine["gpus"][0];
@@ -516,12 +497,7 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
     assert_eq!(doc["gpus"][0]["cistern_reserved"], GIB + 306 * MIB);
     assert_eq!(doc["gpus"][0]["cistern_pending"], GIB);
 
-    let out = cistern(Some(&nvml))
-        .args(["ps", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = ps_text(Some(&nvml), &dir);
     assert!(text.contains("pending"), "{text}");
     assert!(
         text.contains("sim0") && text.contains("simulated GPU"),
@@ -653,12 +629,7 @@ fn a_process_in_another_pid_namespace_is_found_by_its_host_pid() {
         json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": GIB, "free": 79 * GIB,
                          "processes": [{"pid": host_pid, "used_bytes": GIB + MIB, "kind": "compute"}]}]}),
     );
-    let out = cistern(Some(&nvml))
-        .args(["ps", "--json", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let doc = json(&out);
+    let doc = ps_json(Some(&nvml), &dir);
     let r = rows(&doc, host_pid);
     assert_eq!(r.len(), 1, "{doc}");
     assert_eq!(r[0]["state"], "running", "{doc}");
@@ -671,12 +642,7 @@ fn a_process_in_another_pid_namespace_is_found_by_its_host_pid() {
     assert_eq!(r[0]["pod_uid"], "6553a60b-2b97-442a-b6da-a5704d81dd98");
     assert_eq!(r[0]["runtime"], "containerd");
     assert_eq!(doc["processes"].as_array().unwrap().len(), 1, "{doc}");
-    let out = cistern(Some(&nvml))
-        .args(["ps", "--registry-dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = ps_text(Some(&nvml), &dir);
     assert!(text.contains("[ctr 413715dc061e pid 1]"), "{text}");
     // `leaks` takes either pid.
     for pid in [host_pid, 1] {

@@ -209,6 +209,23 @@ pub fn cistern(nvml: Option<&Path>) -> Command {
     c
 }
 
+/// `cistern ps --registry-dir DIR` (the fake NVML when given): add `--json` or other flags.
+pub fn ps_in(nvml: Option<&Path>, dir: &Path) -> Command {
+    let mut c = cistern(nvml);
+    c.args(["ps", "--registry-dir"]).arg(dir);
+    c
+}
+
+/// `cistern ps --json` over registry `dir`, parsed.
+pub fn ps_json(nvml: Option<&Path>, dir: &Path) -> serde_json::Value {
+    json(&ps_in(nvml, dir).arg("--json").output().unwrap())
+}
+
+/// `cistern ps`'s table over registry `dir`.
+pub fn ps_text(nvml: Option<&Path>, dir: &Path) -> String {
+    String::from_utf8(ps_in(nvml, dir).output().unwrap().stdout).unwrap()
+}
+
 pub fn json(out: &Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
