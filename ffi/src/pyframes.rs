@@ -23,7 +23,23 @@
 //! finds no frames), never while the interpreter is not initialised or is finalising, and never
 //! when the thread has a Python error pending. A thread that takes the GIL once finalisation has
 //! begun is ended by CPython on the spot, so cistern_torch turns the provider off in an
-//! `atexit` hook, which runs before finalisation starts.
+//! `atexit` hook, which runs before finalisation starts; turning it off waits for the walks in
+//! progress ([`set`]).
+//!
+//! Taking the GIL inside an allocation orders the GIL after every lock the *caller* holds. A
+//! caller that holds a lock while it allocates, which a thread holding the GIL may wait for,
+//! deadlocks with the provider on: PyTorch's caching allocator calls cistern with its device
+//! lock held when cistern serves a `torch.cuda.MemPool` (cistern_torch's `mem_pool()`, which
+//! therefore turns the provider off). cistern's own locks are never held during a walk.
+//!
+//! # Note [Re-entry]
+//!
+//! A walk calls into CPython, and some of those calls can run Python code: on 3.11 on,
+//! `PyEval_GetFrame` and `PyFrame_GetBack` create frame objects on demand, which may start a
+//! collection, whose finalisers may allocate CUDA memory and so re-enter the provider on the
+//! same thread, or release the GIL and let another thread walk. So a thread already walking
+//! gets no Python frames (its site is a native backtrace: [`Walking`]), and the cache's lock is
+//! held only around a lookup or an insert, never across a call that could run Python code.
 //!
 //! Frames are read through `PyEval_GetFrame`, `PyFrame_GetBack`, `PyFrame_GetCode` and the code
 //! object's `co_qualname` (3.11 on) or `co_name`, and `co_filename`. Each (code object, line) is
@@ -32,10 +48,12 @@
 //! pair through ctypes, 23 frames deep, every allocation sampled): 3.8 µs a pair, against 10.5
 //! µs formatting every frame every time and 5.1 µs with native backtraces.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use cistern_alloc::provenance::{self, SiteProvider};
 
@@ -50,6 +68,7 @@ struct Python {
     is_finalizing: Option<IntFn>,
     this_thread_state: PtrFn,
     gil_ensure: IntFn,
+    gil_check: IntFn,
     gil_release: unsafe extern "C" fn(c_int),
     get_frame: PtrFn,
     frame_back: ObjFn,
@@ -67,7 +86,8 @@ struct Python {
 }
 
 /// Frames read before: each (code object, line)'s text, formatted once. Holds one reference to
-/// each code object it names. Bounded: past [`MAX_CACHED_FRAMES`], frames are formatted afresh.
+/// each code object it names. Bounded: at [`MAX_CACHED_FRAMES`] it is emptied (releasing its
+/// code objects) and fills again.
 #[derive(Default)]
 struct FrameCache {
     frames: HashMap<(usize, c_int), Arc<str>>,
@@ -109,6 +129,7 @@ impl Python {
                 .map(|p| unsafe { std::mem::transmute::<*mut c_void, IntFn>(p) }),
             this_thread_state: function!(c"PyGILState_GetThisThreadState" as PtrFn),
             gil_ensure: function!(c"PyGILState_Ensure" as IntFn),
+            gil_check: function!(c"PyGILState_Check" as IntFn),
             gil_release: function!(c"PyGILState_Release" as unsafe extern "C" fn(c_int)),
             get_frame: function!(c"PyEval_GetFrame" as PtrFn),
             frame_back: function!(c"PyFrame_GetBack" as ObjFn),
@@ -171,8 +192,9 @@ impl Python {
     }
 
     /// Frame `f`'s text, from the cache when its code object and line were seen before. Needs
-    /// the GIL.
-    fn frame(&self, f: Obj, cache: &mut FrameCache) -> Arc<str> {
+    /// the GIL. The cache's lock is held only to look up and to insert, never across a call
+    /// into CPython that could run Python code (Note [Re-entry]).
+    fn frame(&self, f: Obj) -> Arc<str> {
         // SAFETY: the caller holds the GIL and `f` is a live frame; the code object is a new
         // reference, released below, except the one reference the cache keeps of each code
         // object it names (so that its address is never another code object's).
@@ -184,15 +206,32 @@ impl Python {
                 return format!("? (?:{line})").into();
             }
             let key = (code as usize, line);
-            let text = match cache.frames.get(&key) {
-                Some(t) => t.clone(),
+            let cached = self.cache().frames.get(&key).cloned();
+            let text = match cached {
+                Some(t) => t,
                 None => {
                     let t: Arc<str> = self.describe(code, line).into();
-                    if cache.frames.len() < MAX_CACHED_FRAMES {
+                    let evicted = {
+                        let mut cache = self.cache();
+                        let evicted = if cache.frames.len() >= MAX_CACHED_FRAMES {
+                            // Full: start afresh (code generated at run time, `exec` per
+                            // request or recompiled graphs, must not stay pinned for ever).
+                            cache.frames.clear();
+                            std::mem::take(&mut cache.codes)
+                        } else {
+                            HashSet::new()
+                        };
                         if cache.codes.insert(code as usize) {
+                            // A reference count only: runs no Python code.
                             (self.inc_ref)(code);
                         }
                         cache.frames.insert(key, t.clone());
+                        evicted
+                    };
+                    // Released with the GIL held and the lock not: a code object's release
+                    // may run a finaliser.
+                    for c in evicted {
+                        (self.dec_ref)(c as Obj);
                     }
                     t
                 }
@@ -202,8 +241,17 @@ impl Python {
         }
     }
 
+    fn cache(&self) -> std::sync::MutexGuard<'_, FrameCache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Appends the calling thread's Python frames, innermost first, at most `max`.
     fn walk(&self, frames: &mut Vec<Arc<str>>, max: usize) {
+        // A walk re-entered on this thread (a collection during the walk ran a finaliser that
+        // allocates) gets no frames: the site is a native backtrace (Note [Re-entry]).
+        let Some(_walking) = Walking::enter() else {
+            return;
+        };
         // SAFETY: every call below is made as CPython's rules ask: the interpreter is running
         // and not finalising, the GIL is taken only by a thread that has a thread state, and
         // every object is used while the GIL is held. Each new reference (the frames from
@@ -217,14 +265,12 @@ impl Python {
             }
             let gil = (self.gil_ensure)();
             if (self.err_occurred)().is_null() {
-                // Taken with the GIL held, never the other way round.
-                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
                 let mut f = (self.get_frame)();
                 if !f.is_null() {
                     (self.inc_ref)(f);
                 }
                 while !f.is_null() && frames.len() < max {
-                    frames.push(self.frame(f, &mut cache));
+                    frames.push(self.frame(f));
                     let back = (self.frame_back)(f);
                     (self.dec_ref)(f);
                     f = back;
@@ -243,6 +289,38 @@ impl Python {
     }
 }
 
+thread_local! {
+    /// Whether this thread is walking its frames now.
+    static WALKING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Walks in progress in the process; [`set`] waits for them when it turns the provider off.
+static WALKERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A walk in progress on this thread: counted in [`WALKERS`] and marked in [`WALKING`].
+struct Walking;
+
+impl Walking {
+    /// `None` when this thread is already walking, or the provider was turned off.
+    fn enter() -> Option<Walking> {
+        if WALKING.with(|w| w.replace(true)) {
+            return None;
+        }
+        // Counted first, then checked: `set(false)` turns `ON` off first, then waits for the
+        // count, so a walk it does not wait for sees the provider off.
+        WALKERS.fetch_add(1, SeqCst);
+        let w = Walking;
+        ON.load(SeqCst).then_some(w)
+    }
+}
+
+impl Drop for Walking {
+    fn drop(&mut self) {
+        WALKERS.fetch_sub(1, SeqCst);
+        WALKING.with(|w| w.set(false));
+    }
+}
+
 /// CPython's functions, looked up once (`Err`: the first one missing).
 fn python() -> &'static Result<Python, String> {
     static PY: OnceLock<Result<Python, String>> = OnceLock::new();
@@ -256,21 +334,41 @@ fn python_frames(frames: &mut Vec<Arc<str>>, max: usize) {
     }
 }
 
-/// Whether [`set`] installed the provider (and nothing replaced it since).
+/// Whether [`set`] installed the provider (and nothing replaced it since). Walks check it.
 static ON: AtomicBool = AtomicBool::new(false);
 
+/// How long turning the provider off waits for the walks in progress.
+const OFF_WAIT: Duration = Duration::from_secs(2);
+
 /// Turns the Python provider on or off. `Err` says why it cannot be on.
+///
+/// Off waits (at most [`OFF_WAIT`]) for the walks in progress to end, so that once it returns
+/// no thread is inside CPython on cistern's behalf: cistern_torch turns it off in an `atexit`
+/// hook, and a thread still waiting for the GIL when finalisation begins would be ended by
+/// CPython in the middle of an allocation, which unwinding cannot cross. A caller holding the
+/// GIL does not wait (the walkers may be waiting for it).
 pub(crate) fn set(on: bool) -> Result<(), String> {
+    static SET: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = SET.lock().unwrap_or_else(|e| e.into_inner());
     if !on {
         if ON.swap(false, SeqCst) {
             provenance::set_site_provider(None);
+        }
+        let holds_gil = python()
+            .as_ref()
+            // SAFETY: `PyGILState_Check` may be called by any thread at any time.
+            .is_ok_and(|py| unsafe { (py.gil_check)() } != 0);
+        let mine = usize::from(WALKING.with(|w| w.get()));
+        let start = Instant::now();
+        while !holds_gil && WALKERS.load(SeqCst) > mine && start.elapsed() < OFF_WAIT {
+            std::thread::sleep(Duration::from_micros(200));
         }
         return Ok(());
     }
     match python() {
         Ok(_) => {
-            provenance::set_site_provider(Some(python_frames as SiteProvider));
             ON.store(true, SeqCst);
+            provenance::set_site_provider(Some(python_frames as SiteProvider));
             Ok(())
         }
         Err(missing) => Err(format!(

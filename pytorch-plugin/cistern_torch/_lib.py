@@ -416,10 +416,29 @@ def _python_frames(lib: ctypes.CDLL, on: bool) -> bool:
     return fn is not None and fn(1 if on else 0) == 1
 
 
+# Why Python frames may not be turned on in this process (None: they may).
+_frames_forbidden: Optional[str] = None
+
+
+def forbid_python_frames(reason: str) -> None:
+    """Turns Python frames off for good in this process, for ``reason`` (which
+    :func:`python_frames` then raises with)."""
+    global _frames_forbidden
+    _frames_forbidden = reason
+    _python_frames(load(), False)
+
+
 def python_frames(on: bool) -> bool:
     """``cistern_python_frames``: whether sampled call sites (``provenance:stacks``) are the
     allocating thread's Python frames (on by default once the library is loaded, unless
-    ``CISTERN_TORCH_PYTHON_FRAMES=0``) or native backtraces. Returns whether it is on now."""
+    ``CISTERN_TORCH_PYTHON_FRAMES=0``) or native backtraces. Returns whether it is on now.
+
+    Raises:
+        RuntimeError: ``on`` in a process where they cannot be read safely (after
+            ``cistern_torch.mem_pool()``: the message says why).
+    """
+    if on and _frames_forbidden is not None:
+        raise RuntimeError(f"Python frames cannot be turned on: {_frames_forbidden}")
     return _python_frames(load(), on)
 
 

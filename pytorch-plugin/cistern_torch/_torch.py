@@ -391,6 +391,10 @@ def mem_pool(**kwargs: Any) -> Any:
     them (``empty_cache`` or the pool's destruction). Keyword arguments go to ``MemPool``
     (``use_on_oom``, ``no_split``, where the torch version has them).
 
+    Sampled call sites are native backtraces in this mode (``python_frames`` is turned off
+    for good): PyTorch calls cistern holding its allocator's lock, and reading Python frames
+    would take the GIL under it.
+
     Raises:
         InstallError: cistern is already PyTorch's allocator (``install()`` ran), or torch is
             older than 2.5.
@@ -405,6 +409,14 @@ def mem_pool(**kwargs: Any) -> Any:
     if pool_cls is None:
         raise InstallError(f"mem_pool() needs torch >= 2.5 (torch.cuda.MemPool); this is {torch.__version__}")
     _lib.load()
+    # PyTorch's caching allocator calls cistern with its device lock held, and reading Python
+    # frames takes the GIL: a thread holding the GIL that waits for that lock (freeing a
+    # tensor) would deadlock with one sampling a stack. Native backtraces from here on.
+    _lib.forbid_python_frames(
+        "cistern serves a torch.cuda.MemPool in this process (cistern_torch.mem_pool()), and "
+        "PyTorch calls it holding its allocator's lock, which taking the GIL to read frames "
+        "could deadlock against; sampled sites stay native backtraces"
+    )
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         _lib.loaded_path(), "cistern_malloc", "cistern_free_and_release"
     )

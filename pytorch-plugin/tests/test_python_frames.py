@@ -126,3 +126,105 @@ def test_sites_name_the_python_lines_that_allocated(tmp_path, lib) -> None:
         for s in sites
     ), sites
     assert any(f"load_weights ({script}:{released}) <- <module>" in s for s in sites), sites
+
+
+def _run(tmp_path, program: str, conf: str = "provenance:stacks,stack_sample_rate:1") -> str:
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(program))
+    env = dict(os.environ)
+    env.update(
+        CISTERN_DRIVER="sim",
+        CISTERN_CONF=conf,
+        CISTERN_LIB=_lib.library_path() or "",
+        PYTHONPATH=os.pathsep.join([os.path.join(HERE, ".."), env.get("PYTHONPATH", "")]),
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program hung: {e.stdout!r} {e.stderr!r}")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_walk_reentered_by_a_finaliser_does_not_hang(tmp_path, lib) -> None:
+    # Reading the frames can start a collection (CPython 3.11 on makes frame objects on
+    # demand), whose finaliser allocates: the walk is re-entered on the same thread, which
+    # then gets a native site instead of waiting on itself for ever.
+    out = _run(
+        tmp_path,
+        """\
+        import gc, json
+        from cistern_torch import _lib
+
+        _lib.load()
+        assert _lib.python_frames(True)
+        from_del = []
+
+        class Cycle:
+            def __init__(self):
+                self.me = self
+
+            def __del__(self):
+                from_del.append(_lib.malloc(1 << 20, 0, 0))
+
+        def deep(n):
+            return deep(n - 1) if n else _lib.malloc(1 << 20, 0, 0)
+
+        outer = []
+        for t in range(1, 60):
+            gc.collect()
+            Cycle()
+            gc.set_threshold(t)
+            outer.append(deep(30))
+            gc.set_threshold(700)
+        gc.collect()
+        snap = json.loads(_lib.snapshot_json())
+        frames = {b["address"]: b["frames"] for s in snap["segments"] for b in s["blocks"]}
+        print(json.dumps({"from_del": len(from_del),
+                          "outer": [frames[p] for p in outer]}))
+        """,
+    )
+    doc = json.loads(out)
+    assert doc["from_del"] > 0
+    # The outer allocations still name their Python lines.
+    for frames in doc["outer"]:
+        assert any(f["name"] == "deep" for f in frames), frames
+
+
+def test_the_frame_cache_lets_go_of_code_objects_when_full(tmp_path, lib) -> None:
+    # The cache holds a reference to each code object it names, so that an address never
+    # names another; once full it is emptied, releasing them (code made at run time must
+    # not stay alive for ever).
+    out = _run(
+        tmp_path,
+        """\
+        import json, sys
+        from cistern_torch import _lib
+
+        _lib.load()
+        assert _lib.python_frames(True)
+
+        def f():
+            return _lib.malloc(512, 0, 0)
+
+        code = f.__code__
+        before = sys.getrefcount(code)
+        _lib.free(f(), 0)
+        cached = sys.getrefcount(code)
+        # 70,000 distinct (code object, line) pairs, more than the cache keeps, in functions
+        # of 200 lines (CPython finds a frame's line by scanning its code's line table).
+        line = "    m.free(m.malloc(512, 0, 0), 0)\\n"
+        src = "".join(f"def many{k}(m):\\n" + line * 200 for k in range(350))
+        ns = {}
+        exec(compile(src, "many.py", "exec"), ns)
+        for k in range(350):
+            ns[f"many{k}"](_lib)
+        print(json.dumps({"before": before, "cached": cached,
+                          "after": sys.getrefcount(code)}))
+        """,
+    )
+    doc = json.loads(out)
+    assert doc["cached"] == doc["before"] + 1, doc
+    assert doc["after"] == doc["before"], doc

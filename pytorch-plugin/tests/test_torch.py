@@ -169,6 +169,24 @@ def test_install_sets_every_hook(fake_env: Dict[str, int], monkeypatch: pytest.M
         cistern_torch.mem_pool()
 
 
+def test_mem_pool_turns_python_frames_off_for_good(fake_env, monkeypatch) -> None:
+    # PyTorch calls a MemPool's allocator holding its own lock; reading frames takes the GIL.
+    torch = make_fake_torch()
+    made: List[Any] = []
+    torch.cuda.MemPool = lambda raw, **kw: made.append((raw, kw)) or "pool"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(_lib, "_frames_forbidden", None)
+    turned: List[bool] = []
+    monkeypatch.setattr(_lib, "_python_frames", lambda lib, on: turned.append(on) or False)
+    assert cistern_torch.mem_pool(use_on_oom=True) == "pool"
+    assert isinstance(made[0][0], FakeRawAllocator) and made[0][1] == {"use_on_oom": True}
+    assert turned == [False]
+    with pytest.raises(RuntimeError, match="MemPool.*deadlock"):
+        _lib.python_frames(True)
+    assert turned == [False], "refused before the library was asked"
+    assert _lib.python_frames(False) is False
+
+
 def test_install_uses_the_shim_when_it_builds(fake_env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", make_fake_torch())
     monkeypatch.setattr(_shim, "build_for_torch", lambda t: "/cache/shim.so")
