@@ -82,6 +82,35 @@ pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::O
     Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
 }
 
+/// The start time (clock ticks since boot, as registry records carry it) of process `pid`,
+/// read so that a reused pid cannot answer for it: `/proc/<pid>/stat` is read while a pidfd
+/// holds the process, and believed only if that process is still there afterwards (a pidfd
+/// names one process, never its pid's next owner). `None` when it cannot be told.
+pub(crate) fn start_time_of(pid: u32) -> Option<u64> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let raw = libc::pid_t::try_from(pid).ok()?;
+    // SAFETY: the pidfd_open system call with a pid and flags 0; the result is checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+    if pidfd < 0 {
+        return None;
+    }
+    // SAFETY: `pidfd` was just opened and nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let start = crate::registry::process_start_time(pid).ok()?;
+    // SAFETY: pidfd_send_signal with a live pidfd, signal 0 (a check only, nothing is sent),
+    // no siginfo and flags 0.
+    let alive = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    } == 0;
+    alive.then_some(start)
+}
+
 /// Under Yama's `ptrace_scope` 1, lets this process's descendants attach to it, so that they
 /// may take its file descriptors with `pidfd_getfd` (`prctl(PR_SET_PTRACER, getpid())`: the
 /// declared process and its descendants may attach). Nothing is done at other scopes (0 needs

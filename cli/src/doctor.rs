@@ -299,28 +299,30 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
 
     // Memory a running process maps from a dead one's pool (CUDA tensors it received): the
     // driver keeps it, with no running owner, until the receiver lets go of it.
-    for i in psr.imports.iter().filter(|i| {
-        matches!(
-            i.from_state,
-            Some(PsState::DeadRecordOnly | PsState::PidReused | PsState::DeadButMemoryHeld)
-        )
-    }) {
+    for i in psr.imports.iter().filter(|i| i.sender_dead()) {
+        let sender = match (&i.from_command, i.from_reader_pid) {
+            (Some(cmd), Some(here)) => format!("pid {} (pid {here} here; {cmd})", i.from_pid),
+            (Some(cmd), None) => format!("pid {} ({cmd})", i.from_pid),
+            (None, _) => format!("pid {} (no record of it)", i.from_pid),
+        };
         let mut f = finding(
             "imported-from-dead",
             Severity::Info,
             format!(
-                "pid {} maps {} on device {} that pid {} ({}) created and, dead, no longer \
+                "pid {} maps {} on device {} that {sender} created and, dead, no longer \
                  holds: the driver keeps that memory for pid {} until it lets go",
                 i.pid,
                 format_bytes(i.bytes),
                 i.device,
-                i.from_pid,
-                i.from_command.as_deref().unwrap_or("?"),
                 i.pid
             ),
-            "it is the memory of CUDA tensors the receiver got from the dead process \
-             (torch.multiprocessing, CUDA IPC): it is freed when the receiver drops them and \
-             every storage that shares them, or exits",
+            format!(
+                "it is the memory of CUDA tensors pid {} received from the dead process \
+                 (torch.multiprocessing, CUDA IPC): to free it, have pid {} drop them and every \
+                 view or storage that shares them (`del`, then `gc.collect()`), or restart pid {}",
+                i.pid, i.pid, i.pid
+            )
+            .as_str(),
         );
         f.pid = Some(i.pid);
         f.gpu = i.uuid.clone();

@@ -154,6 +154,7 @@ pub use graphs::{
 pub(crate) use observe::ObserverSlot;
 pub use observe::{Observer, PoolEvent, PoolEventKind};
 pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
+pub use share::Imported;
 pub(crate) use share::ShareState;
 
 /// Rounds a request up to the pool's 512 B unit; `None` on overflow.

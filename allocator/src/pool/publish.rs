@@ -235,7 +235,11 @@ impl<D: Driver> RecordSource for Pool<D> {
                 .imported()
                 .into_iter()
                 .take(MAX_TOP)
-                .map(|(from_pid, bytes)| ImportRecord { from_pid, bytes })
+                .map(|i| ImportRecord {
+                    from_pid: i.from_pid,
+                    from_start_time: i.from_start_time.unwrap_or(0),
+                    bytes: i.bytes,
+                })
                 .collect();
             devices.push(rec);
             // Several devices may have failed: the record keeps one, the last device's.

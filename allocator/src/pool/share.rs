@@ -74,6 +74,20 @@ struct Opened {
     base: u64,
     opens: u64,
     kind: OpenedKind,
+    /// The sender's start time, read when the range was opened (`None`: unknown), so that
+    /// readers of the registry tell the sender from a later process given its pid.
+    sender_start: Option<u64>,
+}
+
+/// Memory this process maps from one other process's pool ([`DevicePool::imported`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Imported {
+    /// The sender's pid, as this process sees it.
+    pub from_pid: u32,
+    /// The sender's start time (clock ticks since boot), when it could be read at the open.
+    pub from_start_time: Option<u64>,
+    /// Bytes mapped.
+    pub bytes: u64,
 }
 
 #[derive(Debug)]
@@ -116,28 +130,40 @@ impl ShareState {
     }
 
     /// Bytes mapped from each other process (VMM imports; this process's own memory opened
-    /// again is not counted, and CUDA IPC opens name no process): `(sender pid, bytes)`, most
-    /// bytes first. A physical handle under two opened ranges (two blocks on one chunk, shared
-    /// apart) is one memory: each (sender, descriptor, size) counts once.
-    pub(crate) fn imported(&self) -> Vec<(u32, u64)> {
+    /// again is not counted, and CUDA IPC opens name no process), by sender (its pid and start
+    /// time), most bytes first. A physical handle under two opened ranges (two blocks on one
+    /// chunk, shared apart) is one memory: each (sender, descriptor, size) counts once.
+    pub(crate) fn imported(&self) -> Vec<Imported> {
         let me = std::process::id();
-        let mut seen: FxHashSet<(u32, i32, u64)> = FxHashSet::default();
-        let mut by_pid: FxHashMap<u32, u64> = FxHashMap::default();
+        let mut seen: FxHashSet<(u32, Option<u64>, i32, u64)> = FxHashSet::default();
+        let mut by_sender: FxHashMap<(u32, Option<u64>), u64> = FxHashMap::default();
         for (k, o) in self.opened.lock().iter() {
             if let (Shared::Handles { pid, handles }, OpenedKind::Mapped { .. }) = (k, &o.kind) {
                 if *pid == me {
                     continue;
                 }
                 for &(fd, size) in handles {
-                    if seen.insert((*pid, fd, size)) {
-                        let e = by_pid.entry(*pid).or_default();
+                    if seen.insert((*pid, o.sender_start, fd, size)) {
+                        let e = by_sender.entry((*pid, o.sender_start)).or_default();
                         *e = e.saturating_add(size);
                     }
                 }
             }
         }
-        let mut v: Vec<(u32, u64)> = by_pid.into_iter().collect();
-        v.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut v: Vec<Imported> = by_sender
+            .into_iter()
+            .map(|((from_pid, from_start_time), bytes)| Imported {
+                from_pid,
+                from_start_time,
+                bytes,
+            })
+            .collect();
+        v.sort_unstable_by(|a, b| {
+            b.bytes
+                .cmp(&a.bytes)
+                .then(a.from_pid.cmp(&b.from_pid))
+                .then(a.from_start_time.cmp(&b.from_start_time))
+        });
         v
     }
 
@@ -279,6 +305,7 @@ impl<D: Driver> DevicePool<D> {
                 base: c.driver.ipc_open(c.dev, handle)?,
                 opens: 1,
                 kind: OpenedKind::Ipc,
+                sender_start: None,
             },
             Shared::Handles { pid, handles } => self.import_range(*pid, handles)?,
         };
@@ -317,6 +344,9 @@ impl<D: Driver> DevicePool<D> {
                     c.dev
                 ))
             })?;
+        // Read before the descriptors are taken: a sender that exits after this is still the
+        // one whose memory is mapped.
+        let sender_start = crate::sys::start_time_of(pid);
         let mut imported: Vec<(PhysHandle, u64)> = Vec::with_capacity(handles.len());
         let undo_imports = |imported: &[(PhysHandle, u64)]| {
             for &(h, _) in imported {
@@ -376,6 +406,7 @@ impl<D: Driver> DevicePool<D> {
                     base,
                     opens: 0,
                     kind: OpenedKind::Mapped { len, maps },
+                    sender_start,
                 },
             );
             undo_imports(&rest);
@@ -385,15 +416,15 @@ impl<D: Driver> DevicePool<D> {
             base,
             opens: 1,
             kind: OpenedKind::Mapped { len, maps },
+            sender_start,
         })
     }
 
-    /// The memory this device maps from other processes' pools, as `(sender pid, bytes)`, most
-    /// bytes first: what [`DevicePool::open_shared`] opened and is not closed yet (VMM memory;
+    /// The memory this device maps from other processes' pools, by sender, most bytes first: what [`DevicePool::open_shared`] opened and is not closed yet (VMM memory;
     /// CUDA IPC opens of `vmm:false` senders name no process and are left out). The registry
     /// publishes it, so that `cistern ps` and `doctor` can say who keeps a sender's memory
     /// alive after it exited.
-    pub fn imported(&self) -> Vec<(u32, u64)> {
+    pub fn imported(&self) -> Vec<Imported> {
         self.core.share.imported()
     }
 

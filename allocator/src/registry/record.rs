@@ -99,6 +99,11 @@ pub struct ImportRecord {
     /// The sender's pid (as the sender saw itself: the receiver takes its descriptors by it,
     /// so both are in one pid namespace).
     pub from_pid: u32,
+    /// The sender's start time (clock ticks since boot, as its identity says), read when the
+    /// memory was opened; 0 when unknown (older records). Tells the sender from a later
+    /// process given the same pid.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub from_start_time: u64,
     /// Bytes mapped.
     pub bytes: u64,
 }
@@ -541,6 +546,7 @@ mod tests {
         let mut r2 = r.clone();
         r2.devices[0].imported = vec![ImportRecord {
             from_pid: 4242,
+            from_start_time: 99,
             bytes: 3 << 30,
         }];
         let bytes = encode_record(&mut r2.clone());
@@ -548,7 +554,11 @@ mod tests {
         assert_eq!(parse_record(&bytes).unwrap(), r2);
         // More senders than a writer publishes: refused, as too many tags are.
         r2.devices[0].imported = (0..=MAX_TOP as u32)
-            .map(|from_pid| ImportRecord { from_pid, bytes: 1 })
+            .map(|from_pid| ImportRecord {
+                from_pid,
+                from_start_time: 0,
+                bytes: 1,
+            })
             .collect();
         let bytes = encode_record(&mut r2);
         let e = parse_record(&bytes).unwrap_err();

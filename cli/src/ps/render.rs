@@ -311,12 +311,17 @@ const MAX_IMPORT_LINES: usize = 32;
 pub(crate) fn import_line(i: &ImportRow) -> String {
     let from = match (&i.from_state, &i.from_command) {
         (Some(st), Some(cmd)) => format!(" ({}: {})", st.name(), printable(cmd)),
+        _ if i.sender_dead() => " (dead; no record of it here)".into(),
         _ => {
             " (no record of it here: it does not use cistern, or its registry is elsewhere)".into()
         }
     };
+    let here = i
+        .from_reader_pid
+        .map(|r| format!(" (pid {r} here)"))
+        .unwrap_or_default();
     format!(
-        "pid {} maps {} on device {} from pid {}{from}",
+        "pid {} maps {} on device {} from pid {}{here}{from}",
         i.pid,
         format_bytes(i.bytes),
         i.device,

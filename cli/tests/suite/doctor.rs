@@ -443,11 +443,14 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
     worker.imported = vec![
         cistern::registry::ImportRecord {
             from_pid: trainer,
+            from_start_time: 5,
             bytes: 3 * GIB,
         },
-        // A sender with no record: named, with no state.
+        // A sender with no record and no start time (an older receiver): named, with no
+        // state, and not known to be dead.
         cistern::registry::ImportRecord {
             from_pid: dead_pid(1),
+            from_start_time: 0,
             bytes: 2 * MIB,
         },
     ];
@@ -543,4 +546,103 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
             .contains("except what other processes still map"),
         "{leak}"
     );
+}
+
+/// A receiver records its sender's start time, so that a record of an earlier process given
+/// the same pid is not taken for the sender: a running sender with no record is not called
+/// dead, and a dead one with no record still is.
+#[test]
+fn imports_are_matched_to_their_sender_by_start_time() {
+    let tmp = TempDir::new("doctor-imports-start");
+    let dir = tmp.path().join("registry");
+    let (me, start) = me();
+    // The running sender: a child with no record, whose pid an earlier (dead) process used.
+    let mut child = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let sender = child.id();
+    let sender_start = cistern::registry::process_start_time(sender).unwrap();
+    let gone = dead_pid(2);
+    let mut worker = device(0, "GPU-aaaa", GIB, MIB, &[]);
+    worker.imported = vec![
+        cistern::registry::ImportRecord {
+            from_pid: sender,
+            from_start_time: sender_start,
+            bytes: 2 * GIB,
+        },
+        cistern::registry::ImportRecord {
+            from_pid: gone,
+            from_start_time: 12345,
+            bytes: GIB,
+        },
+    ];
+    publish(
+        &dir,
+        identity(me, start, "python learner.py"),
+        vec![worker],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    // The earlier owner of the sender's pid: killed, its record left behind.
+    publish(
+        &dir,
+        identity(
+            sender,
+            sender_start.saturating_sub(100),
+            "python old_trainer.py",
+        ),
+        vec![device(0, "GPU-aaaa", GIB, GIB, &[])],
+        State::Running,
+        vec![],
+        vec![],
+    );
+    let nvml = fake_nvml(
+        tmp.path(),
+        json!({"gpus": [{"index": 0, "uuid": "GPU-aaaa", "total": 80 * GIB, "used": GIB,
+                         "free": 79 * GIB,
+                         "processes": [{"pid": me, "used_bytes": GIB, "kind": "compute"}]}]}),
+    );
+
+    let doc = ps_json(Some(&nvml), &dir);
+    let imports = doc["imports"].as_array().unwrap();
+    assert_eq!(imports.len(), 2, "{doc}");
+    let live = &imports[0];
+    assert_eq!(live["from_pid"], sender);
+    assert_eq!(live["from_start_time"], sender_start);
+    assert_eq!(live["from_state"], serde_json::Value::Null, "{doc}");
+    assert_eq!(live["from_liveness"], "alive", "{doc}");
+    assert_eq!(live["from_command"], serde_json::Value::Null);
+    let dead = &imports[1];
+    assert_eq!(dead["from_pid"], gone);
+    assert_eq!(dead["from_liveness"], "dead", "{doc}");
+    let text = ps_text(Some(&nvml), &dir);
+    assert!(
+        text.contains(&format!("from pid {sender} (no record of it here")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("from pid {gone} (dead; no record of it here)")),
+        "{text}"
+    );
+
+    let (_, doc) = doctor(&dir, &nvml, &[]);
+    let found: Vec<&serde_json::Value> = doc["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "imported-from-dead")
+        .collect();
+    assert_eq!(found.len(), 1, "only the dead sender's memory: {doc}");
+    assert_eq!(found[0]["bytes"], GIB);
+    let msg = found[0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("pid {gone} (no record of it)")),
+        "{msg}"
+    );
+    let fix = found[0]["suggestion"].as_str().unwrap();
+    assert!(fix.contains(&format!("restart pid {me}")), "{fix}");
+    let _ = child.kill();
+    let _ = child.wait();
 }

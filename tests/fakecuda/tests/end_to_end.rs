@@ -1157,7 +1157,17 @@ fn child_share_receiver() {
         let pid = senders.into_iter().next().unwrap();
         assert_ne!(pid, std::process::id());
         let total: u64 = distinct.iter().map(|h| h.1).sum();
-        assert_eq!(dev.imported(), vec![(pid, total)]);
+        // With the sender's start time, read when the memory was opened (the sender runs).
+        let start = cistern::registry::process_start_time(pid).ok();
+        assert!(start.is_some());
+        assert_eq!(
+            dev.imported(),
+            vec![cistern::Imported {
+                from_pid: pid,
+                from_start_time: start,
+                bytes: total
+            }]
+        );
     } else {
         assert_eq!(dev.imported(), vec![]);
     }

@@ -182,6 +182,7 @@ mod scrape {
             top_sites: Vec::new(),
             imported: vec![registry::ImportRecord {
                 from_pid: 4242,
+                from_start_time: 0,
                 bytes: MIB,
             }],
         };
