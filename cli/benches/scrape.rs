@@ -70,6 +70,7 @@ fn publish(dir: &Path, pid: u32) {
         top_tags: tags,
         top_sites: Vec::new(),
         imported: Vec::new(),
+        imported_other: 0,
     };
     Registry::with_identity(dir, id)
         .unwrap()

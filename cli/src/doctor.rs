@@ -100,6 +100,12 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
         ));
     }
     let mut dead_pids: HashSet<u32> = HashSet::new();
+    // Records whose memory other processes map (senders of received CUDA tensors).
+    let senders: HashSet<&std::path::Path> = psr
+        .imports
+        .iter()
+        .filter_map(|i| i.from_record.as_deref())
+        .collect();
     for p in &psr.processes {
         let gpu_names = p
             .gpus
@@ -229,9 +235,7 @@ pub fn examine(s: &Snapshot, grace_ms: u64, clean: bool, xid: Option<&XidReport>
                     (
                         "exited-with-leaks",
                         Severity::Info,
-                        if p.record.is_some()
-                            && psr.imports.iter().any(|i| i.from_record == p.record)
-                        {
+                        if p.record.as_deref().is_some_and(|r| senders.contains(r)) {
                             "`cistern leaks <pid>` shows the blocks it never freed (the driver \
                              freed them with the process, except what other processes still \
                              map: imported-from-dead below); `cistern doctor --clean-stale` \

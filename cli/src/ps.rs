@@ -456,6 +456,14 @@ pub struct ProcGpu {
     /// `reserved` (the sender's), kept alive by this process even after the sender exits.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub imported: Vec<ImportRecord>,
+    /// Bytes mapped from senders beyond those `imported` names (a record names the largest
+    /// [`registry::MAX_TOP`]).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub imported_other: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Whether NVML's listing of `pid` belongs to the process a record describes.
@@ -512,6 +520,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                 overhead: nvml_used.map(|u| u as i64 - d.reserved as i64),
                 top_tags: d.top_tags.iter().take(TOP_TAGS).cloned().collect(),
                 imported: d.imported.clone(),
+                imported_other: d.imported_other,
             });
         }
         // NVML may list the process on GPUs its record does not name (a context with no pool).
@@ -535,6 +544,7 @@ pub fn build(s: &Snapshot) -> PsReport {
                     overhead: used.map(|u| u as i64),
                     top_tags: Vec::new(),
                     imported: Vec::new(),
+                    imported_other: 0,
                 });
             }
         }
@@ -593,6 +603,7 @@ pub fn build(s: &Snapshot) -> PsReport {
             overhead: None,
             top_tags: Vec::new(),
             imported: Vec::new(),
+            imported_other: 0,
         });
     }
     for (pid, devs) in unclaimed {

@@ -62,6 +62,7 @@ impl DeviceRecord {
             top_tags: Vec::new(),
             top_sites: Vec::new(),
             imported: Vec::new(),
+            imported_other: 0,
         }
     }
 }
@@ -231,8 +232,12 @@ impl<D: Driver> RecordSource for Pool<D> {
                 },
             );
             rec.top_sites = top_by(&ledger, |e| e.site, |&id| cached_site_label(id));
-            rec.imported = d
-                .imported()
+            let imported = d.imported();
+            rec.imported_other = imported
+                .iter()
+                .skip(MAX_TOP)
+                .fold(0u64, |sum, i| sum.saturating_add(i.bytes));
+            rec.imported = imported
                 .into_iter()
                 .take(MAX_TOP)
                 .map(|i| ImportRecord {

@@ -91,6 +91,10 @@ pub struct DeviceRecord {
     /// even after the sender exits, until this process closes it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub imported: Vec<ImportRecord>,
+    /// Bytes mapped from senders beyond the [`MAX_TOP`] that `imported` names (0 in older
+    /// records).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub imported_other: u64,
 }
 
 /// Memory a process maps from another's pool.
@@ -549,8 +553,10 @@ mod tests {
             from_start_time: 99,
             bytes: 3 << 30,
         }];
+        r2.devices[0].imported_other = 7 << 20;
         let bytes = encode_record(&mut r2.clone());
         assert!(String::from_utf8_lossy(&bytes).contains(r#""imported":[{"from_pid":4242"#));
+        assert!(String::from_utf8_lossy(&bytes).contains(r#""imported_other":7340032"#));
         assert_eq!(parse_record(&bytes).unwrap(), r2);
         // More senders than a writer publishes: refused, as too many tags are.
         r2.devices[0].imported = (0..=MAX_TOP as u32)

@@ -102,6 +102,7 @@ fn device(index: u32, live: u64, tags: usize) -> DeviceRecord {
             .collect(),
         top_sites: vec![attribution("train.py:42 forward", live)],
         imported: vec![],
+        imported_other: 0,
     }
 }
 

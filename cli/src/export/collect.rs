@@ -379,6 +379,14 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
                     i.bytes,
                 );
             }
+            if d.imported_other > 0 {
+                // Senders beyond those the record names: one series, as tags past the top fold.
+                x.bytes(
+                    "cistern_process_imported_bytes",
+                    with(&l, "from_pid", "other".to_string()),
+                    d.imported_other,
+                );
+            }
         }
     }
 

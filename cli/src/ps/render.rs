@@ -161,7 +161,19 @@ pub fn render(r: &PsReport, colour: bool) -> String {
         }
         out.push_str(&t.render(colour));
     }
-    if !r.imports.is_empty() {
+    // Senders beyond those a receiver's record names, one line per receiver and device.
+    let others: Vec<(u32, u32, u64)> = r
+        .processes
+        .iter()
+        .filter(|p| p.state == PsState::Running)
+        .flat_map(|p| {
+            p.gpus
+                .iter()
+                .filter(|g| g.imported_other > 0)
+                .map(move |g| (p.pid, g.device.unwrap_or(0), g.imported_other))
+        })
+        .collect();
+    if !r.imports.is_empty() || !others.is_empty() {
         out.push_str(
             "\nmemory mapped from other processes (CUDA tensors received; the sender's, not in \
              the receiver's reserved):\n",
@@ -173,6 +185,14 @@ pub fn render(r: &PsReport, colour: bool) -> String {
             out.push_str(&format!(
                 "  ... and {} more (`--json` lists them all)\n",
                 r.imports.len() - MAX_IMPORT_LINES
+            ));
+        }
+        for (pid, device, bytes) in others {
+            out.push_str(&format!(
+                "  pid {pid} maps {} on device {device} from more senders (its record names the \
+                 {} largest)\n",
+                format_bytes(bytes),
+                registry::MAX_TOP
             ));
         }
     }

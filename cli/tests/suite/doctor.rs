@@ -454,6 +454,8 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
             bytes: 2 * MIB,
         },
     ];
+    // Senders beyond those the record names.
+    worker.imported_other = 5 * MIB;
     publish(
         &dir,
         identity(me, start, "python rollout_worker.py"),
@@ -502,12 +504,20 @@ fn memory_received_from_a_dead_process_is_attributed_to_its_receiver() {
         .unwrap();
     assert_eq!(row["reserved"], GIB);
     assert_eq!(row["gpus"][0]["imported"][0]["bytes"], 3 * GIB);
+    assert_eq!(row["gpus"][0]["imported_other"], 5 * MIB);
 
     let text = ps_text(Some(&nvml), &dir);
     assert!(
         text.contains(&format!(
             "pid {me} maps 3.0 GiB on device 0 from pid {trainer} (dead-record-only: python \
              trainer.py)"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "pid {me} maps 5.0 MiB on device 0 from more senders (its record names the 32 \
+             largest)"
         )),
         "{text}"
     );

@@ -185,6 +185,7 @@ mod scrape {
                 from_start_time: 0,
                 bytes: MIB,
             }],
+            imported_other: 3 * MIB,
         };
         let r = Registry::with_identity(dir, id).unwrap();
         r.publish(
@@ -291,6 +292,14 @@ mod scrape {
                 &[("pid", &mine), ("from_pid", "4242"), ("gpu", "0")]
             ),
             Some(Value::Int(MIB as i64))
+        );
+        // Senders beyond those a record names, in one series.
+        assert_eq!(
+            x.get(
+                "cistern_process_imported_bytes",
+                &[("pid", &mine), ("from_pid", "other"), ("gpu", "0")]
+            ),
+            Some(Value::Int((3 * MIB) as i64))
         );
         assert_eq!(
             x.get(

@@ -104,6 +104,7 @@ pub fn device(
             .collect(),
         top_sites: Vec::new(),
         imported: Vec::new(),
+        imported_other: 0,
     }
 }
 
