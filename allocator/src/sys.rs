@@ -99,7 +99,7 @@ pub(crate) fn start_time_of(pid: u32) -> Option<u64> {
     let start = crate::registry::process_start_time(pid).ok()?;
     // SAFETY: pidfd_send_signal with a live pidfd, signal 0 (a check only, nothing is sent),
     // no siginfo and flags 0.
-    let alive = unsafe {
+    let sent = unsafe {
         libc::syscall(
             libc::SYS_pidfd_send_signal,
             pidfd.as_raw_fd(),
@@ -107,7 +107,9 @@ pub(crate) fn start_time_of(pid: u32) -> Option<u64> {
             std::ptr::null::<libc::siginfo_t>(),
             0,
         )
-    } == 0;
+    };
+    // EPERM: it is there, but this process may not signal it (ptrace rights without kill's).
+    let alive = sent == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
     alive.then_some(start)
 }
 

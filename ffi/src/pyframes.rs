@@ -349,33 +349,36 @@ const OFF_WAIT: Duration = Duration::from_secs(2);
 /// GIL does not wait (the walkers may be waiting for it).
 pub(crate) fn set(on: bool) -> Result<(), String> {
     static SET: Mutex<()> = Mutex::new(());
-    let _one_at_a_time = SET.lock().unwrap_or_else(|e| e.into_inner());
-    if !on {
+    {
+        let _one_at_a_time = SET.lock().unwrap_or_else(|e| e.into_inner());
+        if on {
+            return match python() {
+                Ok(_) => {
+                    ON.store(true, SeqCst);
+                    provenance::set_site_provider(Some(python_frames as SiteProvider));
+                    Ok(())
+                }
+                Err(missing) => Err(format!(
+                    "this process runs no CPython 3.9 or later ({missing} is not loaded): \
+                     Python frames can name call sites only in a Python process"
+                )),
+            };
+        }
         if ON.swap(false, SeqCst) {
             provenance::set_site_provider(None);
         }
-        let holds_gil = python()
-            .as_ref()
-            // SAFETY: `PyGILState_Check` may be called by any thread at any time.
-            .is_ok_and(|py| unsafe { (py.gil_check)() } != 0);
-        let mine = usize::from(WALKING.with(|w| w.get()));
-        let start = Instant::now();
-        while !holds_gil && WALKERS.load(SeqCst) > mine && start.elapsed() < OFF_WAIT {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        return Ok(());
     }
-    match python() {
-        Ok(_) => {
-            ON.store(true, SeqCst);
-            provenance::set_site_provider(Some(python_frames as SiteProvider));
-            Ok(())
-        }
-        Err(missing) => Err(format!(
-            "this process runs no CPython 3.9 or later ({missing} is not loaded): Python \
-             frames can name call sites only in a Python process"
-        )),
+    // Outside the lock: a finaliser run by a walk may itself turn the provider on or off.
+    let holds_gil = python()
+        .as_ref()
+        // SAFETY: `PyGILState_Check` may be called by any thread at any time.
+        .is_ok_and(|py| unsafe { (py.gil_check)() } != 0);
+    let mine = usize::from(WALKING.with(|w| w.get()));
+    let start = Instant::now();
+    while !holds_gil && WALKERS.load(SeqCst) > mine && start.elapsed() < OFF_WAIT {
+        std::thread::sleep(Duration::from_micros(200));
     }
+    Ok(())
 }
 
 /// Whether the Python provider is on.

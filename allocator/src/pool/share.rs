@@ -38,9 +38,10 @@
 //! (`cuMemImportFromShareableHandle`), maps the handles one after another in a fresh
 //! reservation and grants access to the device and its peers in one `cuMemSetAccess`; a CUDA
 //! IPC handle is opened with `cuIpcOpenMemHandle`. Opened ranges are cached by their
-//! description with a count of opens, as PyTorch's `getIpcDevPtr` caches by handle bytes (a
-//! process may open one allocation once only), and `close_shared` unmaps and releases at the
-//! last close. Opened memory is not the pool's: it is neither counted in its statistics nor
+//! description (and the sender's start time: a later process given a dead sender's pid may
+//! name the same descriptor numbers for other memory) with a count of opens, as PyTorch's
+//! `getIpcDevPtr` caches by handle bytes (a process may open one allocation once only), and
+//! `close_shared` unmaps and releases at the last close. Opened memory is not the pool's: it is neither counted in its statistics nor
 //! handed out, and the pool's teardown unmaps whatever is still open.
 
 use std::collections::hash_map::Entry;
@@ -64,8 +65,9 @@ use crate::ipc::{Share, Shared};
 pub(crate) struct ShareState {
     /// Chunk handle -> its exported descriptor, open while the chunk lives.
     exported: Mutex<FxHashMap<u64, OwnedFd>>,
-    /// Ranges opened from other processes, by description.
-    opened: Mutex<FxHashMap<Shared, Opened>>,
+    /// Ranges opened from other processes, by description and the sender's start time (a
+    /// later process given a dead sender's pid may name the same descriptors: other memory).
+    opened: Mutex<FxHashMap<(Shared, Option<u64>), Opened>>,
 }
 
 /// A range opened from another process.
@@ -137,7 +139,7 @@ impl ShareState {
         let me = std::process::id();
         let mut seen: FxHashSet<(u32, Option<u64>, i32, u64)> = FxHashSet::default();
         let mut by_sender: FxHashMap<(u32, Option<u64>), u64> = FxHashMap::default();
-        for (k, o) in self.opened.lock().iter() {
+        for ((k, _), o) in self.opened.lock().iter() {
             if let (Shared::Handles { pid, handles }, OpenedKind::Mapped { .. }) = (k, &o.kind) {
                 if *pid == me {
                     continue;
@@ -295,8 +297,15 @@ impl<D: Driver> DevicePool<D> {
     pub fn open_shared(&self, memory: &Shared) -> Result<u64> {
         fork_check()?;
         let c = &*self.core;
+        // Read before the descriptors are taken: a sender that exits after this is still the
+        // one whose memory is mapped.
+        let sender_start = match memory {
+            Shared::Handles { pid, .. } => crate::sys::start_time_of(*pid),
+            Shared::Ipc { .. } => None,
+        };
+        let key = (memory.clone(), sender_start);
         let mut opened = c.share.opened.lock();
-        if let Some(o) = opened.get_mut(memory) {
+        if let Some(o) = opened.get_mut(&key) {
             o.opens += 1;
             return Ok(o.base);
         }
@@ -307,15 +316,21 @@ impl<D: Driver> DevicePool<D> {
                 kind: OpenedKind::Ipc,
                 sender_start: None,
             },
-            Shared::Handles { pid, handles } => self.import_range(*pid, handles)?,
+            Shared::Handles { pid, handles } => self.import_range(*pid, handles, sender_start)?,
         };
         let base = o.base;
-        opened.insert(memory.clone(), o);
+        opened.insert(key, o);
         Ok(base)
     }
 
-    /// Imports `handles` of process `pid` and maps them one after another.
-    fn import_range(&self, pid: u32, handles: &[(i32, u64)]) -> Result<Opened> {
+    /// Imports `handles` of process `pid` (which started at `sender_start`) and maps them one
+    /// after another.
+    fn import_range(
+        &self,
+        pid: u32,
+        handles: &[(i32, u64)],
+        sender_start: Option<u64>,
+    ) -> Result<Opened> {
         let c = &*self.core;
         // The device's support, not the pool's setting: a `vmm:false` pool on a VMM device
         // still receives VMM memory, as PyTorch's receiver does whatever its own setting.
@@ -344,9 +359,6 @@ impl<D: Driver> DevicePool<D> {
                     c.dev
                 ))
             })?;
-        // Read before the descriptors are taken: a sender that exits after this is still the
-        // one whose memory is mapped.
-        let sender_start = crate::sys::start_time_of(pid);
         let mut imported: Vec<(PhysHandle, u64)> = Vec::with_capacity(handles.len());
         let undo_imports = |imported: &[(PhysHandle, u64)]| {
             for &(h, _) in imported {
@@ -420,8 +432,9 @@ impl<D: Driver> DevicePool<D> {
         })
     }
 
-    /// The memory this device maps from other processes' pools, by sender, most bytes first: what [`DevicePool::open_shared`] opened and is not closed yet (VMM memory;
-    /// CUDA IPC opens of `vmm:false` senders name no process and are left out). The registry
+    /// The memory this device maps from other processes' pools, by sender, most bytes first:
+    /// what [`DevicePool::open_shared`] opened and is not closed yet (VMM memory; CUDA IPC opens
+    /// of `vmm:false` senders name no process and are left out). The registry
     /// publishes it, so that `cistern ps` and `doctor` can say who keeps a sender's memory
     /// alive after it exited.
     pub fn imported(&self) -> Vec<Imported> {

@@ -372,11 +372,18 @@ pub fn collect(view: &dyn GpuView, dirs: &Dirs, opts: &Options, warnings: &Warni
             for (tag, b) in fold_tags(&d.top_tags, d.live, opts.top_tags) {
                 x.bytes("cistern_process_tag_live_bytes", with(&l, "tag", tag), b);
             }
+            // One series per sender pid: a dead sender and the later process given its pid are
+            // two imports of one pid.
+            let mut by_pid: BTreeMap<u32, u64> = BTreeMap::new();
             for i in &d.imported {
+                let e = by_pid.entry(i.from_pid).or_default();
+                *e = e.saturating_add(i.bytes);
+            }
+            for (from_pid, bytes) in by_pid {
                 x.bytes(
                     "cistern_process_imported_bytes",
-                    with(&l, "from_pid", i.from_pid.to_string()),
-                    i.bytes,
+                    with(&l, "from_pid", from_pid.to_string()),
+                    bytes,
                 );
             }
             if d.imported_other > 0 {

@@ -51,8 +51,8 @@ impl ImportRow {
 /// A sender's record is one that names `from_pid` as its own pid (`from_pid` is as the receiver
 /// saw it, and a receiver takes descriptors only from a process in its pid namespace), has the
 /// receiver's uid (taking another process's descriptors needs ptrace rights over it), is in
-/// the receiver's pid namespace when both records say (else, in its container), and, when the
-/// receiver recorded the sender's start time, started then: a record of an earlier process
+/// the receiver's pid namespace when both records say (else, in its container), is of this
+/// boot, and, when the receiver recorded the sender's start time, started then: a record of an earlier process
 /// given the same pid is not the sender's. Without a start time (older receivers), the newest
 /// such record, unless its pid now belongs to another process (which may be the sender).
 /// Records are untrusted: an import naming anyone else is shown with no sender.
@@ -79,6 +79,8 @@ pub(super) fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
                         _ => q.container_id == p.container_id,
                     })
                     .filter(|q| start.is_none() || q.start_time == start)
+                    // The receiver runs, so its sender is of this boot.
+                    .filter(|q| q.liveness != Some(Liveness::OtherBoot))
                     .max_by_key(|q| q.updated_unix_ms)
                     .filter(|q| start.is_some() || q.state != PsState::PidReused);
                 let from_liveness = match (from, start) {

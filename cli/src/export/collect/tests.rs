@@ -180,11 +180,19 @@ mod scrape {
             peak_live: live,
             top_tags: tags.iter().map(|(n, b)| tag(n, *b)).collect(),
             top_sites: Vec::new(),
-            imported: vec![registry::ImportRecord {
-                from_pid: 4242,
-                from_start_time: 0,
-                bytes: MIB,
-            }],
+            // A dead sender and the later process given its pid: one series, their sum.
+            imported: vec![
+                registry::ImportRecord {
+                    from_pid: 4242,
+                    from_start_time: 10,
+                    bytes: MIB,
+                },
+                registry::ImportRecord {
+                    from_pid: 4242,
+                    from_start_time: 20,
+                    bytes: 2 * MIB,
+                },
+            ],
             imported_other: 3 * MIB,
         };
         let r = Registry::with_identity(dir, id).unwrap();
@@ -291,7 +299,7 @@ mod scrape {
                 "cistern_process_imported_bytes",
                 &[("pid", &mine), ("from_pid", "4242"), ("gpu", "0")]
             ),
-            Some(Value::Int(MIB as i64))
+            Some(Value::Int((3 * MIB) as i64))
         );
         // Senders beyond those a record names, in one series.
         assert_eq!(
