@@ -142,14 +142,15 @@ std::string read_json(F call) {
 }
 
 // The allocation history (torch.cuda.memory._record_memory_history), shared by the allocation
-// functions below and the allocator's snapshot.
-cistern_native::History g_history;
+// functions below and the allocator's snapshot. This file's state is never destroyed (leaked,
+// as PyTorch leaks its allocator): frees reach it until the process ends, from threads
+// (NCCL's watchdog) that outlive this library's static destructors.
+cistern_native::History& g_history = *new cistern_native::History();
 
 // OOM observers (attachOutOfMemoryObserver: PyTorch's OOM snapshot hooks).
-std::mutex g_observers_mu;
-std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> g_observers;
-
-int64_t allocated_now(int device);
+std::mutex& g_observers_mu = *new std::mutex();
+std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver>& g_observers =
+    *new std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver>();
 
 void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
   void* ptr = g_api.malloc(size, device, stream);
@@ -172,9 +173,14 @@ void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
       observers = g_observers;
     }
     if (!observers.empty()) {
-      int64_t allocated = allocated_now(device);
+      // As PyTorch calls them: the request's size, and the most this process may hold (the
+      // memory fraction's share of the device when one is set).
+      double f = g_api.get_memory_fraction(device);
+      size_t allowed = (f > 0 && f < 1)
+          ? static_cast<size_t>(f * static_cast<double>(device_total))
+          : device_total;
       for (const auto& obs : observers) {
-        obs(device, static_cast<size_t>(allocated), device_total, device_free);
+        obs(device, size, allowed, device_free);
       }
     }
     TORCH_CHECK_WITH(
@@ -307,6 +313,40 @@ class CisternAllocator : public PluggableBase {
     return &cistern_raw_deleter;
   }
 
+  // raw_alloc(0) returns NULL, which the base books like any pointer: a second raw_delete of
+  // it would throw. Nothing was allocated, nothing to free.
+  void raw_delete(void* ptr) override {
+    if (ptr != nullptr) {
+      PluggableBase::raw_delete(ptr);
+    }
+  }
+
+  // As PyTorch's own allocator: only cistern's memory is recorded on a stream; empty tensors
+  // (NULL) and memory from elsewhere (IPC, DLPack) are not cistern's to track.
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get() == nullptr || ptr.get_deleter() != &cistern_raw_deleter) {
+      return;
+    }
+    PluggableBase::recordStream(ptr, stream);
+  }
+
+  // A copy between devices without peer access: cudaMemcpyAsync cannot read or write
+  // cuMemMap memory across devices then, cudaMemcpyPeerAsync can (PyTorch's expandable
+  // segments have the same rule).
+  cudaError_t memcpyAsync(
+      void* dst,
+      int dstDevice,
+      const void* src,
+      int srcDevice,
+      size_t count,
+      cudaStream_t stream,
+      bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     cistern_native::Json flat;
     std::string text = stats_text(device);
@@ -421,10 +461,14 @@ class CisternAllocator : public PluggableBase {
     return static_cast<int>(n);
   }
 
-  // torch >= 2.8's MemPool(use_on_oom=True); a plain method in older torches (no override).
+  // MemPool(use_on_oom=True): (device, id, bool) in the newest torch, (device, id) in 2.8 and
+  // 2.9 (only ever to turn it on); plain methods where the torch has neither (no override).
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
     int ok = g_api.set_use_on_oom(device, mempool_id.first, mempool_id.second, use_on_oom ? 1 : 0);
     TORCH_CHECK(ok == 1, "cistern: setUseOnOOM: ", last_error());
+  }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    setUseOnOOM(device, mempool_id, true);
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -610,7 +654,7 @@ class CisternAllocator : public PluggableBase {
   }
 };
 
-std::shared_ptr<CisternAllocator> g_allocator;
+std::shared_ptr<CisternAllocator>& g_allocator = *new std::shared_ptr<CisternAllocator>();
 
 void cistern_raw_deleter(void* ptr) {
   // The installed allocator lives as long as the process (g_allocator is never reset).
@@ -619,12 +663,6 @@ void cistern_raw_deleter(void* ptr) {
   }
 }
 
-int64_t allocated_now(int device) {
-  std::string text =
-      read_json([&](char* buf, size_t cap) { return g_api.stats_json(device, buf, cap); });
-  cistern_native::Json flat;
-  return cistern_native::parse(text, flat) ? flat["allocated_bytes.all.current"].as_i64() : 0;
-}
 
 } // namespace
 

@@ -128,6 +128,10 @@ class History {
     }
     if (ctx) {
       contexts_[ptr] = ctx;
+      has_contexts_.store(true, std::memory_order_relaxed);
+    } else {
+      // No stack for this block (context=None): never an earlier block's at this address.
+      contexts_.erase(ptr);
     }
     if (!skip_alloc_) {
       push(device, make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
@@ -138,6 +142,13 @@ class History {
   // A free of the block at `ptr` (called before the block is given back).
   void free(c10::DeviceIndex device, void* ptr, size_t size, cudaStream_t stream) {
     if (!on()) {
+      // Recording stopped: the block's stack (kept while it lives, for snapshots) goes with
+      // it, so that a later block at its address never shows it.
+      if (has_contexts_.load(std::memory_order_relaxed)) {
+        std::lock_guard<std::mutex> g(mu_);
+        contexts_.erase(ptr);
+        has_contexts_.store(!contexts_.empty(), std::memory_order_relaxed);
+      }
       return;
     }
     Context ctx = capture(RecordContext::ALL);
@@ -252,6 +263,8 @@ class History {
        skip_oom_ = false, skip_segment_alloc_ = false, skip_segment_free_ = false,
        skip_segment_map_ = false, skip_segment_unmap_ = false;
   std::atomic<bool> pool_completes_{false};
+  // Whether contexts_ may hold a stack (so that a free with recording off skips the lock).
+  std::atomic<bool> has_contexts_{false};
   std::unordered_map<int, std::deque<TraceEntry>> rings_;
   std::unordered_map<void*, Context> contexts_;
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -349,7 +350,13 @@ inline DeviceStats stats_from_json(const Json& flat, const Baseline& base = Base
 inline SnapshotInfo snapshot_from_json(
     const Json& snap,
     std::pair<unsigned long long, unsigned long long> pool = {0, 0}) {
-  SnapshotInfo out;
+  // Value-initialised: PyTorch's pickler writes config_metadata's fields into every snapshot.
+  SnapshotInfo out{};
+  // cistern splits any block (no max_split_size); its segments grow and shrink by pages, as
+  // expandable segments do (vmm:false aside, which the snapshot does not say).
+  out.config_metadata.max_split_size = std::numeric_limits<size_t>::max();
+  out.config_metadata.expandable_segments = true;
+  out.config_metadata.last_allocator_settings = "cistern";
   size_t devices = 0;
   for (const Json& sj : snap["segments"].arr) {
     SegmentInfo seg;

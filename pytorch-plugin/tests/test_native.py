@@ -404,6 +404,11 @@ int main() {
   h.alloc(0, (void*)0x6000, 512, nullptr);
   std::printf("DISABLED|%d|%zu|%d|%d\n", (int)h.enabled(), h.devices(), calls - before,
               ctx_of(h, 0x4000));
+  // A block freed with recording off takes its stack along: a later block at its address
+  // never shows it.
+  h.free(0, (void*)0x4000, 4096, nullptr);
+  h.alloc(0, (void*)0x4000, 4096, nullptr);
+  std::printf("FREED_OFF|%d\n", ctx_of(h, 0x4000));
   // cistern's observer: segment events and completions come from the pool, without stacks;
   // free() records the request only; skip_actions names segment actions too.
   h.record(true, recorder, 20, RC::ALL, true);
@@ -473,6 +478,7 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
         # stays for a snapshot taken after (as PyTorch keeps it).
         assert rows["DISABLED"][0][0] == 0 and rows["DISABLED"][0][2] == 0
         assert rows["DISABLED"][0][1] == 1 and rows["DISABLED"][0][3] > 0
+        assert rows["FREED_OFF"] == [[0]], "a freed block's stack outlived it"
         # The pool's events, in PyTorch's actions (3 segment_alloc, 4 segment_free, 5
         # segment_map, 6 segment_unmap); an unknown kind is dropped.
         SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP = 3, 4, 5, 6
