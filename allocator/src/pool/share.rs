@@ -41,8 +41,9 @@
 //! description (and the sender's start time: a later process given a dead sender's pid may
 //! name the same descriptor numbers for other memory) with a count of opens, as PyTorch's
 //! `getIpcDevPtr` caches by handle bytes (a process may open one allocation once only), and
-//! `close_shared` unmaps and releases at the last close. Opened memory is not the pool's: it is neither counted in its statistics nor
-//! handed out, and the pool's teardown unmaps whatever is still open.
+//! `close_shared` unmaps and releases at the last close. Opened memory is not the pool's: it
+//! is neither counted in its statistics nor handed out, and the pool's teardown unmaps
+//! whatever is still open.
 
 use std::collections::hash_map::Entry;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};

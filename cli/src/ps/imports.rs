@@ -52,9 +52,10 @@ impl ImportRow {
 /// saw it, and a receiver takes descriptors only from a process in its pid namespace), has the
 /// receiver's uid (taking another process's descriptors needs ptrace rights over it), is in
 /// the receiver's pid namespace when both records say (else, in its container), is of this
-/// boot, and, when the receiver recorded the sender's start time, started then: a record of an earlier process
-/// given the same pid is not the sender's. Without a start time (older receivers), the newest
-/// such record, unless its pid now belongs to another process (which may be the sender).
+/// boot, and, when the receiver recorded the sender's start time, started then: a record of an
+/// earlier process given the same pid is not the sender's. Without a start time (older
+/// receivers), the newest such record, unless its pid now belongs to another process (which
+/// may be the sender).
 /// Records are untrusted: an import naming anyone else is shown with no sender.
 pub(super) fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
     let mut by_pid: HashMap<u32, Vec<&ProcRow>> = HashMap::new();
