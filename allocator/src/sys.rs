@@ -58,12 +58,10 @@ pub(crate) fn memfd(name: &std::ffi::CStr) -> std::io::Result<std::os::fd::Owned
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
-/// A duplicate, in this process, of file descriptor `fd` of process `pid` (`pidfd_open` and
-/// `pidfd_getfd`, Linux 5.6). It needs ptrace-attach permission over `pid`: the same user and,
-/// under Yama's `ptrace_scope` 1, that `pid` be a descendant of this process or have allowed it
-/// (`prctl(PR_SET_PTRACER)`).
-pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+/// A pidfd of process `pid` (`pidfd_open`, Linux 5.3): it names that process, never a later
+/// owner of its pid.
+fn pidfd_open(pid: u32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
     // SAFETY: the pidfd_open system call with a pid and flags 0; the result is checked.
@@ -72,7 +70,16 @@ pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::O
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `pidfd` was just opened and nothing else owns it.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    Ok(unsafe { OwnedFd::from_raw_fd(pidfd as i32) })
+}
+
+/// A duplicate, in this process, of file descriptor `fd` of process `pid` (`pidfd_open` and
+/// `pidfd_getfd`, Linux 5.6). It needs ptrace-attach permission over `pid`: the same user and,
+/// under Yama's `ptrace_scope` 1, that `pid` be a descendant of this process or have allowed it
+/// (`prctl(PR_SET_PTRACER)`).
+pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let pidfd = pidfd_open(pid)?;
     // SAFETY: pidfd_getfd with a live pidfd, a descriptor number of that process and flags 0.
     let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
     if got < 0 {
@@ -87,15 +94,8 @@ pub(crate) fn fd_of_process(pid: u32, fd: i32) -> std::io::Result<std::os::fd::O
 /// holds the process, and believed only if that process is still there afterwards (a pidfd
 /// names one process, never its pid's next owner). `None` when it cannot be told.
 pub(crate) fn start_time_of(pid: u32) -> Option<u64> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let raw = libc::pid_t::try_from(pid).ok()?;
-    // SAFETY: the pidfd_open system call with a pid and flags 0; the result is checked.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
-    if pidfd < 0 {
-        return None;
-    }
-    // SAFETY: `pidfd` was just opened and nothing else owns it.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    use std::os::fd::AsRawFd;
+    let pidfd = pidfd_open(pid).ok()?;
     let start = crate::registry::process_start_time(pid).ok()?;
     // SAFETY: pidfd_send_signal with a live pidfd, signal 0 (a check only, nothing is sent),
     // no siginfo and flags 0.

@@ -66,6 +66,8 @@ pub(super) fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
             .push(q);
     }
     let mut out = Vec::new();
+    // This reader's pid namespace (read once: `None` when unreadable, as a record without one).
+    let own_ns = registry::pid_ns_of("self");
     for p in rows.iter().filter(|p| p.state == PsState::Running) {
         for d in &p.gpus {
             for i in &d.imported {
@@ -91,7 +93,7 @@ pub(super) fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
                     // record says).
                     (None, Some(st))
                         if p.container_pid.is_none()
-                            && p.pid_ns.is_none_or(|ns| Some(ns) == own_pid_ns()) =>
+                            && p.pid_ns.is_none_or(|ns| Some(ns) == own_ns) =>
                     {
                         Some(cistern::registry::is_alive(i.from_pid, st))
                     }
@@ -115,9 +117,4 @@ pub(super) fn import_rows(rows: &[ProcRow]) -> Vec<ImportRow> {
     }
     out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
     out
-}
-
-/// This reader's pid namespace (`None` when unreadable, as a record without one).
-fn own_pid_ns() -> Option<u64> {
-    registry::pid_ns_of("self")
 }

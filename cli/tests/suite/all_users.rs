@@ -274,14 +274,7 @@ fn records_of_another_user_are_refused_node_wide() {
     );
     chown(&planted, Some(4242), Some(4242)).unwrap();
     // A record naming a live process of another user.
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let other = Kill(
+    let other = crate::common::holders::Killed(
         std::process::Command::new("setpriv")
             .args([
                 "--reuid=65534",

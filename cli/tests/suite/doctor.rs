@@ -567,20 +567,13 @@ fn imports_are_matched_to_their_sender_by_start_time() {
     let dir = tmp.path().join("registry");
     let (me, start) = me();
     // The running sender: a child with no record, whose pid an earlier (dead) process used.
-    struct Killed(std::process::Child);
-    impl Drop for Killed {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let child = Killed(
+    let child = crate::common::holders::Killed(
         std::process::Command::new("sleep")
             .arg("3600")
             .spawn()
             .unwrap(),
     );
-    let sender = child.0.id();
+    let sender = child.pid();
     let sender_start = cistern::registry::process_start_time(sender).unwrap();
     let gone = dead_pid(2);
     let mut worker = device(0, "GPU-aaaa", GIB, MIB, &[]);
