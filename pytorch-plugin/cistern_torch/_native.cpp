@@ -22,6 +22,9 @@
 //   recordHistory (every version's signature), isHistoryEnabled   _native_history.h
 //   attachOutOfMemoryObserver                                    called on each OOM
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
+//   attachAllocatorTraceTracker                                  every trace entry, as the history sees it
+//   attachOomRejectionObserver                                   kept; cistern never rejects before trying
+//   getExpandableSegmentSizes                                    the snapshot's VMM runs, per stream
 //   shareIpcHandle / getIpcDevPtr                              cistern_ipc_share / _open / _close
 //   setUseOnOOM (MemPool(use_on_oom=True))                     cistern_set_use_on_oom
 //   getCheckpointState / setCheckpointPoolState,
@@ -45,7 +48,9 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -57,6 +62,25 @@
 #include <vector>
 
 #define CISTERN_SHIM_EXPORT __attribute__((visibility("default")))
+
+// Names that only newer torch declares, for the methods below that take or return them. The
+// using-directive makes these fallbacks visible in torch's namespace, where qualified lookup
+// finds them only when torch declares no name of its own: so each method compiles against every
+// torch, and overrides the virtual where the torch has one (2.5 has neither).
+namespace cistern_compat {
+struct Absent {};
+using OomRejectionObserver = std::function<void(Absent)>;
+struct StreamSegmentSize {
+  StreamSegmentSize(cudaStream_t s, bool small, size_t size)
+      : stream(s), is_small_pool(small), total_size(size) {}
+  cudaStream_t stream;
+  bool is_small_pool;
+  size_t total_size;
+};
+} // namespace cistern_compat
+namespace c10::cuda::CUDACachingAllocator {
+using namespace ::cistern_compat;
+} // namespace c10::cuda::CUDACachingAllocator
 
 namespace {
 
@@ -202,14 +226,15 @@ void observe_trampoline(void*, const void* raw) noexcept {
   }
 }
 
-// cistern's observer is set only while the history records (segment events, and frees completed
-// when the pool says so), so that with history off a free costs nothing more; without it the
-// history records free_completed at the free.
+// cistern's observer is set only while the history records or a trace tracker is attached
+// (segment events, and frees completed when the pool says so), so that otherwise a free costs
+// nothing more; without it the history records free_completed at the free.
 std::mutex g_observing_mu;
 bool g_observing = false;
 
-void sync_observer(bool enabled) {
+void sync_observer() {
   std::lock_guard<std::mutex> g(g_observing_mu);
+  bool enabled = g_history.enabled() || g_history.tracked();
   if (enabled && !g_observing) {
     // Before the observer: a free in between must not record free_completed twice.
     g_history.pool_completes(true);
@@ -598,21 +623,32 @@ class CisternAllocator : public PluggableBase {
   using RecordContext = c10::cuda::CUDACachingAllocator::RecordContext;
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries, RecordContext when) {
     g_history.record(enabled, recorder, max_entries, when, false);
-    sync_observer(enabled);
+    sync_observer();
   }
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
                      RecordContext when, bool clearHistory) {
     g_history.record(enabled, recorder, max_entries, when, clearHistory);
-    sync_observer(enabled);
+    sync_observer();
   }
   void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
                      RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) {
     g_history.record(enabled, recorder, max_entries, when, clearHistory, skip_actions);
-    sync_observer(enabled);
+    sync_observer();
   }
   bool isHistoryEnabled() override {
     return g_history.enabled();
+  }
+
+  // ProcessGroupNCCL's registration hook (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) and
+  // profilers: told every trace entry from now on (see _native_history.h). VMM memory shows as
+  // segment_map / segment_unmap, as PyTorch's expandable segments do.
+  void attachAllocatorTraceTracker(
+      c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
+    TORCH_CHECK(g_history.attach_tracker(std::move(tracker)),
+                "cistern: attachAllocatorTraceTracker: at most ",
+                cistern_native::Trackers::kMaxTrackers, " trace trackers can be attached");
+    sync_observer();
   }
 
   void attachOutOfMemoryObserver(
@@ -621,9 +657,47 @@ class CisternAllocator : public PluggableBase {
     g_observers.push_back(std::move(observer));
   }
 
+  // Observers of allocations PyTorch's allocator rejects before asking the driver
+  // (throw_on_cudamalloc_oom with a memory fraction). cistern has no such policy: a request over
+  // its limit (cistern_torch.set_memory_fraction, `limit:`) first releases cached memory, as
+  // any OOM, and fails as an OutOfMemoryError that the OOM observers see. So these observers
+  // are kept and never called, and memory_stats()["num_oom_rejections"] stays 0: both true of
+  // cistern, not missing.
+  void attachOomRejectionObserver(c10::cuda::CUDACachingAllocator::OomRejectionObserver observer) {
+    std::lock_guard<std::mutex> g(g_observers_mu);
+    rejection_observers_.push_back(std::move(observer));
+  }
+
+  // Newer torch: the bytes mapped per stream and heap, as PyTorch's expandable segments report
+  // them: cistern's VMM runs of mapped pages (the snapshot's expandable segments) summed by
+  // stream and small/large heap; memory without VMM (vmm:false) is not expandable and not
+  // counted, as in PyTorch.
+  std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex device) {
+    auto info = snapshot_of({0, 0});
+    std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> out;
+    for (const auto& seg : info.segments) {
+      if (seg.device != device || !seg.is_expandable) {
+        continue;
+      }
+      bool small = !seg.is_large;
+      auto stream = static_cast<cudaStream_t>(seg.stream);
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& s) {
+        return s.stream == stream && s.is_small_pool == small;
+      });
+      if (it == out.end()) {
+        out.emplace_back(stream, small, seg.total_size);
+      } else {
+        it->total_size += seg.total_size;
+      }
+    }
+    return out;
+  }
+
  private:
   std::mutex mu_;
   std::unordered_map<int, cistern_native::Baseline> baselines_;
+  std::vector<c10::cuda::CUDACachingAllocator::OomRejectionObserver> rejection_observers_;
 
   static std::string stats_text(c10::DeviceIndex device) {
     std::string text =

@@ -16,6 +16,14 @@
 // free_completed is recorded with free_requested. Pool events carry no stack: they come with
 // cistern's locks held, where PyTorch's recorder (which takes the GIL) must not be called. Not
 // recorded: the snapshot marker.
+//
+// Trace trackers (attachAllocatorTraceTracker: ProcessGroupNCCL's hook that registers the
+// allocator's memory with NCCL, profilers) are told every entry, alloc to segment_unmap, whether
+// or not the history records, as PyTorch's allocator tells them; the history's skip_actions
+// apply to its rings only. Trackers can be attached, never detached (as in PyTorch). They are
+// called on the thread that caused the event: for pool events with cistern's locks held, so, as
+// PyTorch's comment on attachAllocatorTraceTracker says, a tracker must not take the GIL nor
+// call the allocator.
 
 #pragma once
 
@@ -76,8 +84,45 @@ inline TraceEntry make_entry(
   return e;
 }
 
+// The attached trace trackers: at most kMaxTrackers, called without a lock (each slot is written
+// once, before the count that makes it visible).
+class Trackers {
+ public:
+  static constexpr size_t kMaxTrackers = 64;
+
+  // Adds `t`; false when kMaxTrackers are attached already.
+  bool attach(cca::AllocatorTraceTracker t) {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t n = count_.load(std::memory_order_relaxed);
+    if (n == kMaxTrackers) {
+      return false;
+    }
+    slots_[n] = std::move(t);
+    count_.store(n + 1, std::memory_order_release);
+    return true;
+  }
+
+  bool any() const {
+    return count_.load(std::memory_order_relaxed) != 0;
+  }
+
+  void tell(const TraceEntry& e) const {
+    size_t n = count_.load(std::memory_order_acquire);
+    for (size_t i = 0; i < n; ++i) {
+      if (slots_[i]) {
+        slots_[i](e);
+      }
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::atomic<size_t> count_{0};
+  cca::AllocatorTraceTracker slots_[kMaxTrackers];
+};
+
 // The history of every device: what recordHistory switched on, the rings, and the context of each
-// live block. Thread-safe.
+// live block; and the trace trackers. Thread-safe.
 class History {
  public:
   // recordHistory(enabled, recorder, max_entries, when[, clear[, skip_actions]]), as PyTorch's
@@ -118,29 +163,38 @@ class History {
 
   // An allocation of `size` bytes at `ptr` on `device` (called after it succeeded).
   void alloc(c10::DeviceIndex device, void* ptr, size_t size, cudaStream_t stream) {
-    if (!on()) {
+    bool tracked = trackers_.any();
+    if (!on() && !tracked) {
       return;
     }
     Context ctx = capture(RecordContext::STATE);
-    std::lock_guard<std::mutex> g(mu_);
-    if (!enabled_) {
-      return;
+    Context entry_ctx;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      entry_ctx = when_ >= RecordContext::ALLOC ? ctx : nullptr;
+      if (enabled_) {
+        if (ctx) {
+          contexts_[ptr] = ctx;
+          has_contexts_.store(true, std::memory_order_relaxed);
+        } else {
+          // No stack for this block (context=None): never an earlier block's at this address.
+          contexts_.erase(ptr);
+        }
+        if (!skip_alloc_) {
+          push(device, make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
+                                  stream, entry_ctx));
+        }
+      }
     }
-    if (ctx) {
-      contexts_[ptr] = ctx;
-      has_contexts_.store(true, std::memory_order_relaxed);
-    } else {
-      // No stack for this block (context=None): never an earlier block's at this address.
-      contexts_.erase(ptr);
-    }
-    if (!skip_alloc_) {
-      push(device, make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
-                              stream, when_ >= RecordContext::ALLOC ? ctx : nullptr));
+    if (tracked) {
+      trackers_.tell(make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
+                                stream, std::move(entry_ctx)));
     }
   }
 
   // A free of the block at `ptr` (called before the block is given back).
   void free(c10::DeviceIndex device, void* ptr, size_t size, cudaStream_t stream) {
+    bool tracked = trackers_.any();
     if (!on()) {
       // Recording stopped: the block's stack (kept while it lives, for snapshots) goes with
       // it, so that a later block at its address never shows it.
@@ -149,21 +203,38 @@ class History {
         contexts_.erase(ptr);
         has_contexts_.store(!contexts_.empty(), std::memory_order_relaxed);
       }
+      if (tracked) {
+        tell_free(device, reinterpret_cast<size_t>(ptr), size, stream, nullptr);
+      }
       return;
     }
     Context ctx = capture(RecordContext::ALL);
-    std::lock_guard<std::mutex> g(mu_);
-    contexts_.erase(ptr);
-    if (!enabled_) {
-      return;
-    }
     auto addr = reinterpret_cast<size_t>(ptr);
-    if (!skip_free_requested_) {
-      push(device, make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      contexts_.erase(ptr);
+      if (enabled_) {
+        if (!skip_free_requested_) {
+          push(device, make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+        }
+        if (!skip_free_completed_ && !pool_completes_.load(std::memory_order_relaxed)) {
+          push(device, make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+        }
+      }
     }
-    if (!skip_free_completed_ && !pool_completes_.load(std::memory_order_relaxed)) {
-      push(device, make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+    if (tracked) {
+      tell_free(device, addr, size, stream, std::move(ctx));
     }
+  }
+
+  // Attaches a trace tracker; false when too many are attached (see Trackers).
+  bool attach_tracker(cca::AllocatorTraceTracker t) {
+    return trackers_.attach(std::move(t));
+  }
+
+  // Whether any trace tracker is attached (cistern's observer must then report pool events).
+  bool tracked() const {
+    return trackers_.any();
   }
 
   // Whether cistern's observer reports completed frees (then free() records free_requested only).
@@ -175,51 +246,57 @@ class History {
   // 3 segment_alloc, 4 segment_free, 5 free_completed), for `bytes` at `addr`. Called with
   // cistern's locks held: takes no stack, calls nothing of cistern's or Python's.
   void pool_event(int kind, c10::DeviceIndex device, size_t addr, size_t bytes) {
-    if (!on()) {
-      return;
-    }
-    std::lock_guard<std::mutex> g(mu_);
-    if (!enabled_) {
+    bool tracked = trackers_.any();
+    if (!on() && !tracked) {
       return;
     }
     TraceEntry::Action action;
     switch (kind) {
       case 1:
-        if (skip_segment_map_) return;
         action = TraceEntry::SEGMENT_MAP;
         break;
       case 2:
-        if (skip_segment_unmap_) return;
         action = TraceEntry::SEGMENT_UNMAP;
         break;
       case 3:
-        if (skip_segment_alloc_) return;
         action = TraceEntry::SEGMENT_ALLOC;
         break;
       case 4:
-        if (skip_segment_free_) return;
         action = TraceEntry::SEGMENT_FREE;
         break;
       case 5:
-        if (skip_free_completed_) return;
         action = TraceEntry::FREE_COMPLETED;
         break;
       default:
         return;  // a kind a newer libcistern reports: not PyTorch's to show
     }
-    push(device, make_entry(action, device, addr, bytes, nullptr, nullptr));
+    if (on()) {
+      std::lock_guard<std::mutex> g(mu_);
+      if (enabled_ && !skipped(action)) {
+        push(device, make_entry(action, device, addr, bytes, nullptr, nullptr));
+      }
+    }
+    if (tracked) {
+      trackers_.tell(make_entry(action, device, addr, bytes, nullptr, nullptr));
+    }
   }
 
   // A request of `size` bytes that failed for lack of memory (`device_free`: the device's free
   // bytes as the driver reports them, what PyTorch records in addr_).
   void oom(c10::DeviceIndex device, size_t size, size_t device_free, cudaStream_t stream) {
-    if (!on()) {
+    bool tracked = trackers_.any();
+    if (!on() && !tracked) {
       return;
     }
     Context ctx = capture(RecordContext::ALLOC);
-    std::lock_guard<std::mutex> g(mu_);
-    if (enabled_ && !skip_oom_) {
-      push(device, make_entry(TraceEntry::OOM, device, device_free, size, stream, ctx));
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (enabled_ && !skip_oom_) {
+        push(device, make_entry(TraceEntry::OOM, device, device_free, size, stream, ctx));
+      }
+    }
+    if (tracked) {
+      trackers_.tell(make_entry(TraceEntry::OOM, device, device_free, size, stream, std::move(ctx)));
     }
   }
 
@@ -268,8 +345,38 @@ class History {
   std::unordered_map<int, std::deque<TraceEntry>> rings_;
   std::unordered_map<void*, Context> contexts_;
 
+  Trackers trackers_;
+
   bool on() const {
     return enabled_.load(std::memory_order_relaxed);
+  }
+
+  // Whether skip_actions keeps `action` out of the rings (mu_ held).
+  bool skipped(TraceEntry::Action action) const {
+    switch (action) {
+      case TraceEntry::SEGMENT_MAP:
+        return skip_segment_map_;
+      case TraceEntry::SEGMENT_UNMAP:
+        return skip_segment_unmap_;
+      case TraceEntry::SEGMENT_ALLOC:
+        return skip_segment_alloc_;
+      case TraceEntry::SEGMENT_FREE:
+        return skip_segment_free_;
+      case TraceEntry::FREE_COMPLETED:
+        return skip_free_completed_;
+      default:
+        return false;
+    }
+  }
+
+  // A free as the trackers see it: free_requested, and free_completed unless cistern's
+  // observer reports it when the block is free for reuse.
+  void tell_free(c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
+                 Context ctx) const {
+    trackers_.tell(make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+    if (!pool_completes_.load(std::memory_order_relaxed)) {
+      trackers_.tell(make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+    }
   }
 
   // The recorder's context when recording at `level` or above is asked for (outside the lock:

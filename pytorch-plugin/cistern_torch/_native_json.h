@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -303,6 +304,58 @@ inline Baseline baseline_of(const Json& flat) {
   return b;
 }
 
+// cistern's "reserved_bytes_by_private_pools.<a>_<b>.<half>.<field>" counters (each graph pool's
+// reserved bytes, keyed as PyTorch flattens its MempoolId_t) into DeviceStats'
+// reserved_bytes_by_private_pools, in a torch whose DeviceStats has it (the `int` overload is
+// chosen then); `get` reads a counter less its baseline.
+template <class S, class Get>
+auto fill_private_pools(S& s, const Json& flat, Get get, int)
+    -> decltype((void)s.reserved_bytes_by_private_pools, void()) {
+  static const std::string prefix = "reserved_bytes_by_private_pools.";
+  if (flat.kind != Json::Object) {
+    return;
+  }
+  for (const auto& kv : flat.obj) {
+    const std::string& key = kv.first;
+    if (key.compare(0, prefix.size(), prefix) != 0) {
+      continue;
+    }
+    // "<a>_<b>.<half>.<field>"
+    size_t id_end = key.find('.', prefix.size());
+    size_t half_end = id_end == std::string::npos ? id_end : key.find('.', id_end + 1);
+    if (half_end == std::string::npos) {
+      continue;
+    }
+    std::string id = key.substr(prefix.size(), id_end - prefix.size());
+    size_t us = id.find('_');
+    if (us == std::string::npos) {
+      continue;
+    }
+    std::string half = key.substr(id_end + 1, half_end - id_end - 1);
+    std::string field = key.substr(half_end + 1);
+    int idx = half == "all" ? 0 : half == "small_pool" ? 1 : half == "large_pool" ? 2 : -1;
+    if (idx < 0) {
+      continue;
+    }
+    using Key = typename std::decay_t<decltype(s.reserved_bytes_by_private_pools)>::key_type;
+    Key pool{std::strtoull(id.substr(0, us).c_str(), nullptr, 10),
+                          std::strtoull(id.substr(us + 1).c_str(), nullptr, 10)};
+    auto& st = s.reserved_bytes_by_private_pools[pool][idx];
+    int64_t v = get(key);
+    if (field == "current") {
+      st.current = v;
+    } else if (field == "peak") {
+      st.peak = v;
+    } else if (field == "allocated") {
+      st.allocated = v;
+    } else if (field == "freed") {
+      st.freed = v;
+    }
+  }
+}
+template <class S, class Get>
+void fill_private_pools(S&, const Json&, Get, long) {}
+
 // cistern's flat statistics ("allocated_bytes.large_pool.peak": n, ...) as PyTorch's
 // DeviceStats, less `base` (the accumulated counters at the last reset).
 inline DeviceStats stats_from_json(const Json& flat, const Baseline& base = Baseline()) {
@@ -341,6 +394,7 @@ inline DeviceStats stats_from_json(const Json& flat, const Baseline& base = Base
   s.num_device_alloc = get("num_device_alloc");
   s.num_device_free = get("num_device_free");
   s.max_split_size = get("max_split_size");
+  fill_private_pools(s, flat, get, 0);
   return s;
 }
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import subprocess
@@ -105,6 +106,49 @@ def test_native_allocator_compiles_against_each_torch(tmp_path, monkeypatch) -> 
     assert built
 
 
+# Methods whose signature differs between torch versions are declared without `override`
+# (_native.cpp says why); in a torch that declares them virtual they must override, or PyTorch
+# calls its base's version, which raises. The compiler names each method that overrides without
+# saying so (-Wsuggest-override): those of the newest torch must all be there.
+NEWEST_OVERRIDES = (
+    "getMemoryFraction", "snapshot", "emptyCache", "createOrIncrefPool", "getPoolUseCount",
+    "setUseOnOOM", "recordHistory", "attachOomRejectionObserver", "getExpandableSegmentSizes",
+)
+
+
+def test_version_dependent_methods_override_the_newest_torchs(tmp_path) -> None:
+    cxx = _cxx()
+    checked = 0
+    for root in _torch_roots():
+        inc = os.path.join(root, "include")
+        header = os.path.join(inc, "c10", "cuda", "CUDACachingAllocator.h")
+        with open(header, encoding="utf-8", errors="replace") as f:
+            if "attachOomRejectionObserver" not in f.read():
+                continue  # an older torch: some of these are not virtual there
+        pkg = os.path.dirname(_shim.source_path())
+        errors = []
+        for std in ("c++17", "c++20"):
+            proc = subprocess.run(
+                [cxx, f"-std={std}", "-fsyntax-only", "-Wsuggest-override",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(_shim.cxx11_abi_of(root))}", "-I", pkg,
+                 "-I", inc, "-I", os.path.join(inc, "torch", "csrc", "api", "include"),
+                 "-I", _cuda_include(root), _shim.source_path("_native.cpp")],
+                capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+            errors.append(proc.stderr[-2000:])
+        else:
+            raise AssertionError("\n".join(errors))
+        marked = {line for line in proc.stderr.splitlines()
+                  if "_native.cpp" in line and "override" in line}
+        for name in NEWEST_OVERRIDES:
+            assert any(re.search(rf"\b{name}\b", line) for line in marked), (
+                name, sorted(marked))
+        checked += 1
+    if not checked:
+        pytest.skip("no torch with attachOomRejectionObserver among the roots")
+
+
 def test_native_build_errors_name_the_fix(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CISTERN_TORCH_CACHE", str(tmp_path / "cache"))
     with pytest.raises(_shim.ShimBuildError, match="CUDA build of torch"):
@@ -181,6 +225,24 @@ static void print_stats(const char* tag, const c10::CachingDeviceAllocator::Devi
               (long long)s.oversize_allocations.current);
 }
 
+// Each graph pool's reserved bytes, in a torch whose DeviceStats has them.
+template <class S>
+auto print_private(const char* tag, const S& s, int)
+    -> decltype((void)s.reserved_bytes_by_private_pools, void()) {
+  const char* pools[3] = {"all", "small_pool", "large_pool"};
+  for (const auto& kv : s.reserved_bytes_by_private_pools) {
+    for (int i = 0; i < 3; ++i) {
+      const auto& st = kv.second[i];
+      std::printf("%s|%llu_%llu.%s|%lld|%lld|%lld|%lld\n", tag,
+                  (unsigned long long)kv.first.first, (unsigned long long)kv.first.second,
+                  pools[i], (long long)st.current, (long long)st.peak, (long long)st.allocated,
+                  (long long)st.freed);
+    }
+  }
+}
+template <class S>
+void print_private(const char*, const S&, long) {}
+
 int main(int argc, char** argv) {
   void* lib = dlopen(argv[1], RTLD_NOW);
   if (!lib) { std::printf("DLOPEN|%s\n", dlerror()); return 2; }
@@ -203,6 +265,7 @@ int main(int argc, char** argv) {
   cistern_native::Json flat;
   if (!cistern_native::parse(st, flat)) return 5;
   print_stats("STAT", cistern_native::stats_from_json(flat));
+  print_private("PRIV", cistern_native::stats_from_json(flat), 0);
   // resetAccumulatedStats: counters from the reset on.
   auto base = cistern_native::baseline_of(flat);
   f(c, 40 << 20, 0, s1);
@@ -282,7 +345,13 @@ def test_stats_and_snapshot_convert_to_pytorchs_types(tmp_path, lib) -> None:
     for i, root in enumerate(_torch_roots()):
         work = tmp_path / str(i)
         work.mkdir()
-        _check_conversion(*_run_harness(work, root))
+        lines, out = _run_harness(work, root)
+        _check_conversion(lines, out)
+        header = os.path.join(root, "include", "c10", "core", "CachingDeviceAllocator.h")
+        if os.path.isfile(header):
+            with open(header, encoding="utf-8", errors="replace") as f:
+                if "reserved_bytes_by_private_pools" in f.read():
+                    assert any(r.startswith("5_0.all|") for r in lines.get("PRIV", [])), lines
 
 
 def _check_conversion(lines: Dict[str, List[str]], _out: str) -> None:
@@ -293,6 +362,14 @@ def _check_conversion(lines: Dict[str, List[str]], _out: str) -> None:
     for key, value in got.items():
         assert value == stats[key], (key, value, stats[key])
     assert got["allocated_bytes.all.current"] == (3 << 20) + (40 << 20) + (2 << 20)
+    # The graph pool's reserved bytes: in cistern's statistics always, in DeviceStats where the
+    # torch has reserved_bytes_by_private_pools.
+    assert stats["reserved_bytes_by_private_pools.5_0.all.current"] >= 2 << 20
+    for row in lines.get("PRIV", []):
+        name, *values = row.split("|")
+        prefix = f"reserved_bytes_by_private_pools.{name}"
+        assert [int(v) for v in values] == [
+            stats[f"{prefix}.{f}"] for f in ("current", "peak", "allocated", "freed")], row
     assert got["allocation.all.allocated"] == 4
     # After resetAccumulatedStats: current and peak as cistern has them, "allocated" and
     # "freed" and the event counts from the reset on.
@@ -349,6 +426,8 @@ def test_build_shim_command_builds_against_a_torch_on_disk(tmp_path) -> None:
 HISTORY_HARNESS = r"""
 #include "_native_history.h"
 #include <cstdio>
+#include <tuple>
+#include <vector>
 
 using namespace cistern_native;
 
@@ -427,6 +506,34 @@ int main() {
   h.pool_event(5, 0, 0x10000, 4096);
   h.pool_event(2, 0, 0x10000, 20 << 20);
   dump("POOLSKIP", h);
+  // Trace trackers (attachAllocatorTraceTracker): every entry, with the history off and
+  // whatever its skip_actions; the rings are untouched.
+  History t;
+  std::vector<std::tuple<int, size_t, size_t>> seen;
+  bool attached = t.attach_tracker([&seen](const c10::cuda::CUDACachingAllocator::TraceEntry& e) {
+    seen.emplace_back((int)e.action_, e.addr_, e.size_);
+  });
+  std::printf("TRACKED|%d|%d\n", (int)attached, (int)t.tracked());
+  t.pool_event(1, 0, 0x20000, 2 << 20);
+  t.alloc(0, (void*)0x20000, 4096, nullptr);
+  t.free(0, (void*)0x20000, 4096, nullptr);
+  t.oom(0, 1 << 30, 99, nullptr);
+  t.record(true, recorder, 20, RC::ALL, true, {"alloc", "segment_unmap"});
+  t.pool_completes(true);
+  t.alloc(0, (void*)0x30000, 512, nullptr);
+  t.free(0, (void*)0x30000, 512, nullptr);
+  t.pool_event(5, 0, 0x30000, 512);
+  t.pool_event(2, 0, 0x20000, 2 << 20);
+  t.pool_event(42, 0, 0x20000, 1);
+  for (const auto& e : seen) {
+    std::printf("SEEN|%d|%zu|%zu\n", std::get<0>(e), std::get<1>(e), std::get<2>(e));
+  }
+  dump("TRACKRING", t);
+  int more = 0;
+  while (t.attach_tracker([](const c10::cuda::CUDACachingAllocator::TraceEntry&) {})) {
+    ++more;
+  }
+  std::printf("LIMIT|%d\n", more);
   return 0;
 }
 """
@@ -490,3 +597,13 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
         assert pool_rows[SEG_MAP] == 0 and pool_rows[FREE_DONE] == 0, "no stack under cistern's locks"
         assert pool_rows[ALLOC] > 0
         assert [r[1] for r in rows["POOLSKIP"]] == [SEG_UNMAP]
+        # Trackers see every entry, recording or not, skipped or not; the ring keeps its rules.
+        assert rows["TRACKED"] == [[1, 1]]
+        assert [tuple(r) for r in rows["SEEN"]] == [
+            (SEG_MAP, 0x20000, 2 << 20), (ALLOC, 0x20000, 4096), (FREE_REQ, 0x20000, 4096),
+            (FREE_DONE, 0x20000, 4096), (OOM, 99, 1 << 30),
+            (ALLOC, 0x30000, 512), (FREE_REQ, 0x30000, 512), (FREE_DONE, 0x30000, 512),
+            (SEG_UNMAP, 0x20000, 2 << 20)]
+        assert [(r[1], r[2]) for r in rows["TRACKRING"]] == [
+            (FREE_REQ, 0x30000), (FREE_DONE, 0x30000)]
+        assert rows["LIMIT"] == [[63]]

@@ -371,10 +371,11 @@ impl<D: Driver> DevicePool<D> {
         // Their filters are released outside the lock.
         drop(closed);
         // The device lock orders this against a growth that holds one of these arenas.
-        let _dev = self.state.lock();
+        let mut dev = self.state.lock();
         for (_, arena) in arenas {
             self.retire(arena);
         }
+        dev.drop_private_reserved((id.0, id.1));
         Ok(())
     }
 

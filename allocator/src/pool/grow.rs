@@ -184,6 +184,7 @@ impl<D: Driver> DevicePool<D> {
         c.observer
             .emit(super::PoolEventKind::SegmentAlloc, c.dev, base, seg_size);
         dev.add_reserved(kind, seg_size as i64);
+        dev.add_private_reserved(arena.graph_pool, kind, seg_size as i64);
         dev.add_segments(kind, 1);
         let before = a.free_totals(kind);
         a.kinds[kind].add_segment(base, seg_size, Backing::Linear);

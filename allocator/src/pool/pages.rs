@@ -57,6 +57,7 @@ impl<D: Driver> DevicePool<D> {
         &self,
         dev: &mut DeviceState,
         a: &mut ArenaState,
+        graph_pool: Option<(u64, u64)>,
         kind: HeapKind,
         seg_idx: u32,
         mut placed: Vec<(u64, Chunk)>,
@@ -98,6 +99,7 @@ impl<D: Driver> DevicePool<D> {
                 Ok(()) => {
                     c.observer
                         .emit(PoolEventKind::SegmentMap, c.dev, lo, hi - lo);
+                    dev.add_private_reserved(graph_pool, kind, (hi - lo) as i64);
                     if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
                         if let Backing::Vmm { pages } = &mut seg.backing {
                             for &(at, ch) in &run {

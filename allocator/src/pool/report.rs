@@ -1,6 +1,7 @@
 //! What the pool tells: statistics with PyTorch's names, the invariant check, live views
 //! (blocks, ledger, marks), segment snapshots, and the device report.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -61,6 +62,12 @@ impl<D: Driver> DevicePool<D> {
             s.set_gauge("oversize_allocations", POOL_NAMES[p], ExactGauge::default());
             s.set_gauge("oversize_segments", POOL_NAMES[p], ExactGauge::default());
         }
+        for (id, g) in &dev.private_reserved {
+            let name = format!("reserved_bytes_by_private_pools.{}_{}", id.0, id.1);
+            for p in 0..3 {
+                s.set_gauge(&name, POOL_NAMES[p], g[p]);
+            }
+        }
         let k = &c.counters;
         for (name, v) in [
             ("num_alloc_retries", &k.num_alloc_retries),
@@ -87,10 +94,23 @@ impl<D: Driver> DevicePool<D> {
         s
     }
 
-    /// Sets every peak to its current value.
+    /// Sets every peak to its current value; a released graph pool's reserved bytes are
+    /// forgotten then.
     pub fn reset_peak_stats(&self) {
         let c = &*self.core;
+        let live: Vec<(u64, u64)> = self
+            .graph_pools()
+            .iter()
+            .map(|p| (p.id.0, p.id.1))
+            .collect();
         let mut dev = self.state.lock();
+        dev.private_reserved
+            .retain(|id, g| g[0].current != 0 || live.contains(id));
+        for g in dev.private_reserved.values_mut() {
+            for x in g.iter_mut() {
+                x.peak = x.current;
+            }
+        }
         let arenas = self.all_arenas();
         let mut guards: Vec<_> = arenas.iter().map(|a| a.state.lock()).collect();
         let mut cur = [[0i64; 3]; GAUGES];
@@ -116,16 +136,21 @@ impl<D: Driver> DevicePool<D> {
         let dev = self.state.lock();
         let mut mapped = 0u64;
         let mut linear = [0u64; 2];
+        // The bytes mapped into each live graph pool's arenas.
+        let mut pinned: BTreeMap<(u64, u64), u64> = BTreeMap::new();
         for arena in self.all_arenas() {
             let a = arena.state.lock();
-            mapped += a
+            let pages = a
                 .check(c.granularity)
                 .map_err(|e| format!("arena of stream {}: {e}", arena.stream))?;
+            mapped += pages;
+            let mut held = pages * c.granularity;
             for (kind, kh) in a.kinds.iter() {
                 let k = kind as usize;
                 for seg in kh.segments.iter().flatten() {
                     if matches!(seg.backing, Backing::Linear) {
                         linear[k] += seg.len;
+                        held += seg.len;
                     }
                     let ranges = self.ranges.read();
                     match ranges.get(&seg.base) {
@@ -140,6 +165,30 @@ impl<D: Driver> DevicePool<D> {
                     }
                 }
             }
+            if let (true, Some(id)) = (arena.pinned(), arena.graph_pool) {
+                *pinned.entry(id).or_default() += held;
+            }
+        }
+        for (id, g) in &dev.private_reserved {
+            let held = pinned.remove(id).unwrap_or(0);
+            if g[0].current < 0 || g[0].current as u64 != held {
+                return Err(format!(
+                    "graph pool ({}, {}) counts {} reserved bytes, but its arenas hold {held}",
+                    id.0, id.1, g[0].current
+                ));
+            }
+            if g[0].current != g[1].current + g[2].current {
+                return Err(format!(
+                    "graph pool ({}, {}): reserved all != small + large",
+                    id.0, id.1
+                ));
+            }
+        }
+        if let Some((id, held)) = pinned.into_iter().find(|&(_, held)| held > 0) {
+            return Err(format!(
+                "graph pool ({}, {}) holds {held} bytes that no reserved count has",
+                id.0, id.1
+            ));
         }
         let reserved = dev.reserved[0].current as u64;
         let lost_pages: u64 = dev.lost.iter().map(|l| l.chunk.pages as u64).sum::<u64>()

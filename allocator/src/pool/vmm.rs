@@ -672,7 +672,7 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let rounded = w.hi - w.lo;
         let short = gathered.short > 0;
-        if let Err(e) = self.map_pages(dev, a, kind, w.seg, gathered.placed) {
+        if let Err(e) = self.map_pages(dev, a, arena.graph_pool, kind, w.seg, gathered.placed) {
             return Err(e.into());
         }
         if short {

@@ -507,6 +507,89 @@ fn cumulative_counts_survive_arenas_that_go_away() {
     assert_no_leak(&sim, pool);
 }
 
+/// Each graph pool's reserved bytes (PyTorch's `reserved_bytes_by_private_pools`): what its
+/// arenas hold, by pool half; 0 once the pool is released, with its peak and cumulative counts
+/// kept until the peaks are reset.
+#[test]
+fn graph_pools_count_their_reserved_bytes() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), vmm, "");
+        const OTHER: MempoolId = MempoolId(0, 7);
+        let key = |id: MempoolId, half: &str, field: &str| {
+            format!(
+                "reserved_bytes_by_private_pools.{}_{}.{half}.{field}",
+                id.0, id.1
+            )
+        };
+        let outside = alloc(&pool, 8 * MIB, T);
+        begin(&sim, &pool, GRAPH, S);
+        let a = alloc(&pool, 6 * MIB, S);
+        let b = alloc(&pool, 4 * KIB, S);
+        free(&pool, a, S);
+        end(&sim, &pool, GRAPH, S);
+        pool.begin_allocate_to_pool(0, OTHER, only(U)).unwrap();
+        let c = alloc(&pool, 3 * MIB, U);
+        pool.end_allocate_to_pool(0, OTHER).unwrap();
+        check(&pool);
+
+        let st = pool.stats(0).unwrap();
+        let held = |id| {
+            pool_ranges(&pool, id)
+                .iter()
+                .map(|(lo, hi)| hi - lo)
+                .sum::<u64>()
+        };
+        for id in [GRAPH, OTHER] {
+            let all = st.get(&key(id, "all", "current"));
+            assert_eq!(all as u64, held(id), "{id}");
+            assert!(all > 0);
+            assert_eq!(
+                all,
+                st.get(&key(id, "small_pool", "current"))
+                    + st.get(&key(id, "large_pool", "current"))
+            );
+            assert_eq!(st.get(&key(id, "all", "peak")), all);
+            assert_eq!(st.get(&key(id, "all", "allocated")), all);
+        }
+        assert!(
+            st.get(&key(GRAPH, "small_pool", "current")) > 0,
+            "the 4 KiB block's page"
+        );
+        let graph_peak = st.get(&key(GRAPH, "all", "current"));
+        assert!(
+            st.get("reserved_bytes.all.current")
+                >= graph_peak + st.get(&key(OTHER, "all", "current")) + (8 * MIB) as i64
+        );
+
+        // Released: nothing reserved any more, the peak and the counts stay.
+        free(&pool, b, S);
+        pool.release_pool(0, GRAPH).unwrap();
+        check(&pool);
+        let st = pool.stats(0).unwrap();
+        assert_eq!(st.get(&key(GRAPH, "all", "current")), 0);
+        assert_eq!(st.get(&key(GRAPH, "all", "peak")), graph_peak);
+        assert_eq!(st.get(&key(GRAPH, "all", "freed")), graph_peak);
+        assert!(st.get(&key(OTHER, "all", "current")) > 0);
+
+        // Reset: the released pool is forgotten, the live one's peak is its current value.
+        pool.reset_peak_stats(0).unwrap();
+        let st = pool.stats(0).unwrap();
+        let json = st.to_json();
+        assert!(!json.contains("private_pools.1_0."), "{json}");
+        assert_eq!(
+            st.get(&key(OTHER, "all", "peak")),
+            st.get(&key(OTHER, "all", "current"))
+        );
+
+        free(&pool, c, U);
+        free(&pool, outside, T);
+        pool.release_pool(0, OTHER).unwrap();
+        pool.empty_cache();
+        check(&pool);
+        assert_no_leak(&sim, pool);
+    });
+}
+
 /// A pool dropped while graph pools live (a process ending with its graphs) gives everything
 /// back, as it does for streams' arenas.
 #[test]
