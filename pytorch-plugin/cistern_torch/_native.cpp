@@ -12,7 +12,7 @@
 // that answers those APIs from libcistern.so:
 //   getDeviceStats / resetPeakStats / resetAccumulatedStats   cistern_stats_json, cistern_reset_peak_stats
 //   snapshot (every version's signature)                       cistern_snapshot_json
-//   emptyCache (every version's signature), cacheInfo          cistern_empty_cache, the snapshot
+//   emptyCache (every version's signature), cacheInfo          cistern_empty_cache / _empty_pool_cache, the snapshot
 //   beginAllocateToPool / endAllocateToPool / releasePool,
 //   createOrIncrefPool / getPoolUseCount                       cistern's graph pools
 //   enablePeerAccess                                           cistern_enable_peer_access
@@ -120,6 +120,7 @@ struct Api {
   void* (*pool_checkpoint)(int, uint64_t, uint64_t);
   void (*checkpoint_free)(void*);
   int (*pool_restore)(const void*, void (*)(void*, int, void*, size_t, Stream), void*);
+  int (*empty_pool_cache)(int, uint64_t, uint64_t);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -411,14 +412,22 @@ class CisternAllocator : public PluggableBase {
     return snapshot_of(pool);
   }
 
-  // torch <= 2.7: emptyCache(); later emptyCache(MempoolId_t). A graph pool's memory is the
-  // graph's until the pool is released, so a pool's own emptyCache keeps it.
+  // torch <= 2.7: emptyCache(); later emptyCache(MempoolId_t). {0, 0}: every cached page,
+  // released pools' included. A pool's own: its cached pages once the pool is released, on
+  // every device, as PyTorch frees a released pool's cached blocks; a pool still in use keeps
+  // its memory (its graphs'), as in PyTorch.
   void emptyCache() {
     g_api.empty_cache();
   }
   void emptyCache(MempoolId_t pool) {
     if (pool.first == 0 && pool.second == 0) {
       g_api.empty_cache();
+      return;
+    }
+    int devices = c10::cuda::device_count();
+    for (int d = 0; d < devices; ++d) {
+      TORCH_CHECK(g_api.empty_pool_cache(d, pool.first, pool.second) == 1,
+                  "cistern: emptyCache(pool): ", last_error());
     }
   }
 

@@ -414,6 +414,12 @@ impl<D: Driver> Pool<D> {
         self.device(dev)?.release_pool(id)
     }
 
+    /// Releases the cached memory of graph pool `id` on device `dev` once the pool is released
+    /// (see [`DevicePool::empty_pool_cache`]); returns the bytes released.
+    pub fn empty_pool_cache(&self, dev: DeviceId, id: MempoolId) -> Result<u64> {
+        Ok(self.device(dev)?.empty_pool_cache(id))
+    }
+
     /// The live blocks of graph pool `id` on device `dev` (see
     /// [`DevicePool::pool_live_blocks`]).
     pub fn pool_live_blocks(&self, dev: DeviceId, id: MempoolId) -> Result<Vec<u64>> {

@@ -303,6 +303,37 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
+    /// Returns the cached pages (and wholly free segments) of graph pool `id` to the driver once
+    /// the pool is released, as PyTorch's `emptyCache(mempool_id)` frees a released pool's
+    /// cached blocks; returns the bytes released. A pool still in use keeps its memory (it is
+    /// its graphs' until released: nothing happens), and so does every other arena. Its
+    /// arenas' pending frees are polled first; with VMM their pages are released once their
+    /// stream is idle, after a device synchronisation, as [`DevicePool::empty_cache`] does.
+    pub fn empty_pool_cache(&self, id: super::MempoolId) -> u64 {
+        let c = &*self.core;
+        let mut dev = self.state.lock();
+        let arenas: Vec<_> = self
+            .retired
+            .lock()
+            .iter()
+            .filter(|a| a.graph_pool == Some((id.0, id.1)))
+            .cloned()
+            .collect();
+        let mut released = 0;
+        for arena in arenas {
+            let mut a = arena.state.lock();
+            a.retry_device_sync(c);
+            a.process_pending(false, c);
+            released += self.release_arena(&mut dev, None, &mut a, u64::MAX, true);
+        }
+        if released > 0 {
+            if let Some(rec) = &c.recorder {
+                rec.reserved(dev.reserved[0].current.max(0) as u64);
+            }
+        }
+        released
+    }
+
     /// Releases cached memory above `release_threshold` (nothing when no threshold is set;
     /// `empty_cache` releases all of it).
     pub fn trim(&self) {

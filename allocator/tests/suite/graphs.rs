@@ -590,6 +590,47 @@ fn graph_pools_count_their_reserved_bytes() {
     });
 }
 
+/// PyTorch's `emptyCache(mempool_id)`: a released graph pool's cached memory goes back to the
+/// driver, and nothing else's; a pool still in use keeps its memory (its graphs').
+#[test]
+fn a_released_pools_own_empty_cache_releases_only_its_memory() {
+    both(|vmm| {
+        let (sim, pool) = pool_with(SimConfig::default().capacity(GIB), vmm, "");
+        let t = alloc(&pool, 8 * MIB, T);
+        free(&pool, t, T);
+        begin(&sim, &pool, GRAPH, S);
+        let a = alloc(&pool, 6 * MIB, S);
+        let keep = alloc(&pool, 4 * KIB, S);
+        free(&pool, a, S);
+        end(&sim, &pool, GRAPH, S);
+        let reserved = || pool.stats(0).unwrap().get("reserved_bytes.all.current") as u64;
+        let before = reserved();
+
+        // In use: the graph's memory stays.
+        assert_eq!(pool.empty_pool_cache(0, GRAPH).unwrap(), 0);
+        assert_eq!(reserved(), before);
+        check(&pool);
+
+        pool.release_pool(0, GRAPH).unwrap();
+        let released = pool.empty_pool_cache(0, GRAPH).unwrap();
+        assert!(released >= 6 * MIB, "released {released}");
+        assert_eq!(reserved(), before - released);
+        assert!(reserved() >= 8 * MIB, "stream T's cache was released too");
+        check(&pool);
+        // The graph's output still lives, and can be freed.
+        sim.launch(0, StreamId(S), &[(keep, 4 * KIB)]).unwrap();
+        free(&pool, keep, S);
+        assert_eq!(pool.empty_pool_cache(0, MempoolId(9, 9)).unwrap(), 0);
+        assert!(
+            pool.empty_pool_cache(7, GRAPH).is_err(),
+            "a device that does not exist"
+        );
+        pool.empty_cache();
+        check(&pool);
+        assert_no_leak(&sim, pool);
+    });
+}
+
 /// A pool dropped while graph pools live (a process ending with its graphs) gives everything
 /// back, as it does for streams' arenas.
 #[test]

@@ -209,9 +209,14 @@ proptest! {
 #[derive(Debug, Clone)]
 enum GraphOp {
     Base(Op),
-    Begin { pool: u64, stream: u64 },
+    Begin {
+        pool: u64,
+        stream: u64,
+    },
     End(usize),
     Release(u64),
+    /// `empty_pool_cache` of a pool (PyTorch's `emptyCache(mempool_id)`), live or released.
+    EmptyPool(u64),
 }
 
 fn graph_op() -> impl Strategy<Value = GraphOp> {
@@ -220,6 +225,7 @@ fn graph_op() -> impl Strategy<Value = GraphOp> {
         2 => (0u64..3, 0..STREAMS).prop_map(|(pool, stream)| GraphOp::Begin { pool, stream }),
         2 => any::<usize>().prop_map(GraphOp::End),
         1 => (0u64..3).prop_map(GraphOp::Release),
+        1 => (0u64..3).prop_map(GraphOp::EmptyPool),
     ]
 }
 
@@ -372,6 +378,11 @@ fn run_graphs(vmm: bool, ops: &[GraphOp]) -> Result<(), TestCaseError> {
                 sim.complete_next(0, StreamId(*s));
             }
             GraphOp::Base(Op::EmptyCache) => pool.empty_cache(),
+            // What a live pool holds stays (the invariants check its pages, the launches its
+            // blocks); an earlier, released pool of the same id gives its cache back.
+            GraphOp::EmptyPool(p) => {
+                pool.empty_pool_cache(0, mempool(*p)).unwrap();
+            }
             GraphOp::Base(Op::Fault(k, n)) => sim.fail_nth(FAULTS[*k], *n),
             _ => {}
         }
