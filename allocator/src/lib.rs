@@ -46,9 +46,9 @@ pub use driver::{DeviceId, Driver, StreamId};
 pub use error::{Error, OomReport, Result};
 pub use open::{choice_from_env, open_driver, open_driver_from_env, DriverChoice};
 pub use pool::{
-    BlockInfo, BlockSnapshot, BlockState, Buffer, CheckpointBlock, DevicePool, DeviceReport,
-    GraphPoolInfo, Imported, MempoolId, Observer, Pool, PoolCheckpoint, PoolEvent, PoolEventKind,
-    PoolReport, RestoreDelta, SegmentSnapshot, StreamFilter,
+    BlockInfo, BlockSnapshot, BlockState, Buffer, CacheInfo, CheckpointBlock, DevicePool,
+    DeviceReport, GraphPoolInfo, Imported, MempoolId, Observer, Pool, PoolCheckpoint, PoolEvent,
+    PoolEventKind, PoolReport, RestoreDelta, SegmentSnapshot, StreamFilter,
 };
 pub use provenance::{
     group_live, site_frames, tag_name, tag_pop, tag_push, with_tag, LedgerEntry, LiveBlock,

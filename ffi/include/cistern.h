@@ -144,6 +144,18 @@ double cistern_get_memory_fraction(int device);
 // `device_free` and `device_total` are each NULL or point to a writable `size_t`.
 int cistern_last_oom(int device, size_t *device_free, size_t *device_total);
 
+// What device `device` can give a workspace at once, as PyTorch's `cacheInfo` reports it for
+// cuDNN: the largest free block cached in the pool, written to `*largest_free`, and the bytes
+// growth may still map (the device's free memory, no more than the memory limit leaves),
+// written to `*room` (each may be NULL). PyTorch's answer is the larger of the two. Returns 1,
+// or 0 for a bad device (last error), writing nothing. Costs a `cuMemGetInfo` and a scan of
+// the pool's free blocks: not for a hot path.
+//
+// # Safety
+//
+// `largest_free` and `room` are each NULL or point to a writable `size_t`.
+int cistern_cache_info(int device, size_t *largest_free, size_t *room);
+
 // Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 // and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 // give (for `vmm:false` pools that call is all a peer needs, and this one only records the

@@ -368,6 +368,52 @@ pub unsafe extern "C" fn cistern_last_oom(
     1
 }
 
+/// What device `device` can give a workspace at once, as PyTorch's `cacheInfo` reports it for
+/// cuDNN: the largest free block cached in the pool, written to `*largest_free`, and the bytes
+/// growth may still map (the device's free memory, no more than the memory limit leaves),
+/// written to `*room` (each may be NULL). PyTorch's answer is the larger of the two. Returns 1,
+/// or 0 for a bad device (last error), writing nothing. Costs a `cuMemGetInfo` and a scan of
+/// the pool's free blocks: not for a hot path.
+///
+/// # Safety
+///
+/// `largest_free` and `room` are each NULL or point to a writable `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cistern_cache_info(
+    device: c_int,
+    largest_free: *mut usize,
+    room: *mut usize,
+) -> c_int {
+    let found = guard::call("cistern_cache_info", None, || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_cache_info", why);
+                return None;
+            }
+        };
+        match with_pool!(pool, |p| global::device(p, device).map(|d| d.cache_info())) {
+            Ok(info) => Some(info),
+            Err(e) => {
+                fail_with(format!("cistern_cache_info(device {device})"), &e);
+                None
+            }
+        }
+    });
+    let Some(info) = found else {
+        return 0;
+    };
+    if !largest_free.is_null() {
+        // SAFETY: non-NULL, so writable (the caller's contract).
+        unsafe { largest_free.write(info.largest_free.min(usize::MAX as u64) as usize) };
+    }
+    if !room.is_null() {
+        // SAFETY: as above.
+        unsafe { room.write(info.room.min(usize::MAX as u64) as usize) };
+    }
+    1
+}
+
 /// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 /// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 /// give (for `vmm:false` pools that call is all a peer needs, and this one only records the

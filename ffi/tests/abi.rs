@@ -1246,3 +1246,32 @@ fn the_observer_hears_mappings_and_completed_frees() {
         "events after the observer was removed"
     );
 }
+
+/// `cistern_cache_info` (PyTorch's `cacheInfo`, for cuDNN's workspaces): the largest cached free
+/// block and the room to grow; NULL outputs are allowed, a bad device is an error.
+#[test]
+fn cache_info_reports_what_a_workspace_may_take() {
+    let (abi, _g) = abi();
+    let dev = 4;
+    let s = stream(0x4c1);
+    let p = malloc(abi, 64 * MIB, dev, s);
+    assert!(!p.is_null(), "{}", abi.last_error());
+    free(abi, p, 64 * MIB, dev, s);
+    let (mut largest, mut room) = (0usize, 0usize);
+    // SAFETY (each call): two writable size_t, or NULL, as the export documents.
+    assert_eq!(unsafe { (abi.cache_info)(dev, &mut largest, &mut room) }, 1);
+    assert!(largest >= 64 * MIB, "largest free block {largest}");
+    assert!(room > 0, "room {room}");
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { (abi.cache_info)(dev, ptr::null_mut(), ptr::null_mut()) },
+        1
+    );
+    // SAFETY: as above.
+    assert_eq!(unsafe { (abi.cache_info)(10, &mut largest, &mut room) }, 0);
+    assert!(
+        abi.last_error().contains("cistern_cache_info(device 10)"),
+        "{}",
+        abi.last_error()
+    );
+}

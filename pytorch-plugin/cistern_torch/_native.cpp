@@ -12,7 +12,8 @@
 // that answers those APIs from libcistern.so:
 //   getDeviceStats / resetPeakStats / resetAccumulatedStats   cistern_stats_json, cistern_reset_peak_stats
 //   snapshot (every version's signature)                       cistern_snapshot_json
-//   emptyCache (every version's signature), cacheInfo          cistern_empty_cache / _empty_pool_cache, the snapshot
+//   emptyCache (every version's signature)                     cistern_empty_cache / _empty_pool_cache
+//   cacheInfo                                                  cistern_cache_info
 //   beginAllocateToPool / endAllocateToPool / releasePool,
 //   createOrIncrefPool / getPoolUseCount                       cistern's graph pools
 //   enablePeerAccess                                           cistern_enable_peer_access
@@ -121,6 +122,7 @@ struct Api {
   void (*checkpoint_free)(void*);
   int (*pool_restore)(const void*, void (*)(void*, int, void*, size_t, Stream), void*);
   int (*empty_pool_cache)(int, uint64_t, uint64_t);
+  int (*cache_info)(int, size_t*, size_t*);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -431,24 +433,18 @@ class CisternAllocator : public PluggableBase {
     }
   }
 
+  // What cuDNN may take for a convolution's workspace, as PyTorch's allocator answers it: the
+  // larger of the room to grow (the device's free memory, within cistern's limit; taken as
+  // the first guess only when the caller passes 0, as PyTorch does) and the largest cached free
+  // block, graph pools' included (a capture's workspace comes from its pool).
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    // The largest free block cached on the device (cuDNN sizes its workspace with it).
-    auto info = snapshot_of({0, 0});
-    size_t largest = 0;
-    for (const auto& seg : info.segments) {
-      // A graph pool's free blocks are the graph's: not for the caller.
-      bool graph_pool =
-          seg.owner_private_pool_id.first != 0 || seg.owner_private_pool_id.second != 0;
-      if (seg.device != device || graph_pool) {
-        continue;
-      }
-      for (const auto& b : seg.blocks) {
-        if (!b.active && b.size > largest) {
-          largest = b.size;
-        }
-      }
+    size_t largest = 0, room = 0;
+    TORCH_CHECK(g_api.cache_info(device, &largest, &room) == 1, "cistern: cacheInfo: ",
+                last_error());
+    if (*largestBlock == 0) {
+      *largestBlock = room;
     }
-    *largestBlock = largest;
+    *largestBlock = std::max(*largestBlock, largest);
   }
 
   void beginAllocateToPool(

@@ -153,7 +153,7 @@ pub use graphs::{
 };
 pub(crate) use observe::ObserverSlot;
 pub use observe::{Observer, PoolEvent, PoolEventKind};
-pub use report::{BlockInfo, BlockSnapshot, BlockState, DeviceReport, SegmentSnapshot};
+pub use report::{BlockInfo, BlockSnapshot, BlockState, CacheInfo, DeviceReport, SegmentSnapshot};
 pub use share::Imported;
 pub(crate) use share::ShareState;
 
@@ -412,6 +412,12 @@ impl<D: Driver> Pool<D> {
     /// Drops one use of graph pool `id` on device `dev` (see [`DevicePool::release_pool`]).
     pub fn release_pool(&self, dev: DeviceId, id: MempoolId) -> Result<()> {
         self.device(dev)?.release_pool(id)
+    }
+
+    /// The largest free block of device `dev` and its room to grow (see
+    /// [`DevicePool::cache_info`]).
+    pub fn cache_info(&self, dev: DeviceId) -> Result<CacheInfo> {
+        Ok(self.device(dev)?.cache_info())
     }
 
     /// Releases the cached memory of graph pool `id` on device `dev` once the pool is released

@@ -13,7 +13,39 @@ use crate::heap::SpanState;
 use crate::provenance::{LedgerEntry, LiveBlock, Mark};
 use crate::stats::{ExactGauge, Stats, GAUGES, GAUGE_NAMES, POOL_NAMES};
 
+/// What a caller sizing a workspace may count on (PyTorch's `cacheInfo`, with which cuDNN
+/// sizes its convolution workspaces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheInfo {
+    /// The largest free block of any arena: what an allocation of that size may reuse at once.
+    pub largest_free: u64,
+    /// The bytes growth may still map: the device's free memory, no more than the limit leaves.
+    pub room: u64,
+}
+
 impl<D: Driver> DevicePool<D> {
+    /// The largest free block and the room to grow (see [`CacheInfo`]). PyTorch's allocator
+    /// answers `cacheInfo` with the larger of the device's free memory and its largest cached
+    /// block, graph pools' included (a capture's workspace comes from its pool); a caller
+    /// wanting the same takes the larger of the two. Costs a `cuMemGetInfo` and a scan of
+    /// every arena's free spans: not for a hot path.
+    pub fn cache_info(&self) -> CacheInfo {
+        let c = &*self.core;
+        let mut largest_free = 0;
+        for arena in self.all_arenas() {
+            largest_free = largest_free.max(arena.state.lock().largest_free());
+        }
+        let (reserved, limit) = {
+            let dev = self.state.lock();
+            (dev.reserved[0].current.max(0) as u64, dev.limit)
+        };
+        let free = c.driver.mem_info(c.dev).map_or(0, |i| i.free);
+        CacheInfo {
+            largest_free,
+            room: free.min(limit.saturating_sub(reserved)),
+        }
+    }
+
     /// The report of this device's last failed request (out of memory or over the limit), if
     /// any request failed yet.
     pub fn last_oom(&self) -> Option<OomReport> {

@@ -967,3 +967,26 @@ fn e24_reset_peaks() {
         assert_no_leak(&sim, pool);
     });
 }
+
+/// E25: what a workspace may count on (PyTorch's `cacheInfo`, with which cuDNN sizes its
+/// convolution workspaces): the largest cached free block, and the room to grow, which a
+/// memory limit caps.
+#[test]
+fn e25_cache_info() {
+    both(|vmm| {
+        let (sim, pool) = pool(GIB, vmm);
+        let a = alloc(&pool, 100 * MIB, 0);
+        let b = alloc(&pool, 4 * MIB, 1);
+        free(&pool, a, 0);
+        let info = pool.cache_info(0).unwrap();
+        assert!(info.largest_free >= 100 * MIB, "{info:?}");
+        assert_eq!(info.room, GIB - sim.committed_bytes(0), "{info:?}");
+        pool.set_memory_fraction(0, 0.25).unwrap();
+        let reserved = stat(&pool, "reserved_bytes.all.current") as u64;
+        let info = pool.cache_info(0).unwrap();
+        assert_eq!(info.room, (GIB / 4).saturating_sub(reserved), "{info:?}");
+        assert!(pool.cache_info(5).is_err(), "a device that does not exist");
+        free(&pool, b, 1);
+        assert_no_leak(&sim, pool);
+    });
+}
