@@ -25,6 +25,8 @@
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
 //   attachAllocatorTraceTracker                                  every trace entry, as the history sees it
 //   attachOomRejectionObserver                                   kept; cistern never rejects before trying
+//   recordAnnotation, push/popCompileContext, set/getUserMetadata,
+//   annotateMemory, getContextForPointer                         _native_history.h
 //   getExpandableSegmentSizes                                    the snapshot's VMM runs, per stream
 //   shareIpcHandle / getIpcDevPtr                              cistern_ipc_share / _open / _close
 //   setUseOnOOM (MemPool(use_on_oom=True))                     cistern_set_use_on_oom
@@ -501,6 +503,16 @@ class CisternAllocator : public PluggableBase {
     setUseOnOOM(device, mempool_id, true);
   }
 
+  // MemPool(no_split=True) (newer torch): cistern serves a pool's blocks from pages shared
+  // with its other blocks and has no mode that gives each block segments of its own, so the
+  // MemPool is refused, with the fix, rather than made and not honoured.
+  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) {
+    TORCH_CHECK(false, "cistern: MemPool(no_split=True) (pool (", mempool_id.first, ", ",
+                mempool_id.second, ")) is not supported while cistern is PyTorch's allocator: "
+                "make the MemPool without no_split, or run this process without "
+                "cistern_torch.install()");
+  }
+
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     // cudaDeviceEnablePeerAccess (the base) for kernels; cistern's grant for VMM mappings,
     // which that call does not cover: `dev` may access `dev_to_access`'s memory.
@@ -645,6 +657,44 @@ class CisternAllocator : public PluggableBase {
     return g_history.enabled();
   }
 
+  // record_function ranges while the history records (the snapshot's external_annotations,
+  // the memory viewer's annotation marks).
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    g_history.annotation(static_cast<c10::DeviceIndex>(c10::cuda::current_device()), md);
+  }
+
+  // Newer torch: the torch.compile region of each entry, user metadata, annotations of a live
+  // block, and the stack a live block was allocated with.
+  void pushCompileContext(std::string& md) {
+    cistern_native::History::push_compile_context(md);
+  }
+  void popCompileContext() {
+    cistern_native::History::pop_compile_context();
+  }
+  bool supportsUserMetadata() {
+    return cistern_native::History::kUserMetadata;
+  }
+  void setUserMetadata(const std::string& metadata) {
+    g_history.set_user_metadata(metadata);
+  }
+  std::string getUserMetadata() {
+    return g_history.user_metadata();
+  }
+  void annotateMemory(const void* ptr, const std::string& metadata) {
+    torch::cuda::CUDAPluggableAllocator::_AllocationMetadata meta;
+    {
+      std::lock_guard<std::mutex> g(allocator_mutex_);
+      auto it = allocation_metadata_.find(const_cast<void*>(ptr));
+      TORCH_CHECK(it != allocation_metadata_.end(), "cistern: annotateMemory: ", ptr,
+                  " is not the start of a live allocation of cistern's");
+      meta = it->second;
+    }
+    g_history.annotate(meta.device_idx, ptr, meta.size, meta.stream, metadata);
+  }
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) {
+    return g_history.context_of(reinterpret_cast<size_t>(ptr));
+  }
+
   // ProcessGroupNCCL's registration hook (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) and
   // profilers: told every trace entry from now on (see _native_history.h). VMM memory shows as
   // segment_map / segment_unmap, as PyTorch's expandable segments do.
@@ -729,6 +779,7 @@ class CisternAllocator : public PluggableBase {
     }
     size_t devices = std::max(info.device_traces.size(), g_history.devices());
     info.device_traces = g_history.traces(devices);
+    info.external_annotations = g_history.annotations();
     return info;
   }
 };

@@ -24,6 +24,13 @@
 // called on the thread that caused the event: for pool events with cistern's locks held, so, as
 // PyTorch's comment on attachAllocatorTraceTracker says, a tracker must not take the GIL nor
 // call the allocator.
+//
+// Also kept, as PyTorch's allocator keeps them: the annotations of record_function ranges
+// (recordAnnotation, the snapshot's external_annotations, bounded as the rings); in newer torch,
+// the torch.compile region an entry was made in (pushCompileContext: compile_context_, "N/A"
+// outside one; a stack per thread, where PyTorch keeps one per device), the string set by
+// torch.cuda.memory._set_memory_metadata (user_metadata_ of every later entry) and
+// annotateMemory's `annotate` entries.
 
 #pragma once
 
@@ -70,6 +77,32 @@ TE construct_entry(
   }
 }
 
+// What a torch's TraceEntry has beyond 2.5's (detected, so that one source serves every torch).
+template <class TE, class = void>
+struct HasCompileContext : std::false_type {};
+template <class TE>
+struct HasCompileContext<TE, std::void_t<decltype(std::declval<TE&>().compile_context_)>>
+    : std::true_type {};
+template <class TE, class = void>
+struct HasUserMetadata : std::false_type {};
+template <class TE>
+struct HasUserMetadata<TE, std::void_t<decltype(std::declval<TE&>().user_metadata_)>>
+    : std::true_type {};
+template <class TE, class = void>
+struct HasAnnotate : std::false_type {};
+template <class TE>
+struct HasAnnotate<TE, std::void_t<decltype(TE::ANNOTATE)>> : std::true_type {};
+
+// A record_function annotation, as this torch's snapshot holds them.
+using Annotation = typename std::decay_t<
+    decltype(std::declval<cca::SnapshotInfo&>().external_annotations)>::value_type;
+
+inline int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 inline TraceEntry make_entry(
     TraceEntry::Action action,
     c10::DeviceIndex device,
@@ -78,9 +111,7 @@ inline TraceEntry make_entry(
     cudaStream_t stream,
     Context context) {
   TraceEntry e = construct_entry<TraceEntry>(action, device, addr, size, stream, std::move(context));
-  e.time_.t_ = std::chrono::duration_cast<std::chrono::microseconds>(
-                   std::chrono::system_clock::now().time_since_epoch())
-                   .count();
+  e.time_.t_ = now_us();
   return e;
 }
 
@@ -151,9 +182,94 @@ class History {
     // it); only clearHistory drops the trace.
     if (clear) {
       rings_.clear();
+      annotations_.clear();
     }
     for (auto& kv : rings_) {
       trim(kv.second);
+    }
+    while (annotations_.size() > max_entries_) {
+      annotations_.pop_front();
+    }
+  }
+
+  // recordAnnotation: a record_function range's start or end ({"name", ...}, {"stage",
+  // "START"|"END"}), on `device`, while the history records.
+  void annotation(c10::DeviceIndex device,
+                  const std::vector<std::pair<std::string, std::string>>& md) {
+    if (!on()) {
+      return;
+    }
+    Annotation a(device, c10::approx_time_t{});
+    a.time_.t_ = now_us();
+    for (const auto& kv : md) {
+      a.recordUserMetadata(kv.first, kv.second);
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    if (!enabled_) {
+      return;
+    }
+    annotations_.push_back(std::move(a));
+    while (annotations_.size() > max_entries_) {
+      annotations_.pop_front();
+    }
+  }
+
+  // The annotations kept, oldest first (the snapshot's external_annotations).
+  std::vector<Annotation> annotations() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return std::vector<Annotation>(annotations_.begin(), annotations_.end());
+  }
+
+  // pushCompileContext / popCompileContext, on the calling thread.
+  static void push_compile_context(const std::string& name) {
+    compile_stack().push_back(name);
+  }
+  static void pop_compile_context() {
+    auto& st = compile_stack();
+    if (!st.empty()) {
+      st.pop_back();
+    }
+  }
+
+  // Whether this torch's entries carry user metadata (supportsUserMetadata).
+  static constexpr bool kUserMetadata = HasUserMetadata<TraceEntry>::value;
+
+  // torch.cuda.memory._set_memory_metadata: carried by every later entry ("" for none).
+  void set_user_metadata(const std::string& md) {
+    std::lock_guard<std::mutex> g(meta_mu_);
+    user_metadata_ = md;
+    has_user_metadata_.store(!md.empty(), std::memory_order_relaxed);
+  }
+  std::string user_metadata() const {
+    std::lock_guard<std::mutex> g(meta_mu_);
+    return user_metadata_;
+  }
+
+  // annotateMemory: an `annotate` entry for the live block at `ptr` (its size and stream),
+  // carrying `md`, in a torch that has the action; false in one that has not.
+  template <class TE = TraceEntry>
+  bool annotate(c10::DeviceIndex device, const void* ptr, size_t size, cudaStream_t stream,
+                const std::string& md) {
+    if constexpr (HasAnnotate<TE>::value && HasUserMetadata<TE>::value) {
+      bool tracked = trackers_.any();
+      if (!on() && !tracked) {
+        return true;
+      }
+      TE e = entry(TE::ANNOTATE, device, reinterpret_cast<size_t>(ptr), size, stream, nullptr);
+      e.user_metadata_ = md;
+      if (on()) {
+        std::lock_guard<std::mutex> g(mu_);
+        if (enabled_) {
+          push(device, e);
+        }
+      }
+      if (tracked) {
+        trackers_.tell(e);
+      }
+      return true;
+    } else {
+      (void)device, (void)ptr, (void)size, (void)stream, (void)md;
+      return false;
     }
   }
 
@@ -181,13 +297,13 @@ class History {
           contexts_.erase(ptr);
         }
         if (!skip_alloc_) {
-          push(device, make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
+          push(device, entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
                                   stream, entry_ctx));
         }
       }
     }
     if (tracked) {
-      trackers_.tell(make_entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
+      trackers_.tell(entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
                                 stream, std::move(entry_ctx)));
     }
   }
@@ -215,10 +331,10 @@ class History {
       contexts_.erase(ptr);
       if (enabled_) {
         if (!skip_free_requested_) {
-          push(device, make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+          push(device, entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
         }
         if (!skip_free_completed_ && !pool_completes_.load(std::memory_order_relaxed)) {
-          push(device, make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+          push(device, entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
         }
       }
     }
@@ -273,11 +389,11 @@ class History {
     if (on()) {
       std::lock_guard<std::mutex> g(mu_);
       if (enabled_ && !skipped(action)) {
-        push(device, make_entry(action, device, addr, bytes, nullptr, nullptr));
+        push(device, entry(action, device, addr, bytes, nullptr, nullptr));
       }
     }
     if (tracked) {
-      trackers_.tell(make_entry(action, device, addr, bytes, nullptr, nullptr));
+      trackers_.tell(entry(action, device, addr, bytes, nullptr, nullptr));
     }
   }
 
@@ -292,11 +408,11 @@ class History {
     {
       std::lock_guard<std::mutex> g(mu_);
       if (enabled_ && !skip_oom_) {
-        push(device, make_entry(TraceEntry::OOM, device, device_free, size, stream, ctx));
+        push(device, entry(TraceEntry::OOM, device, device_free, size, stream, ctx));
       }
     }
     if (tracked) {
-      trackers_.tell(make_entry(TraceEntry::OOM, device, device_free, size, stream, std::move(ctx)));
+      trackers_.tell(entry(TraceEntry::OOM, device, device_free, size, stream, std::move(ctx)));
     }
   }
 
@@ -346,6 +462,38 @@ class History {
   std::unordered_map<void*, Context> contexts_;
 
   Trackers trackers_;
+  std::deque<Annotation> annotations_;
+  mutable std::mutex meta_mu_;
+  std::string user_metadata_;
+  std::atomic<bool> has_user_metadata_{false};
+
+  static std::vector<std::string>& compile_stack() {
+    thread_local std::vector<std::string> stack;
+    return stack;
+  }
+
+  // An entry with what this torch's entries carry beyond 2.5's: the thread's compile context
+  // and the user metadata.
+  TraceEntry entry(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size,
+                   cudaStream_t stream, Context context) const {
+    TraceEntry e = make_entry(action, device, addr, size, stream, std::move(context));
+    decorate(e);
+    return e;
+  }
+
+  template <class TE>
+  void decorate(TE& e) const {
+    if constexpr (HasCompileContext<TE>::value) {
+      const auto& st = compile_stack();
+      e.compile_context_ = st.empty() ? std::string("N/A") : st.back();
+    }
+    if constexpr (HasUserMetadata<TE>::value) {
+      if (has_user_metadata_.load(std::memory_order_relaxed)) {
+        std::lock_guard<std::mutex> g(meta_mu_);
+        e.user_metadata_ = user_metadata_;
+      }
+    }
+  }
 
   bool on() const {
     return enabled_.load(std::memory_order_relaxed);
@@ -373,9 +521,9 @@ class History {
   // observer reports it when the block is free for reuse.
   void tell_free(c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
                  Context ctx) const {
-    trackers_.tell(make_entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
+    trackers_.tell(entry(TraceEntry::FREE_REQUESTED, device, addr, size, stream, ctx));
     if (!pool_completes_.load(std::memory_order_relaxed)) {
-      trackers_.tell(make_entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
+      trackers_.tell(entry(TraceEntry::FREE_COMPLETED, device, addr, size, stream, ctx));
     }
   }
 

@@ -113,6 +113,8 @@ def test_native_allocator_compiles_against_each_torch(tmp_path, monkeypatch) -> 
 NEWEST_OVERRIDES = (
     "getMemoryFraction", "snapshot", "emptyCache", "createOrIncrefPool", "getPoolUseCount",
     "setUseOnOOM", "recordHistory", "attachOomRejectionObserver", "getExpandableSegmentSizes",
+    "pushCompileContext", "popCompileContext", "supportsUserMetadata", "setUserMetadata",
+    "getUserMetadata", "annotateMemory", "getContextForPointer", "setNoSplit",
 )
 
 
@@ -449,6 +451,18 @@ static void dump(const char* tag, const History& h) {
   }
 }
 
+// Each entry's compile context and user metadata, in a torch whose entries have them.
+template <class H, class TE = c10::cuda::CUDACachingAllocator::TraceEntry>
+void print_extras(const H& h) {
+  if constexpr (HasCompileContext<TE>::value && HasUserMetadata<TE>::value) {
+    auto traces = h.traces(1);
+    for (const auto& e : traces[0]) {
+      std::printf("EXTRA|%d|%zu|%s|%s\n", (int)e.action_, e.addr_, e.compile_context_.c_str(),
+                  e.user_metadata_.c_str());
+    }
+  }
+}
+
 static int ctx_of(const History& h, size_t addr) {
   auto c = h.context_of(addr);
   return c ? static_cast<Ctx*>(c.get())->id : 0;
@@ -534,6 +548,32 @@ int main() {
     ++more;
   }
   std::printf("LIMIT|%d\n", more);
+  // record_function annotations (bounded as the rings, kept only while recording), compile
+  // contexts, user metadata and annotate entries.
+  History m;
+  m.annotation(0, {{"name", "before"}, {"stage", "START"}});
+  m.record(true, recorder, 3, RC::ALLOC, false);
+  m.annotation(0, {{"name", "fwd"}, {"stage", "START"}});
+  m.annotation(1, {{"name", "fwd"}, {"stage", "END"}});
+  m.annotation(0, {{"name", "bwd"}, {"stage", "START"}});
+  m.annotation(0, {{"name", "bwd"}, {"stage", "END"}});
+  for (auto a : m.annotations()) {
+    std::printf("ANN|%d|%s|%s|%lld\n", (int)a.device_, a.metadata_["name"].c_str(),
+                a.metadata_["stage"].c_str(), (long long)a.time_.t_);
+  }
+  History::push_compile_context("region1");
+  m.alloc(0, (void*)0x7000, 512, nullptr);
+  History::pop_compile_context();
+  History::pop_compile_context();  // one too many: harmless
+  m.set_user_metadata("step=3");
+  m.alloc(0, (void*)0x8000, 512, nullptr);
+  std::printf("META|%s\n", m.user_metadata().c_str());
+  m.set_user_metadata("");
+  int annotated = m.annotate(0, (void*)0x8000, 512, nullptr, "kv") ? 1 : 0;
+  std::printf("ANNOTATE|%d|%d\n", annotated, (int)History::kUserMetadata);
+  print_extras(m);
+  m.record(true, recorder, 3, RC::ALLOC, true);
+  std::printf("ANNCLEAR|%zu\n", m.annotations().size());
   return 0;
 }
 """
@@ -561,9 +601,13 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
             raise AssertionError("\n".join(errors))
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
         rows: Dict[str, List[List[int]]] = {}
+        texts: Dict[str, List[List[str]]] = {}
         for line in out.splitlines():
             tag, _, rest = line.partition("|")
-            rows.setdefault(tag, []).append([int(x) for x in rest.split("|")])
+            if tag in ("ANN", "EXTRA", "META"):
+                texts.setdefault(tag, []).append(rest.split("|"))
+            else:
+                rows.setdefault(tag, []).append([int(x) for x in rest.split("|")])
         assert rows["OFF"] == [[0, 0, 0]]
         # PyTorch's actions: 0 alloc, 1 free_requested, 2 free_completed, 8 oom.
         ALLOC, FREE_REQ, FREE_DONE, OOM = 0, 1, 2, 8
@@ -607,3 +651,22 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
         assert [(r[1], r[2]) for r in rows["TRACKRING"]] == [
             (FREE_REQ, 0x30000), (FREE_DONE, 0x30000)]
         assert rows["LIMIT"] == [[63]]
+        # Annotations: only while recording, the last max_entries, each with its device, name,
+        # stage and time; cleared with the history.
+        assert [a[:3] for a in texts["ANN"]] == [
+            ["1", "fwd", "END"], ["0", "bwd", "START"], ["0", "bwd", "END"]]
+        assert all(int(a[3]) > 1_600_000_000_000_000 for a in texts["ANN"])
+        assert rows["ANNCLEAR"] == [[0]]
+        assert texts["META"] == [["step=3"]]
+        with open(os.path.join(inc, "c10", "core", "CachingDeviceAllocator.h") if os.path.isfile(
+                os.path.join(inc, "c10", "core", "CachingDeviceAllocator.h")) else os.devnull,
+                encoding="utf-8", errors="replace") as f:
+            newer = "user_metadata_" in f.read()
+        assert rows["ANNOTATE"] == [[int(newer), int(newer)]]
+        if newer:
+            # 0 alloc, 9 annotate: the compile region, then "N/A"; the metadata set then.
+            assert texts["EXTRA"] == [
+                ["0", str(0x7000), "region1", ""], ["0", str(0x8000), "N/A", "step=3"],
+                ["9", str(0x8000), "N/A", "kv"]]
+        else:
+            assert "EXTRA" not in texts
