@@ -23,12 +23,15 @@ pub enum PoolEventKind {
     /// Physical memory mapped at `addr` (`bytes` of it), with access granted: the pool holds
     /// more device memory.
     SegmentMap,
-    /// Memory unmapped at `addr`: moved to another address of the pool (a `SegmentMap`
-    /// follows) or about to be released to the driver.
+    /// Memory about to be unmapped at `addr` (told while it is still mapped, as PyTorch
+    /// records it): moved to another address of the pool (a `SegmentMap` follows) or about to
+    /// be released to the driver. When the unmap fails, a `SegmentMap` of the same range
+    /// follows: it stays mapped.
     SegmentUnmap,
     /// A `cuMemAlloc` segment (without VMM).
     SegmentAlloc,
-    /// A `cuMemFree` of a segment.
+    /// A segment about to be given back with `cuMemFree` (told before the free); when the free
+    /// fails, a `SegmentAlloc` of the same segment follows.
     SegmentFree,
     /// The block at `addr` (`bytes`: the size that was asked for) is free for reuse: at its free, or, when
     /// other streams used it (`record_stream`), once their work has completed.

@@ -236,14 +236,17 @@ impl<D: Driver> DevicePool<D> {
                         crate::heap::NIL => None,
                         n => Some(n),
                     };
-                    if c.driver.unmap(c.dev, addr, len).is_err() {
-                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                        // Put the carved range back as free space.
-                        self.refill(a, kind, run.seg, addr, addr + len);
-                        return taken;
-                    }
+                    // Told before the unmap, as PyTorch records it: a trace tracker (NCCL's
+                    // registration hook) lets go of the range while it is still mapped.
                     c.observer
                         .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
+                    if c.driver.unmap(c.dev, addr, len).is_err() {
+                        c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                        // Put the carved range back as free space; it is still mapped.
+                        self.refill(a, kind, run.seg, addr, addr + len);
+                        c.observer.emit(PoolEventKind::SegmentMap, c.dev, addr, len);
+                        return taken;
+                    }
                     let base = a.kinds[kind].segment(run.seg).base;
                     if let Some(crate::arena::Segment {
                         backing: Backing::Vmm { pages },

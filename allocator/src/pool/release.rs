@@ -196,13 +196,16 @@ impl<D: Driver> DevicePool<D> {
                         // cuMemFree synchronises on its own; no event needed.
                         synced = true;
                     }
+                    // Told before the free (see `steal_pages`); a failed free keeps the segment.
+                    c.observer
+                        .emit(super::PoolEventKind::SegmentFree, c.dev, base, len);
                     if c.driver.mem_free(c.dev, base).is_err() {
                         c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                        c.observer
+                            .emit(super::PoolEventKind::SegmentAlloc, c.dev, base, len);
                         continue;
                     }
                     c.counters.num_device_free.fetch_add(1, Relaxed);
-                    c.observer
-                        .emit(super::PoolEventKind::SegmentFree, c.dev, base, len);
                     let before = a.free_totals(kind);
                     let Some(seg) = a.kinds[kind].segments[idx as usize].take() else {
                         continue;

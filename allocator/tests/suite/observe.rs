@@ -148,3 +148,78 @@ fn dropping_the_pool_reports_what_it_gives_back() {
         assert_eq!(total(&s, gave), total(&s, got), "vmm {vmm}");
     });
 }
+
+/// Unmaps and segment frees are told before the driver call, while the memory is still there
+/// (a trace tracker, NCCL's registration hook, lets go of it then), and a failed call is
+/// followed by the range told as mapped (or allocated) again: the events still balance with
+/// what the driver holds.
+#[test]
+fn unmaps_and_frees_are_told_before_the_driver_call() {
+    use cistern::driver::DriverCall;
+    both(|vmm| {
+        let (sim, pool) = pool(GIB, vmm);
+        let seen: Arc<Mutex<Vec<(PoolEvent, u64)>>> = Arc::new(Mutex::new(Vec::new()));
+        let (s, d) = (seen.clone(), sim.clone());
+        pool.set_observer(Some(Arc::new(move |e: &PoolEvent| {
+            // What the driver holds when the event is told.
+            let held = if vmm {
+                d.mapped_bytes(0)
+            } else {
+                d.live_linear_allocations(0) as u64
+            };
+            s.lock().push((*e, held));
+        })));
+        let p = alloc(&pool, 50 * MIB, A);
+        let q = alloc(&pool, 30 * MIB, B);
+        free(&pool, p, A);
+        free(&pool, q, B);
+        let (gone, back) = if vmm {
+            (PoolEventKind::SegmentUnmap, PoolEventKind::SegmentMap)
+        } else {
+            (PoolEventKind::SegmentFree, PoolEventKind::SegmentAlloc)
+        };
+        let call = if vmm {
+            DriverCall::Unmap
+        } else {
+            DriverCall::MemFree
+        };
+        // The first release fails: the range stays, and is told as back.
+        sim.fail_nth(call, 1);
+        pool.empty_cache();
+        let held_now = if vmm {
+            sim.mapped_bytes(0)
+        } else {
+            sim.live_linear_allocations(0) as u64
+        };
+        assert!(held_now > 0, "the failed release kept nothing");
+        {
+            let s = seen.lock();
+            let first = s
+                .iter()
+                .position(|(e, _)| e.kind == gone)
+                .expect("a release");
+            let (e, held) = s[first];
+            let next = s[first + 1].0;
+            assert_eq!((next.kind, next.addr, next.bytes), (back, e.addr, e.bytes));
+            assert!(held > 0);
+            for (e, held) in s.iter().filter(|(e, _)| e.kind == gone) {
+                let unit = if vmm { e.bytes } else { 1 };
+                assert!(
+                    *held >= unit,
+                    "{e:?} told after the driver let it go ({held})"
+                );
+            }
+            let got = |k| {
+                s.iter()
+                    .filter(|(e, _)| e.kind == k)
+                    .map(|(e, _)| e.bytes)
+                    .sum::<u64>()
+            };
+            if vmm {
+                assert_eq!(got(back) - got(gone), sim.mapped_bytes(0));
+            }
+        }
+        pool.empty_cache();
+        assert_no_leak(&sim, pool);
+    });
+}
