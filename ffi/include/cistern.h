@@ -297,11 +297,12 @@ int cistern_end_allocate_to_pool(int device, uint64_t pool_id_0, uint64_t pool_i
 // pool (last error).
 int cistern_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
 
-// Returns the cached memory of graph pool `(pool_id_0, pool_id_1)` of device `device` to the
-// driver once its last use is released (PyTorch's `emptyCache(mempool_id)`): its blocks
-// still allocated stay, and a pool still in use, or one that never existed, keeps or releases
-// nothing. Returns 1, or 0 for a bad device (last error).
-int cistern_empty_pool_cache(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+// Returns the cached memory of graph pool `(pool_id_0, pool_id_1)` to the driver, on every
+// device where the pool's last use is released (PyTorch's `emptyCache(mempool_id)`): its
+// blocks still allocated stay, and a pool still in use, or one that never existed, keeps or
+// releases nothing. Devices this process has not used are not touched. Returns 1, or 0 when
+// cistern could not start (last error).
+int cistern_empty_pool_cache(uint64_t pool_id_0, uint64_t pool_id_1);
 
 // One more use of graph pool `(pool_id_0, pool_id_1)` of device `device`, made if new, without
 // opening a window (PyTorch's `createOrIncrefPool`, when a `MemPool` is made); released by

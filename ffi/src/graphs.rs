@@ -162,23 +162,24 @@ pub extern "C" fn cistern_release_pool(device: c_int, pool_id_0: u64, pool_id_1:
     })
 }
 
-/// Returns the cached memory of graph pool `(pool_id_0, pool_id_1)` of device `device` to the
-/// driver once its last use is released (PyTorch's `emptyCache(mempool_id)`): its blocks
-/// still allocated stay, and a pool still in use, or one that never existed, keeps or releases
-/// nothing. Returns 1, or 0 for a bad device (last error).
+/// Returns the cached memory of graph pool `(pool_id_0, pool_id_1)` to the driver, on every
+/// device where the pool's last use is released (PyTorch's `emptyCache(mempool_id)`): its
+/// blocks still allocated stay, and a pool still in use, or one that never existed, keeps or
+/// releases nothing. Devices this process has not used are not touched. Returns 1, or 0 when
+/// cistern could not start (last error).
 #[no_mangle]
-pub extern "C" fn cistern_empty_pool_cache(device: c_int, pool_id_0: u64, pool_id_1: u64) -> c_int {
+pub extern "C" fn cistern_empty_pool_cache(pool_id_0: u64, pool_id_1: u64) -> c_int {
     guard::call("cistern_empty_pool_cache", 0, || {
-        pool_call(
-            "cistern_empty_pool_cache",
-            device,
-            pool_id_0,
-            pool_id_1,
-            |d, id| {
-                d.empty_pool_cache(id);
-                Ok(())
-            },
-        )
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_empty_pool_cache", why);
+                return 0;
+            }
+        };
+        let id = cistern_alloc::MempoolId(pool_id_0, pool_id_1);
+        with_pool!(pool, |p| p.empty_pool_cache(id));
+        1
     })
 }
 
@@ -459,7 +460,6 @@ fn pool_call(
 trait GraphPools {
     fn end_allocate_to_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
     fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()>;
-    fn empty_pool_cache(&self, id: cistern_alloc::MempoolId) -> u64;
     fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId);
     fn pool_use_count(&self, id: cistern_alloc::MempoolId) -> u64;
     fn set_use_on_oom(&self, id: cistern_alloc::MempoolId, on: bool) -> cistern_alloc::Result<()>;
@@ -480,9 +480,6 @@ impl<D: cistern_alloc::Driver> GraphPools for cistern_alloc::DevicePool<D> {
     }
     fn release_pool(&self, id: cistern_alloc::MempoolId) -> cistern_alloc::Result<()> {
         cistern_alloc::DevicePool::release_pool(self, id)
-    }
-    fn empty_pool_cache(&self, id: cistern_alloc::MempoolId) -> u64 {
-        cistern_alloc::DevicePool::empty_pool_cache(self, id)
     }
     fn create_or_incref_pool(&self, id: cistern_alloc::MempoolId) {
         cistern_alloc::DevicePool::create_or_incref_pool(self, id)

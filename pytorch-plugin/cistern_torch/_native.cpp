@@ -123,7 +123,7 @@ struct Api {
   void* (*pool_checkpoint)(int, uint64_t, uint64_t);
   void (*checkpoint_free)(void*);
   int (*pool_restore)(const void*, void (*)(void*, int, void*, size_t, Stream), void*);
-  int (*empty_pool_cache)(int, uint64_t, uint64_t);
+  int (*empty_pool_cache)(uint64_t, uint64_t);
   int (*cache_info)(int, size_t*, size_t*);
 };
 
@@ -418,8 +418,8 @@ class CisternAllocator : public PluggableBase {
 
   // torch <= 2.7: emptyCache(); later emptyCache(MempoolId_t). {0, 0}: every cached page,
   // released pools' included. A pool's own: its cached pages once the pool is released, on
-  // every device, as PyTorch frees a released pool's cached blocks; a pool still in use keeps
-  // its memory (its graphs'), as in PyTorch.
+  // every device cistern uses, as PyTorch frees a released pool's cached blocks; a pool still
+  // in use keeps its memory (its graphs'), as in PyTorch.
   void emptyCache() {
     g_api.empty_cache();
   }
@@ -428,11 +428,8 @@ class CisternAllocator : public PluggableBase {
       g_api.empty_cache();
       return;
     }
-    int devices = c10::cuda::device_count();
-    for (int d = 0; d < devices; ++d) {
-      TORCH_CHECK(g_api.empty_pool_cache(d, pool.first, pool.second) == 1,
-                  "cistern: emptyCache(pool): ", last_error());
-    }
+    TORCH_CHECK(g_api.empty_pool_cache(pool.first, pool.second) == 1,
+                "cistern: emptyCache(pool): ", last_error());
   }
 
   // What cuDNN may take for a convolution's workspace, as PyTorch's allocator answers it: the
@@ -723,28 +720,12 @@ class CisternAllocator : public PluggableBase {
     rejection_observers_.push_back(std::move(observer));
   }
 
-  // Newer torch: the bytes mapped per stream and heap, as PyTorch's expandable segments report
-  // them: cistern's VMM runs of mapped pages (the snapshot's expandable segments) summed by
-  // stream and small/large heap; memory without VMM (vmm:false) is not expandable and not
-  // counted, as in PyTorch.
+  // Newer torch: the bytes mapped per stream and heap (see cistern_native::expandable_sizes).
   std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> getExpandableSegmentSizes(
       c10::DeviceIndex device) {
-    auto info = snapshot_of({0, 0});
     std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> out;
-    for (const auto& seg : info.segments) {
-      if (seg.device != device || !seg.is_expandable) {
-        continue;
-      }
-      bool small = !seg.is_large;
-      auto stream = static_cast<cudaStream_t>(seg.stream);
-      auto it = std::find_if(out.begin(), out.end(), [&](const auto& s) {
-        return s.stream == stream && s.is_small_pool == small;
-      });
-      if (it == out.end()) {
-        out.emplace_back(stream, small, seg.total_size);
-      } else {
-        it->total_size += seg.total_size;
-      }
+    for (const auto& s : cistern_native::expandable_sizes(snapshot_of({0, 0}), device)) {
+      out.emplace_back(static_cast<cudaStream_t>(s.stream), s.small, s.bytes);
     }
     return out;
   }

@@ -298,13 +298,13 @@ class History {
         }
         if (!skip_alloc_) {
           push(device, entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
-                                  stream, entry_ctx));
+                             stream, entry_ctx));
         }
       }
     }
     if (tracked) {
       trackers_.tell(entry(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(ptr), size,
-                                stream, std::move(entry_ctx)));
+                           stream, std::move(entry_ctx)));
     }
   }
 

@@ -11,6 +11,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -448,6 +449,38 @@ inline SnapshotInfo snapshot_from_json(
   }
   devices = std::max(devices, snap["device_traces"].arr.size());
   out.device_traces.resize(devices);
+  return out;
+}
+
+// One stream's mapped bytes in one heap (getExpandableSegmentSizes).
+struct StreamBytes {
+  void* stream;
+  bool small;
+  size_t bytes;
+};
+
+// getExpandableSegmentSizes (newer torch): the bytes each stream has mapped in its small and
+// large heaps on `device`, as PyTorch reports its expandable segments: the snapshot's VMM runs
+// (graph pools' included) summed per stream and heap, in the order first seen. Memory without
+// VMM (vmm:false) is not expandable and not counted, as in PyTorch.
+inline std::vector<StreamBytes> expandable_sizes(const SnapshotInfo& info,
+                                                 c10::DeviceIndex device) {
+  std::vector<StreamBytes> out;
+  for (const auto& seg : info.segments) {
+    if (seg.device != device || !seg.is_expandable) {
+      continue;
+    }
+    void* stream = reinterpret_cast<void*>(seg.stream);
+    bool small = !seg.is_large;
+    auto it = std::find_if(out.begin(), out.end(), [&](const StreamBytes& s) {
+      return s.stream == stream && s.small == small;
+    });
+    if (it == out.end()) {
+      out.push_back({stream, small, seg.total_size});
+    } else {
+      it->bytes += seg.total_size;
+    }
+  }
   return out;
 }
 

@@ -298,6 +298,10 @@ int main(int argc, char** argv) {
   }
   auto pool = cistern_native::snapshot_from_json(sj, {5, 0});
   std::printf("POOLSEGS|%zu\n", pool.segments.size());
+  for (const auto& e : cistern_native::expandable_sizes(info, 0)) {
+    std::printf("EXP|%llu|%d|%zu\n", (unsigned long long)(uintptr_t)e.stream, (int)e.small,
+                e.bytes);
+  }
   // Documents that are not JSON are refused, not misread.
   cistern_native::Json bad;
   std::printf("BAD|%d|%d|%d\n", (int)cistern_native::parse("{\"a\": }", bad),
@@ -403,6 +407,14 @@ def _check_conversion(lines: Dict[str, List[str]], _out: str) -> None:
             assert (allocated, active) == states[b["state"]], b
     in_pool = [s for s in snap["segments"] if s["segment_pool_id"] == [5, 0]]
     assert int(lines["POOLSEGS"][0]) == len(in_pool) > 0
+    # getExpandableSegmentSizes: the VMM runs of device 0, summed per stream and heap.
+    want: Dict[Tuple[int, int], int] = {}
+    for s in snap["segments"]:
+        if s["device"] == 0 and s["is_expandable"]:
+            k = (s["stream"], int(s["segment_type"] == "small"))
+            want[k] = want.get(k, 0) + s["total_size"]
+    got_exp = {(int(a), int(b)): int(c) for a, b, c in (r.split("|") for r in lines.get("EXP", []))}
+    assert got_exp == want and want, (got_exp, want)
     assert int(lines["TRACES"][0]) == len(snap["device_traces"])
     assert lines["BAD"] == ["0|0|0"]
 

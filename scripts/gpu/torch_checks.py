@@ -450,10 +450,31 @@ def cmd_graphs(_a) -> None:
     torch.cuda.synchronize()
     corrupted = sum(int(not bool((s == 123.0).all().item())) for s in sentinels)
     correct = bool(torch.equal(static_out, ref))
-    emit("graphs", captured=True, output_correct=correct, sentinels_corrupted=corrupted)
-    key(captured=1, output_correct=int(correct), sentinels_corrupted=corrupted)
+    # The graph's pool in memory_stats (torch with reserved_bytes_by_private_pools, native
+    # mode): reserved while the graph lives, 0 once it is gone.
+    pool_keys = {}
+    pool_problems = []
+    import cistern_torch
+
+    if cistern_torch.allocator_mode() == "native":
+        pid = g.pool()
+        name = f"reserved_bytes_by_private_pools.{pid[0]}_{pid[1]}.all.current"
+        live = torch.cuda.memory_stats().get(name)
+        del static_out
+        g.reset()
+        torch.cuda.synchronize()
+        gone = torch.cuda.memory_stats().get(name)
+        pool_keys = {"pool": list(pid), "reserved_live": live, "reserved_released": gone}
+        if live is not None and (live <= 0 or gone != 0):
+            pool_problems.append(f"{name}: {live} while the graph lived, {gone} after")
+    emit("graphs", captured=True, output_correct=correct, sentinels_corrupted=corrupted,
+         **pool_keys)
+    key(captured=1, output_correct=int(correct), sentinels_corrupted=corrupted,
+        private_pool_problems=len(pool_problems))
     if corrupted or not correct:
         raise Fail(f"replay: output correct={correct}, {corrupted} of 6 later blocks overwritten")
+    if pool_problems:
+        raise Fail("; ".join(pool_problems))
 
 
 def cmd_graph_trees(_a) -> None:
@@ -528,6 +549,19 @@ def cmd_memory_apis(_a) -> None:
     snap = torch.cuda.memory_snapshot()
     if not any(b["state"] == "active_allocated" for s in snap for b in s["blocks"]):
         problems.append("memory_snapshot() shows no allocated block")
+    # History: a record_function range becomes the snapshot's annotations, as with PyTorch's
+    # allocator.
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    with torch.profiler.record_function("## cistern check ##"):
+        z = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    names = [a.get("name") for a in snap.get("external_annotations", [])]
+    if "## cistern check ##" not in names:
+        problems.append(f"record_function range not in the snapshot's annotations ({names[:4]})")
+    if not any(e.get("action") == "alloc" for t in snap.get("device_traces", []) for e in t):
+        problems.append("the history recorded no alloc")
+    del z
     name = torch.cuda.get_allocator_backend()
     torch.cuda.empty_cache()
     del y

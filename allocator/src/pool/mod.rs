@@ -420,10 +420,12 @@ impl<D: Driver> Pool<D> {
         Ok(self.device(dev)?.cache_info())
     }
 
-    /// Releases the cached memory of graph pool `id` on device `dev` once the pool is released
-    /// (see [`DevicePool::empty_pool_cache`]); returns the bytes released.
-    pub fn empty_pool_cache(&self, dev: DeviceId, id: MempoolId) -> Result<u64> {
-        Ok(self.device(dev)?.empty_pool_cache(id))
+    /// Releases the cached memory of graph pool `id` on every device once the pool is released
+    /// there (see [`DevicePool::empty_pool_cache`]), as PyTorch's `emptyCache(mempool_id)`;
+    /// returns the bytes released. Devices this process has not used are left untouched (no
+    /// pool is made for them).
+    pub fn empty_pool_cache(&self, id: MempoolId) -> u64 {
+        self.devices().map(|d| d.empty_pool_cache(id)).sum()
     }
 
     /// The live blocks of graph pool `id` on device `dev` (see

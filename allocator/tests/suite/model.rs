@@ -381,7 +381,7 @@ fn run_graphs(vmm: bool, ops: &[GraphOp]) -> Result<(), TestCaseError> {
             // What a live pool holds stays (the invariants check its pages, the launches its
             // blocks); an earlier, released pool of the same id gives its cache back.
             GraphOp::EmptyPool(p) => {
-                pool.empty_pool_cache(0, mempool(*p)).unwrap();
+                pool.empty_pool_cache(mempool(*p));
             }
             GraphOp::Base(Op::Fault(k, n)) => sim.fail_nth(FAULTS[*k], *n),
             _ => {}

@@ -106,7 +106,7 @@ pub struct Abi {
     ) -> c_int,
     pub end_allocate_to_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     pub release_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
-    pub empty_pool_cache: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
+    pub empty_pool_cache: unsafe extern "C" fn(u64, u64) -> c_int,
     pub cache_info: unsafe extern "C" fn(c_int, *mut usize, *mut usize) -> c_int,
     pub create_or_incref_pool: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     pub pool_use_count: unsafe extern "C" fn(c_int, u64, u64) -> i64,
