@@ -72,6 +72,11 @@ typedef struct cistern_event_t {
   uint64_t addr;
   // Its length in bytes.
   uint64_t bytes;
+  // The graph pool (PyTorch's `MempoolId_t`) whose memory or block it is; `(0, 0)`
+  // outside graph pools.
+  uint64_t pool_id_0;
+  // The second half of the pool's id.
+  uint64_t pool_id_1;
 } cistern_event_t;
 
 // An observer (`cistern_set_observer`): called with its context and the event on the thread
@@ -155,6 +160,13 @@ int cistern_last_oom(int device, size_t *device_free, size_t *device_total);
 //
 // `largest_free` and `room` are each NULL or point to a writable `size_t`.
 int cistern_cache_info(int device, size_t *largest_free, size_t *room);
+
+// Whether device `device`'s pool maps pages itself (VMM: 1) or allocates `cuMemAlloc`
+// segments (`CISTERN_CONF=vmm:false`, or a device without VMM: 0); -1 for a bad device, or
+// when cistern could not start (last error). With VMM, the ranges a snapshot lists are runs
+// of pages that are unmapped and mapped elsewhere as the pool moves them, as PyTorch's
+// expandable segments are; without, they are whole segments.
+int cistern_uses_vmm(int device);
 
 // Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 // and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not

@@ -414,6 +414,31 @@ pub unsafe extern "C" fn cistern_cache_info(
     1
 }
 
+/// Whether device `device`'s pool maps pages itself (VMM: 1) or allocates `cuMemAlloc`
+/// segments (`CISTERN_CONF=vmm:false`, or a device without VMM: 0); -1 for a bad device, or
+/// when cistern could not start (last error). With VMM, the ranges a snapshot lists are runs
+/// of pages that are unmapped and mapped elsewhere as the pool moves them, as PyTorch's
+/// expandable segments are; without, they are whole segments.
+#[no_mangle]
+pub extern "C" fn cistern_uses_vmm(device: c_int) -> c_int {
+    guard::call("cistern_uses_vmm", -1, || {
+        let pool = match global::pool() {
+            Ok(p) => p,
+            Err(why) => {
+                fail_no_pool("cistern_uses_vmm", why);
+                return -1;
+            }
+        };
+        match with_pool!(pool, |p| global::device(p, device).map(|d| d.uses_vmm())) {
+            Ok(v) => c_int::from(v),
+            Err(e) => {
+                fail_with(format!("cistern_uses_vmm(device {device})"), &e);
+                -1
+            }
+        }
+    })
+}
+
 /// Grants device `peer` read/write access to every mapping of device `device`'s pool, present
 /// and future: VMM mappings need access per peer, which `cudaDeviceEnablePeerAccess` does not
 /// give (for `vmm:false` pools that call is all a peer needs, and this one only records the

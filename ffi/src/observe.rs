@@ -38,6 +38,11 @@ pub struct cistern_event_t {
     pub addr: u64,
     /// Its length in bytes.
     pub bytes: u64,
+    /// The graph pool (PyTorch's `MempoolId_t`) whose memory or block it is; `(0, 0)`
+    /// outside graph pools.
+    pub pool_id_0: u64,
+    /// The second half of the pool's id.
+    pub pool_id_1: u64,
 }
 
 /// An observer (`cistern_set_observer`): called with its context and the event on the thread
@@ -67,6 +72,8 @@ impl CObserver {
             device: e.device as c_int,
             addr: e.addr,
             bytes: e.bytes,
+            pool_id_0: e.pool.0,
+            pool_id_1: e.pool.1,
         };
         // SAFETY: the caller's observer with its context, callable from any thread; `ev`
         // outlives the call.

@@ -1273,4 +1273,13 @@ fn cache_info_reports_what_a_workspace_may_take() {
         "{}",
         abi.last_error()
     );
+    // The simulator maps pages (VMM) unless told otherwise.
+    // SAFETY (each call): the export's documented types; a bad device is part of its contract.
+    assert_eq!(unsafe { (abi.uses_vmm)(dev) }, 1, "{}", abi.last_error());
+    assert_eq!(unsafe { (abi.uses_vmm)(10) }, -1);
+    assert!(
+        abi.last_error().contains("cistern_uses_vmm(device 10)"),
+        "{}",
+        abi.last_error()
+    );
 }

@@ -23,7 +23,7 @@
 //   recordHistory (every version's signature), isHistoryEnabled   _native_history.h
 //   attachOutOfMemoryObserver                                    called on each OOM
 //   cistern_set_observer                                         segment_map/unmap, free_completed in the history
-//   attachAllocatorTraceTracker                                  every trace entry, as the history sees it
+//   attachAllocatorTraceTracker                                  every trace entry (vmm:false; refused with VMM)
 //   attachOomRejectionObserver                                   kept; cistern never rejects before trying
 //   recordAnnotation, push/popCompileContext, set/getUserMetadata,
 //   annotateMemory, getContextForPointer                         _native_history.h
@@ -125,6 +125,7 @@ struct Api {
   int (*pool_restore)(const void*, void (*)(void*, int, void*, size_t, Stream), void*);
   int (*empty_pool_cache)(uint64_t, uint64_t);
   int (*cache_info)(int, size_t*, size_t*);
+  int (*uses_vmm)(int);
 };
 
 // cistern_event_t, as libcistern.so's header declares it.
@@ -133,6 +134,8 @@ struct Event {
   int device;
   uint64_t addr;
   uint64_t bytes;
+  uint64_t pool_id_0;
+  uint64_t pool_id_1;
 };
 
 Api g_api{};
@@ -225,7 +228,8 @@ void observe_trampoline(void*, const void* raw) noexcept {
   const auto* e = static_cast<const Event*>(raw);
   try {
     g_history.pool_event(e->kind, static_cast<c10::DeviceIndex>(e->device),
-                         static_cast<size_t>(e->addr), static_cast<size_t>(e->bytes));
+                         static_cast<size_t>(e->addr), static_cast<size_t>(e->bytes),
+                         {e->pool_id_0, e->pool_id_1});
   } catch (...) {
     // A history entry lost (e.g. no memory for it): never an exception into cistern.
   }
@@ -693,10 +697,25 @@ class CisternAllocator : public PluggableBase {
   }
 
   // ProcessGroupNCCL's registration hook (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) and
-  // profilers: told every trace entry from now on (see _native_history.h). VMM memory shows as
-  // segment_map / segment_unmap, as PyTorch's expandable segments do.
+  // profilers: told every trace entry from now on (see _native_history.h), with cistern's
+  // cuMemAlloc segments (vmm:false) as segment_alloc / segment_free, the ranges snapshot()
+  // lists. With VMM, the ranges snapshot() lists are runs of pages that cistern unmaps and maps
+  // elsewhere as it moves them (segment_map / segment_unmap, which NCCL's hook ignores): a
+  // hook that registers those ranges would keep registrations of memory that is gone, which is
+  // why PyTorch turns that hook off with its own expandable segments. So with VMM trackers are
+  // refused, with the fix.
   void attachAllocatorTraceTracker(
       c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
+    int vmm = g_api.uses_vmm(c10::cuda::current_device());
+    TORCH_CHECK(vmm >= 0, "cistern: attachAllocatorTraceTracker: ", last_error());
+    TORCH_CHECK(
+        vmm == 0,
+        "cistern: attachAllocatorTraceTracker: trace trackers (ProcessGroupNCCL's memory "
+        "registration hook, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) need the memory "
+        "snapshot() lists to stay where it is, and cistern's VMM pool moves pages, as PyTorch's "
+        "expandable segments do (PyTorch turns that hook off for them): unset "
+        "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK, or run cistern with "
+        "CISTERN_CONF=vmm:false");
     TORCH_CHECK(g_history.attach_tracker(std::move(tracker)),
                 "cistern: attachAllocatorTraceTracker: at most ",
                 cistern_native::Trackers::kMaxTrackers, " trace trackers can be attached");

@@ -29,16 +29,19 @@
 // (recordAnnotation, the snapshot's external_annotations, bounded as the rings); in newer torch,
 // the torch.compile region an entry was made in (pushCompileContext: compile_context_, "N/A"
 // outside one; a stack per thread, where PyTorch keeps one per device), the string set by
-// torch.cuda.memory._set_memory_metadata (user_metadata_ of every later entry) and
-// annotateMemory's `annotate` entries.
+// torch.cuda.memory._set_memory_metadata (user_metadata_ of every later entry made on that
+// thread, as PyTorch keeps it per thread) and annotateMemory's `annotate` entries. Segment
+// entries carry the graph pool of their memory (mempool_, where the torch has it).
 
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/ApproximateClock.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -58,6 +61,9 @@ using Context = std::shared_ptr<c10::GatheredContext>;
 // A TraceEntry whichever constructor this torch has: (..., stream, mempool, time, context) in
 // later versions, (..., stream, time, context) in 2.5. Its time is set in microseconds since the
 // epoch (the `t_` that snapshot() hands to PyTorch, which prints it as `time_us`).
+// The graph pool an entry is about ((0, 0): none), where the torch's entries carry one.
+using Pool = std::pair<uint64_t, uint64_t>;
+
 template <class TE>
 TE construct_entry(
     typename TE::Action action,
@@ -65,14 +71,16 @@ TE construct_entry(
     size_t addr,
     size_t size,
     cudaStream_t stream,
-    Context context) {
+    Context context,
+    Pool pool = {0, 0}) {
   using Time = c10::approx_time_t;
   // A template, so that only the branch this torch can compile is instantiated.
   if constexpr (std::is_constructible_v<TE, typename TE::Action, c10::DeviceIndex, size_t, size_t,
                                         void*, c10::cuda::MempoolId_t, Time, Context>) {
-    return TE(action, device, addr, size, stream, c10::cuda::MempoolId_t{0, 0}, Time{},
-              std::move(context));
+    return TE(action, device, addr, size, stream, c10::cuda::MempoolId_t{pool.first, pool.second},
+              Time{}, std::move(context));
   } else {
+    (void)pool;
     return TE(action, device, addr, size, stream, Time{}, std::move(context));
   }
 }
@@ -109,8 +117,10 @@ inline TraceEntry make_entry(
     size_t addr,
     size_t size,
     cudaStream_t stream,
-    Context context) {
-  TraceEntry e = construct_entry<TraceEntry>(action, device, addr, size, stream, std::move(context));
+    Context context,
+    Pool pool = {0, 0}) {
+  TraceEntry e =
+      construct_entry<TraceEntry>(action, device, addr, size, stream, std::move(context), pool);
   e.time_.t_ = now_us();
   return e;
 }
@@ -137,11 +147,19 @@ class Trackers {
     return count_.load(std::memory_order_relaxed) != 0;
   }
 
+  // Trackers get the entry as PyTorch's allocator hands it to them: its time in the
+  // approximate clock's units (the rings keep microseconds since the epoch, as snapshot()
+  // converts PyTorch's).
   void tell(const TraceEntry& e) const {
     size_t n = count_.load(std::memory_order_acquire);
+    if (n == 0) {
+      return;
+    }
+    TraceEntry t = e;
+    t.time_.approx_t_ = c10::getApproximateTime();
     for (size_t i = 0; i < n; ++i) {
       if (slots_[i]) {
-        slots_[i](e);
+        slots_[i](t);
       }
     }
   }
@@ -234,15 +252,13 @@ class History {
   // Whether this torch's entries carry user metadata (supportsUserMetadata).
   static constexpr bool kUserMetadata = HasUserMetadata<TraceEntry>::value;
 
-  // torch.cuda.memory._set_memory_metadata: carried by every later entry ("" for none).
-  void set_user_metadata(const std::string& md) {
-    std::lock_guard<std::mutex> g(meta_mu_);
-    user_metadata_ = md;
-    has_user_metadata_.store(!md.empty(), std::memory_order_relaxed);
+  // torch.cuda.memory._set_memory_metadata: carried by every later entry made on the calling
+  // thread ("" for none), per thread as PyTorch keeps it.
+  static void set_user_metadata(const std::string& md) {
+    user_metadata_here() = md;
   }
-  std::string user_metadata() const {
-    std::lock_guard<std::mutex> g(meta_mu_);
-    return user_metadata_;
+  static std::string user_metadata() {
+    return user_metadata_here();
   }
 
   // annotateMemory: an `annotate` entry for the live block at `ptr` (its size and stream),
@@ -361,7 +377,8 @@ class History {
   // One event of cistern's observer (cistern_event_t's kind: 1 segment_map, 2 segment_unmap,
   // 3 segment_alloc, 4 segment_free, 5 free_completed), for `bytes` at `addr`. Called with
   // cistern's locks held: takes no stack, calls nothing of cistern's or Python's.
-  void pool_event(int kind, c10::DeviceIndex device, size_t addr, size_t bytes) {
+  void pool_event(int kind, c10::DeviceIndex device, size_t addr, size_t bytes,
+                  Pool pool = {0, 0}) {
     bool tracked = trackers_.any();
     if (!on() && !tracked) {
       return;
@@ -389,11 +406,11 @@ class History {
     if (on()) {
       std::lock_guard<std::mutex> g(mu_);
       if (enabled_ && !skipped(action)) {
-        push(device, entry(action, device, addr, bytes, nullptr, nullptr));
+        push(device, entry(action, device, addr, bytes, nullptr, nullptr, pool));
       }
     }
     if (tracked) {
-      trackers_.tell(entry(action, device, addr, bytes, nullptr, nullptr));
+      trackers_.tell(entry(action, device, addr, bytes, nullptr, nullptr, pool));
     }
   }
 
@@ -463,20 +480,22 @@ class History {
 
   Trackers trackers_;
   std::deque<Annotation> annotations_;
-  mutable std::mutex meta_mu_;
-  std::string user_metadata_;
-  std::atomic<bool> has_user_metadata_{false};
 
   static std::vector<std::string>& compile_stack() {
     thread_local std::vector<std::string> stack;
     return stack;
   }
 
+  static std::string& user_metadata_here() {
+    thread_local std::string md;
+    return md;
+  }
+
   // An entry with what this torch's entries carry beyond 2.5's: the thread's compile context
   // and the user metadata.
   TraceEntry entry(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size,
-                   cudaStream_t stream, Context context) const {
-    TraceEntry e = make_entry(action, device, addr, size, stream, std::move(context));
+                   cudaStream_t stream, Context context, Pool pool = {0, 0}) const {
+    TraceEntry e = make_entry(action, device, addr, size, stream, std::move(context), pool);
     decorate(e);
     return e;
   }
@@ -488,10 +507,7 @@ class History {
       e.compile_context_ = st.empty() ? std::string("N/A") : st.back();
     }
     if constexpr (HasUserMetadata<TE>::value) {
-      if (has_user_metadata_.load(std::memory_order_relaxed)) {
-        std::lock_guard<std::mutex> g(meta_mu_);
-        e.user_metadata_ = user_metadata_;
-      }
+      e.user_metadata_ = user_metadata_here();
     }
   }
 

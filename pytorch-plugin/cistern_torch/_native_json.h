@@ -308,9 +308,9 @@ inline Baseline baseline_of(const Json& flat) {
 // cistern's "reserved_bytes_by_private_pools.<a>_<b>.<half>.<field>" counters (each graph pool's
 // reserved bytes, keyed as PyTorch flattens its MempoolId_t) into DeviceStats'
 // reserved_bytes_by_private_pools, in a torch whose DeviceStats has it (the `int` overload is
-// chosen then); `get` reads a counter less its baseline.
-template <class S, class Get>
-auto fill_private_pools(S& s, const Json& flat, Get get, int)
+// chosen then), less `base` (the accumulated counters at the last reset).
+template <class S>
+auto fill_private_pools(S& s, const Json& flat, const Baseline& base, int)
     -> decltype((void)s.reserved_bytes_by_private_pools, void()) {
   static const std::string prefix = "reserved_bytes_by_private_pools.";
   if (flat.kind != Json::Object) {
@@ -342,7 +342,9 @@ auto fill_private_pools(S& s, const Json& flat, Get get, int)
     Key pool{std::strtoull(id.substr(0, us).c_str(), nullptr, 10),
                           std::strtoull(id.substr(us + 1).c_str(), nullptr, 10)};
     auto& st = s.reserved_bytes_by_private_pools[pool][idx];
-    int64_t v = get(key);
+    // The value at hand (a lookup by name would scan the document once per key).
+    auto b = base.find(key);
+    int64_t v = kv.second.as_i64() - (b == base.end() ? 0 : b->second);
     if (field == "current") {
       st.current = v;
     } else if (field == "peak") {
@@ -354,8 +356,8 @@ auto fill_private_pools(S& s, const Json& flat, Get get, int)
     }
   }
 }
-template <class S, class Get>
-void fill_private_pools(S&, const Json&, Get, long) {}
+template <class S>
+void fill_private_pools(S&, const Json&, const Baseline&, long) {}
 
 // cistern's flat statistics ("allocated_bytes.large_pool.peak": n, ...) as PyTorch's
 // DeviceStats, less `base` (the accumulated counters at the last reset).
@@ -395,7 +397,7 @@ inline DeviceStats stats_from_json(const Json& flat, const Baseline& base = Base
   s.num_device_alloc = get("num_device_alloc");
   s.num_device_free = get("num_device_free");
   s.max_split_size = get("max_split_size");
-  fill_private_pools(s, flat, get, 0);
+  fill_private_pools(s, flat, base, 0);
   return s;
 }
 

@@ -50,7 +50,7 @@ NATIVE_FUNCTIONS = (
     "cistern_set_observer", "cistern_ipc_share", "cistern_ipc_open", "cistern_ipc_close",
     "cistern_set_use_on_oom", "cistern_pool_live_blocks", "cistern_pool_checkpoint",
     "cistern_checkpoint_free", "cistern_pool_restore", "cistern_empty_pool_cache",
-    "cistern_cache_info",
+    "cistern_cache_info", "cistern_uses_vmm",
 )
 
 

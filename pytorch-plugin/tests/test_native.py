@@ -475,6 +475,22 @@ void print_extras(const H& h) {
   }
 }
 
+// Each entry's graph pool, in a torch whose entries have one.
+template <class TE, class = void>
+struct HasMempool : std::false_type {};
+template <class TE>
+struct HasMempool<TE, std::void_t<decltype(std::declval<TE&>().mempool_)>> : std::true_type {};
+template <class H, class TE = c10::cuda::CUDACachingAllocator::TraceEntry>
+void print_pools(const H& h) {
+  if constexpr (HasMempool<TE>::value) {
+    auto traces = h.traces(1);
+    for (const auto& e : traces[0]) {
+      std::printf("POOLID|%d|%llu|%llu\n", (int)e.action_, (unsigned long long)e.mempool_.first,
+                  (unsigned long long)e.mempool_.second);
+    }
+  }
+}
+
 static int ctx_of(const History& h, size_t addr) {
   auto c = h.context_of(addr);
   return c ? static_cast<Ctx*>(c.get())->id : 0;
@@ -586,6 +602,12 @@ int main() {
   print_extras(m);
   m.record(true, recorder, 3, RC::ALLOC, true);
   std::printf("ANNCLEAR|%zu\n", m.annotations().size());
+  // Segment entries name their graph pool.
+  History q;
+  q.record(true, recorder, 5, RC::ALLOC, false);
+  q.pool_event(1, 0, 0x50000, 2 << 20, {7, 1});
+  q.pool_event(2, 0, 0x50000, 2 << 20);
+  print_pools(q);
   return 0;
 }
 """
@@ -682,3 +704,5 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
                 ["9", str(0x8000), "N/A", "kv"]]
         else:
             assert "EXTRA" not in texts
+        if newer:
+            assert rows["POOLID"] == [[5, 7, 1], [6, 0, 0]]

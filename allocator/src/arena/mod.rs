@@ -140,6 +140,9 @@ pub(crate) struct ArenaState {
     pub ledger: Ledger,
     /// Allocations recorded with provenance so far: the last block's `BlockMeta::seq`.
     pub seq: u64,
+    /// The graph pool this arena serves ([`Arena::graph_pool`]), for what is counted and told
+    /// under the arena's lock alone.
+    pub graph_pool: Option<(u64, u64)>,
 }
 
 /// What became of a free request.
@@ -196,7 +199,10 @@ impl<D: Driver> Arena<D> {
             retired: AtomicBool::new(false),
             graph_pool,
             core,
-            state: Mutex::new(ArenaState::default()),
+            state: Mutex::new(ArenaState {
+                graph_pool,
+                ..ArenaState::default()
+            }),
         }
     }
 
@@ -260,6 +266,7 @@ impl<D: Driver> Arena<D> {
             return false;
         }
         let d = &*c.driver;
+        let pool = a.graph_pool;
         let mut synced = false;
         for kh in a.kinds.iter_mut() {
             for slot in &mut kh.segments {
@@ -288,9 +295,22 @@ impl<D: Driver> Arena<D> {
                             if let Some(p) = p.filter(|p| p.index == 0) {
                                 let addr = seg.base + i as u64 * c.granularity;
                                 let len = p.len as u64 * c.granularity;
-                                if d.unmap(c.dev, addr, len).is_ok() {
-                                    c.observer
-                                        .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
+                                // Told first, as everywhere (see `PoolEventKind`).
+                                c.observer.emit(
+                                    PoolEventKind::SegmentUnmap,
+                                    c.dev,
+                                    addr,
+                                    len,
+                                    pool,
+                                );
+                                if d.unmap(c.dev, addr, len).is_err() {
+                                    c.observer.emit(
+                                        PoolEventKind::SegmentMap,
+                                        c.dev,
+                                        addr,
+                                        len,
+                                        pool,
+                                    );
                                 }
                                 let _ = c.share.release_chunk(c, p.handle);
                             }
@@ -298,9 +318,16 @@ impl<D: Driver> Arena<D> {
                         let _ = d.free_va(c.dev, seg.base, seg.len);
                     }
                     Backing::Linear => {
-                        if d.mem_free(c.dev, seg.base).is_ok() {
-                            c.observer
-                                .emit(PoolEventKind::SegmentFree, c.dev, seg.base, seg.len);
+                        c.observer
+                            .emit(PoolEventKind::SegmentFree, c.dev, seg.base, seg.len, pool);
+                        if d.mem_free(c.dev, seg.base).is_err() {
+                            c.observer.emit(
+                                PoolEventKind::SegmentAlloc,
+                                c.dev,
+                                seg.base,
+                                seg.len,
+                                pool,
+                            );
                         }
                     }
                 }
@@ -542,8 +569,13 @@ impl ArenaState {
                 return FreeOutcome::Pending;
             }
         }
-        core.observer
-            .emit(PoolEventKind::FreeCompleted, dev, ptr, requested);
+        core.observer.emit(
+            PoolEventKind::FreeCompleted,
+            dev,
+            ptr,
+            requested,
+            self.graph_pool,
+        );
         self.release_span(kind, r.span, Some(requested), shared);
         FreeOutcome::Freed
     }
@@ -623,8 +655,13 @@ impl ArenaState {
         self.pending = pending;
         for &(kind, span) in &done_spans {
             let s = self.kinds[kind].heap.span(span);
-            core.observer
-                .emit(PoolEventKind::FreeCompleted, core.dev, s.start, s.requested);
+            core.observer.emit(
+                PoolEventKind::FreeCompleted,
+                core.dev,
+                s.start,
+                s.requested,
+                self.graph_pool,
+            );
             self.release_span(kind, span, None, &core.shared);
         }
         done_spans.len()

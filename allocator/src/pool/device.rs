@@ -45,9 +45,11 @@ pub(super) struct DeviceState {
     /// Reserved bytes by pool (0 all, 1 small, 2 large).
     pub(super) reserved: [ExactGauge; 3],
     /// The reserved bytes of each graph pool (PyTorch's `reserved_bytes_by_private_pools`):
-    /// what was mapped into its arenas, by pool half as `reserved`. A pool's current value
-    /// drops to 0 when the pool is released; its entry (peak, cumulative counts) stays until
-    /// the peaks are reset with the pool gone.
+    /// what its arenas hold (mapped pages, `cuMemAlloc` segments), by pool half as
+    /// `reserved`, also after the pool is released, until that memory is released or taken by
+    /// other streams, as PyTorch counts a released pool's segments until they are freed. An
+    /// entry whose current value is 0 is forgotten when the peaks are reset with the pool
+    /// gone.
     pub(super) private_reserved: BTreeMap<(u64, u64), [ExactGauge; 3]>,
     /// Physical handles or linear segments by pool.
     pub(super) segments: [ExactGauge; 3],
@@ -95,8 +97,8 @@ impl DeviceState {
         self.reserved[0].add(bytes);
         self.reserved[kind.pool_index()].add(bytes);
     }
-    /// Counts `bytes` mapped into (or, negative, out of) an arena of graph pool `pool`; nothing
-    /// for an arena of no graph pool.
+    /// Counts `bytes` mapped into (or, negative, unmapped from) an arena of graph pool `pool`;
+    /// nothing for an arena of no graph pool.
     pub(super) fn add_private_reserved(
         &mut self,
         pool: Option<(u64, u64)>,
@@ -107,15 +109,6 @@ impl DeviceState {
             let g = self.private_reserved.entry(id).or_default();
             g[0].add(bytes);
             g[kind.pool_index()].add(bytes);
-        }
-    }
-    /// Graph pool `pool` is released: its reserved bytes count as freed.
-    pub(super) fn drop_private_reserved(&mut self, pool: (u64, u64)) {
-        if let Some(g) = self.private_reserved.get_mut(&pool) {
-            for x in g.iter_mut() {
-                let cur = x.current;
-                x.add(-cur);
-            }
         }
     }
     pub(super) fn add_segments(&mut self, kind: HeapKind, n: i64) {

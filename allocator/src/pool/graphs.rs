@@ -345,6 +345,9 @@ impl<D: Driver> DevicePool<D> {
     /// valid, and their memory returns to the device pool after a device synchronisation.
     /// Windows still open into it are closed.
     pub fn release_pool(&self, id: MempoolId) -> Result<()> {
+        // The device lock first (the order `all_arenas` takes them in): no check of the
+        // arenas sees the pool's arenas gone from it and not yet retired.
+        let dev = self.state.lock();
         let (arenas, closed) = {
             let mut g = self.graphs.lock();
             let Some(p) = g.pools.get_mut(&id) else {
@@ -368,14 +371,16 @@ impl<D: Driver> DevicePool<D> {
             self.core.capturing.fetch_sub(closed.len(), SeqCst);
             (p.arenas, closed)
         };
-        // Their filters are released outside the lock.
-        drop(closed);
-        // The device lock orders this against a growth that holds one of these arenas.
-        let mut dev = self.state.lock();
+        // Under the device lock, which orders this against a growth that holds one of these
+        // arenas. Their memory still counts as the pool's (`reserved_bytes_by_private_pools`)
+        // until it is released or taken by other streams, as PyTorch counts a released pool's
+        // segments until they are freed.
         for (_, arena) in arenas {
             self.retire(arena);
         }
-        dev.drop_private_reserved((id.0, id.1));
+        drop(dev);
+        // Their filters are released outside the locks.
+        drop(closed);
         Ok(())
     }
 

@@ -181,8 +181,13 @@ impl<D: Driver> DevicePool<D> {
             return self.give_up(dev, arena, &a, size, rounded, limit_hit, retried);
         };
         c.counters.num_device_alloc.fetch_add(1, Relaxed);
-        c.observer
-            .emit(super::PoolEventKind::SegmentAlloc, c.dev, base, seg_size);
+        c.observer.emit(
+            super::PoolEventKind::SegmentAlloc,
+            c.dev,
+            base,
+            seg_size,
+            arena.graph_pool,
+        );
         dev.add_reserved(kind, seg_size as i64);
         dev.add_private_reserved(arena.graph_pool, kind, seg_size as i64);
         dev.add_segments(kind, 1);

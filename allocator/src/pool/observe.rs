@@ -49,6 +49,9 @@ pub struct PoolEvent {
     pub addr: u64,
     /// Its length.
     pub bytes: u64,
+    /// The graph pool (PyTorch's mempool id) whose arena the memory or block is in; `(0, 0)`
+    /// outside graph pools.
+    pub pool: (u64, u64),
 }
 
 /// A callback for pool events (see the module docs for what it may do).
@@ -74,13 +77,21 @@ impl ObserverSlot {
 
     /// Tells the observer, if there is one.
     #[inline]
-    pub(crate) fn emit(&self, kind: PoolEventKind, device: DeviceId, addr: u64, bytes: u64) {
+    pub(crate) fn emit(
+        &self,
+        kind: PoolEventKind,
+        device: DeviceId,
+        addr: u64,
+        bytes: u64,
+        pool: Option<(u64, u64)>,
+    ) {
         if self.on.load(Relaxed) {
             self.emit_slow(PoolEvent {
                 kind,
                 device,
                 addr,
                 bytes,
+                pool: pool.unwrap_or((0, 0)),
             });
         }
     }

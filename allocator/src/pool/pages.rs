@@ -98,7 +98,7 @@ impl<D: Driver> DevicePool<D> {
             match d.set_access(c.dev, lo, hi - lo, &dev.peers) {
                 Ok(()) => {
                     c.observer
-                        .emit(PoolEventKind::SegmentMap, c.dev, lo, hi - lo);
+                        .emit(PoolEventKind::SegmentMap, c.dev, lo, hi - lo, graph_pool);
                     dev.add_private_reserved(graph_pool, kind, (hi - lo) as i64);
                     if let Some(seg) = a.kinds[kind].segments[seg_idx as usize].as_mut() {
                         if let Backing::Vmm { pages } = &mut seg.backing {
@@ -236,17 +236,20 @@ impl<D: Driver> DevicePool<D> {
                         crate::heap::NIL => None,
                         n => Some(n),
                     };
-                    // Told before the unmap, as PyTorch records it: a trace tracker (NCCL's
-                    // registration hook) lets go of the range while it is still mapped.
+                    // Told before the unmap (see `PoolEventKind::SegmentUnmap`): an observer
+                    // still finds the range mapped.
                     c.observer
-                        .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len);
+                        .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len, a.graph_pool);
                     if c.driver.unmap(c.dev, addr, len).is_err() {
                         c.counters.num_driver_errors.fetch_add(1, Relaxed);
                         // Put the carved range back as free space; it is still mapped.
                         self.refill(a, kind, run.seg, addr, addr + len);
-                        c.observer.emit(PoolEventKind::SegmentMap, c.dev, addr, len);
+                        c.observer
+                            .emit(PoolEventKind::SegmentMap, c.dev, addr, len, a.graph_pool);
                         return taken;
                     }
+                    // A released graph pool's memory counts as its own until it leaves.
+                    dev.add_private_reserved(a.graph_pool, kind, -(len as i64));
                     let base = a.kinds[kind].segment(run.seg).base;
                     if let Some(crate::arena::Segment {
                         backing: Backing::Vmm { pages },

@@ -197,14 +197,25 @@ impl<D: Driver> DevicePool<D> {
                         synced = true;
                     }
                     // Told before the free (see `steal_pages`); a failed free keeps the segment.
-                    c.observer
-                        .emit(super::PoolEventKind::SegmentFree, c.dev, base, len);
+                    c.observer.emit(
+                        super::PoolEventKind::SegmentFree,
+                        c.dev,
+                        base,
+                        len,
+                        a.graph_pool,
+                    );
                     if c.driver.mem_free(c.dev, base).is_err() {
                         c.counters.num_driver_errors.fetch_add(1, Relaxed);
-                        c.observer
-                            .emit(super::PoolEventKind::SegmentAlloc, c.dev, base, len);
+                        c.observer.emit(
+                            super::PoolEventKind::SegmentAlloc,
+                            c.dev,
+                            base,
+                            len,
+                            a.graph_pool,
+                        );
                         continue;
                     }
+                    dev.add_private_reserved(a.graph_pool, kind, -(len as i64));
                     c.counters.num_device_free.fetch_add(1, Relaxed);
                     let before = a.free_totals(kind);
                     let Some(seg) = a.kinds[kind].segments[idx as usize].take() else {

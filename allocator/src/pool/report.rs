@@ -168,8 +168,8 @@ impl<D: Driver> DevicePool<D> {
         let dev = self.state.lock();
         let mut mapped = 0u64;
         let mut linear = [0u64; 2];
-        // The bytes mapped into each live graph pool's arenas.
-        let mut pinned: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+        // The bytes each graph pool's arenas hold, live or retired.
+        let mut by_pool: BTreeMap<(u64, u64), u64> = BTreeMap::new();
         for arena in self.all_arenas() {
             let a = arena.state.lock();
             let pages = a
@@ -197,12 +197,12 @@ impl<D: Driver> DevicePool<D> {
                     }
                 }
             }
-            if let (true, Some(id)) = (arena.pinned(), arena.graph_pool) {
-                *pinned.entry(id).or_default() += held;
+            if let Some(id) = arena.graph_pool {
+                *by_pool.entry(id).or_default() += held;
             }
         }
         for (id, g) in &dev.private_reserved {
-            let held = pinned.remove(id).unwrap_or(0);
+            let held = by_pool.remove(id).unwrap_or(0);
             if g[0].current < 0 || g[0].current as u64 != held {
                 return Err(format!(
                     "graph pool ({}, {}) counts {} reserved bytes, but its arenas hold {held}",
@@ -216,7 +216,7 @@ impl<D: Driver> DevicePool<D> {
                 ));
             }
         }
-        if let Some((id, held)) = pinned.into_iter().find(|&(_, held)| held > 0) {
+        if let Some((id, held)) = by_pool.into_iter().find(|&(_, held)| held > 0) {
             return Err(format!(
                 "graph pool ({}, {}) holds {held} bytes that no reserved count has",
                 id.0, id.1

@@ -508,8 +508,8 @@ fn cumulative_counts_survive_arenas_that_go_away() {
 }
 
 /// Each graph pool's reserved bytes (PyTorch's `reserved_bytes_by_private_pools`): what its
-/// arenas hold, by pool half; 0 once the pool is released, with its peak and cumulative counts
-/// kept until the peaks are reset.
+/// arenas hold, by pool half, also once the pool is released until that memory goes back to
+/// the driver; then 0, with its peak and cumulative counts kept until the peaks are reset.
 #[test]
 fn graph_pools_count_their_reserved_bytes() {
     both(|vmm| {
@@ -561,9 +561,14 @@ fn graph_pools_count_their_reserved_bytes() {
                 >= graph_peak + st.get(&key(OTHER, "all", "current")) + (8 * MIB) as i64
         );
 
-        // Released: nothing reserved any more, the peak and the counts stay.
+        // Released: still the pool's until its memory goes; then 0, the peak and the counts
+        // stay.
         free(&pool, b, S);
         pool.release_pool(0, GRAPH).unwrap();
+        check(&pool);
+        let st = pool.stats(0).unwrap();
+        assert_eq!(st.get(&key(GRAPH, "all", "current")), graph_peak);
+        pool.empty_pool_cache(GRAPH);
         check(&pool);
         let st = pool.stats(0).unwrap();
         assert_eq!(st.get(&key(GRAPH, "all", "current")), 0);
