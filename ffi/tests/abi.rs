@@ -1208,6 +1208,26 @@ fn the_observer_hears_mappings_and_completed_frees() {
         mapped >= size,
         "mapped {mapped} bytes for a {size}-byte block"
     );
+    assert!(EVENTS
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|e| (e.pool_id_0, e.pool_id_1) == (0, 0)));
+    // Memory of a graph pool is named by the pool's id.
+    // SAFETY (each call): the exports' documented types.
+    let begin = unsafe { (abi.begin_allocate_to_pool)(dev, 0, 21, None, ptr::null_mut(), None) };
+    assert_eq!(begin, 1, "{}", abi.last_error());
+    let g = malloc(abi, 5 * MIB, dev, stream(6));
+    // SAFETY: as above.
+    assert_eq!(unsafe { (abi.end_allocate_to_pool)(dev, 0, 21) }, 1);
+    assert!(EVENTS
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == 1 && e.device == dev && (e.pool_id_0, e.pool_id_1) == (0, 21)));
+    free(abi, g, 5 * MIB, dev, stream(6));
+    // SAFETY: as above.
+    assert_eq!(unsafe { (abi.release_pool)(dev, 0, 21) }, 1);
     free(abi, p, size, dev, stream(5));
     assert!(
         EVENTS

@@ -345,18 +345,30 @@ impl<D: Driver> DevicePool<D> {
     /// valid, and their memory returns to the device pool after a device synchronisation.
     /// Windows still open into it are closed.
     pub fn release_pool(&self, id: MempoolId) -> Result<()> {
-        // The device lock first (the order `all_arenas` takes them in): no check of the
-        // arenas sees the pool's arenas gone from it and not yet retired.
+        let missing = || {
+            Error::InvalidArgument(format!(
+                "release_pool: device {} has no graph pool {id} (already released, or never \
+                 opened with begin_allocate_to_pool)",
+                self.core.dev
+            ))
+        };
+        // A use that is not the last needs the graph pools' lock alone (a growth may hold the
+        // device lock through a host wait).
+        {
+            let mut g = self.graphs.lock();
+            let p = g.pools.get_mut(&id).ok_or_else(missing)?;
+            if p.uses > 1 {
+                p.uses -= 1;
+                return Ok(());
+            }
+        }
+        // The last: the device lock first (the order `all_arenas` takes them in), so that no
+        // check of the arenas sees the pool's arenas gone from it and not yet retired. The
+        // pool is looked up again: another thread may have used or released it in between.
         let dev = self.state.lock();
         let (arenas, closed) = {
             let mut g = self.graphs.lock();
-            let Some(p) = g.pools.get_mut(&id) else {
-                return Err(Error::InvalidArgument(format!(
-                    "release_pool: device {} has no graph pool {id} (already released, or \
-                     never opened with begin_allocate_to_pool)",
-                    self.core.dev
-                )));
-            };
+            let p = g.pools.get_mut(&id).ok_or_else(missing)?;
             p.uses -= 1;
             if p.uses > 0 {
                 return Ok(());

@@ -87,6 +87,8 @@ pub struct Event {
     pub device: c_int,
     pub addr: u64,
     pub bytes: u64,
+    pub pool_id_0: u64,
+    pub pool_id_1: u64,
 }
 
 pub struct Abi {
