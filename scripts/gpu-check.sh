@@ -22,10 +22,12 @@
 #   torch_record_stream  record_stream across two streams (with a control that must corrupt)
 #   torch_snapshot       cistern's snapshot through PyTorch's memory viewer (_memory_viz)
 #   torch_ipc            a cistern tensor shared with another process (torch.multiprocessing)
-#   torch_graphs         CUDA graph capture and replay under cistern
+#   torch_graphs         CUDA graph capture and replay under cistern; in native mode the graph
+#                        pool's reserved_bytes_by_private_pools while it lives and once reset
 #   torch_graph_trees    torch.compile(mode="reduce-overhead"): graph trees' checkpoints
 #   torch_memory_apis    native mode: torch.cuda.memory_stats/allocated/summary/snapshot and the
-#                        peak and accumulated resets answer from cistern
+#                        peak and accumulated resets answer from cistern; a record_function
+#                        range reaches the history's external_annotations
 #   plugin_pytest        pytorch-plugin/tests' GPU tests (test_gpu_*), when pytest is there
 #   replay_measured      the traces replayed (simulated GPU) priced with the measured table
 # A step passes with exit status 0, is skipped with 77 (its reason is the last line of its
