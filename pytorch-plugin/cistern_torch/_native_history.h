@@ -205,9 +205,7 @@ class History {
     for (auto& kv : rings_) {
       trim(kv.second);
     }
-    while (annotations_.size() > max_entries_) {
-      annotations_.pop_front();
-    }
+    trim(annotations_);
   }
 
   // recordAnnotation: a record_function range's start or end ({"name", ...}, {"stage",
@@ -227,9 +225,7 @@ class History {
       return;
     }
     annotations_.push_back(std::move(a));
-    while (annotations_.size() > max_entries_) {
-      annotations_.pop_front();
-    }
+    trim(annotations_);
   }
 
   // The annotations kept, oldest first (the snapshot's external_annotations).
@@ -562,7 +558,9 @@ class History {
     trim(ring);
   }
 
-  void trim(std::deque<TraceEntry>& ring) const {
+  // Keeps the newest max_entries_ of a ring (trace entries or annotations).
+  template <class T>
+  void trim(std::deque<T>& ring) const {
     while (ring.size() > max_entries_) {
       ring.pop_front();
     }

@@ -86,6 +86,18 @@ def _exports(path: str) -> List[str]:
     return [line.split()[-1] for line in out.splitlines() if line.strip()]
 
 
+def _compile_cxx(cxx: str, args: List[str], what: str) -> "subprocess.CompletedProcess[str]":
+    """Runs ``cxx`` with ``args`` as C++17, then C++20 (newer torch headers want it); the first
+    that succeeds, or an AssertionError with both compilers' complaints naming ``what``."""
+    errors = []
+    for std in ("c++17", "c++20"):
+        proc = subprocess.run([cxx, f"-std={std}", *args], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return proc
+        errors.append(proc.stderr[-2000:])
+    raise AssertionError(f"{what} did not compile:\n" + "\n".join(errors))
+
+
 def test_native_allocator_compiles_against_each_torch(tmp_path, monkeypatch) -> None:
     _cxx()
     monkeypatch.setenv("CISTERN_TORCH_CACHE", str(tmp_path / "cache"))
@@ -128,19 +140,13 @@ def test_version_dependent_methods_override_the_newest_torchs(tmp_path) -> None:
             if "attachOomRejectionObserver" not in f.read():
                 continue  # an older torch: some of these are not virtual there
         pkg = os.path.dirname(_shim.source_path())
-        errors = []
-        for std in ("c++17", "c++20"):
-            proc = subprocess.run(
-                [cxx, f"-std={std}", "-fsyntax-only", "-Wsuggest-override",
-                 f"-D_GLIBCXX_USE_CXX11_ABI={int(_shim.cxx11_abi_of(root))}", "-I", pkg,
-                 "-I", inc, "-I", os.path.join(inc, "torch", "csrc", "api", "include"),
-                 "-I", _cuda_include(root), _shim.source_path("_native.cpp")],
-                capture_output=True, text=True)
-            if proc.returncode == 0:
-                break
-            errors.append(proc.stderr[-2000:])
-        else:
-            raise AssertionError("\n".join(errors))
+        proc = _compile_cxx(
+            cxx,
+            ["-fsyntax-only", "-Wsuggest-override",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(_shim.cxx11_abi_of(root))}", "-I", pkg,
+             "-I", inc, "-I", os.path.join(inc, "torch", "csrc", "api", "include"),
+             "-I", _cuda_include(root), _shim.source_path("_native.cpp")],
+            "_native.cpp")
         marked = {line for line in proc.stderr.splitlines()
                   if "_native.cpp" in line and "override" in line}
         for name in NEWEST_OVERRIDES:
@@ -323,19 +329,11 @@ def _run_harness(tmp_path, root: str) -> Tuple[Dict[str, List[str]], str]:
     src.write_text(HARNESS)
     exe = tmp_path / "harness"
     pkg = os.path.dirname(_shim.source_path())
-    errors = []
-    for std in ("c++17", "c++20"):
-        proc = subprocess.run(
-            [cxx, f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}", "-I", pkg, "-I", inc,
-             "-I", cuda, str(src), "-o", str(exe), "-L", libdir, "-lc10", "-ldl",
-             f"-Wl,-rpath,{libdir}"],
-            capture_output=True, text=True,
-        )
-        if proc.returncode == 0:
-            break
-        errors.append(proc.stderr[-2000:])
-    else:
-        raise AssertionError("the harness did not compile:\n" + "\n".join(errors))
+    _compile_cxx(
+        cxx,
+        [f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}", "-I", pkg, "-I", inc, "-I", cuda, str(src),
+         "-o", str(exe), "-L", libdir, "-lc10", "-ldl", f"-Wl,-rpath,{libdir}"],
+        "the harness")
     env = dict(os.environ, CISTERN_DRIVER="sim", CISTERN_CONF="registry:off",
                CISTERN_SIM="capacity:8GiB")
     out = subprocess.run([str(exe), _lib.library_path()], capture_output=True, text=True, env=env)
@@ -621,18 +619,12 @@ def test_history_rings_follow_pytorchs_rules(tmp_path) -> None:
         src.write_text(HISTORY_HARNESS)
         exe = tmp_path / f"history{i}"
         pkg = os.path.dirname(_shim.source_path())
-        errors = []
-        for std in ("c++17", "c++20"):
-            proc = subprocess.run(
-                [cxx, f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(_shim.cxx11_abi_of(root))}",
-                 "-I", pkg, "-I", inc, "-I", _cuda_include(root), str(src), "-o", str(exe),
-                 "-L", libdir, "-lc10", f"-Wl,-rpath,{libdir}"],
-                capture_output=True, text=True)
-            if proc.returncode == 0:
-                break
-            errors.append(proc.stderr[-2000:])
-        else:
-            raise AssertionError("\n".join(errors))
+        _compile_cxx(
+            cxx,
+            [f"-D_GLIBCXX_USE_CXX11_ABI={int(_shim.cxx11_abi_of(root))}", "-I", pkg, "-I", inc,
+             "-I", _cuda_include(root), str(src), "-o", str(exe), "-L", libdir, "-lc10",
+             f"-Wl,-rpath,{libdir}"],
+            "the history harness")
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
         rows: Dict[str, List[List[int]]] = {}
         texts: Dict[str, List[List[str]]] = {}
