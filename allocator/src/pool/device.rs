@@ -78,6 +78,8 @@ pub(super) struct DeviceState {
     /// (reaped after retiring, swept as dormant): the statistics' "allocated" and "freed"
     /// counts keep them, so they never go down.
     pub(super) gone: [[[i64; 3]; crate::stats::GAUGES]; 2],
+    /// The last chunk moves stitching made (Note [No bounce] in `pages.rs`).
+    pub(super) moves: super::pages::RecentMoves,
 }
 
 impl DeviceState {
@@ -231,6 +233,7 @@ impl<D: Driver> DevicePool<D> {
                 stuck: Vec::new(),
                 peers,
                 gone: [[[0; 3]; crate::stats::GAUGES]; 2],
+                moves: Default::default(),
             }),
             graphs: Mutex::new(super::graphs::GraphPools::default()),
         })

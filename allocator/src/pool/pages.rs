@@ -10,8 +10,98 @@ use super::device::{DeviceState, Lost, Stuck};
 use super::window::{free_page_runs, whole_mappings, Exclude};
 use super::{DevicePool, PoolEventKind};
 use crate::arena::{ArenaState, Backing, Chunk, HeapKind, Page};
-use crate::driver::{Driver, StreamId};
+use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::heap::SpanState;
+
+// Note [No bounce]
+// ~~~~~~~~~~~~~~~~
+// Stitching takes whole free chunks wherever they are cached, from either heap of any arena.
+// A program whose small and large requests take turns over the same few pages then moves
+// them back and forth for ever: a small block's granules are freed and stitched into a large
+// window, the large block is freed, the next small request finds its heap without pages and
+// takes the same granules back, and so on. Each move costs an unmap, a map and an access
+// grant (≈64 µs at the published A100 prices) on every turn, where one new handle (≈233 µs)
+// would have ended it. So while memory is plentiful (growth under `grow_whole_chunks:auto`,
+// not under pressure: `sizing.rs`), stitching leaves a chunk that one of the device's last
+// [`BOUNCE_WINDOW`] moves took out of the very arena and heap it would now go back to; growth
+// then creates for the rest, once, and both sides keep their pages. Under pressure, or when
+// creation falls short, nothing is left: memory first.
+//
+// Measured (`python3 scripts/cost-table.py`, and `cistern replay` with the smallest device
+// over the dev snapshots, every built-in workload and the minimalloc instances): the
+// `gpt-medium_infer_ctx128` snapshot 1.42x -> 1.14x `pytorch-expandable`'s modelled driver
+// time and its steady-state calls 414 -> 0, `llm-serving` 0.92x -> 0.89x (steady 161 -> 0),
+// Mooncake 0.27x -> 0.17x (steady 15 -> 0), the `forward_bf16` snapshot 1.73x -> 1.70x, the
+// median over all traces 1.31x -> 1.17x; slower only on four static-lifetime instances
+// (`packed-K` 2.37x -> 2.41x, minimalloc C, E and K by up to 0.1x); peak reserved at most
+// 1.014x expandable's, as before; the smallest device unchanged on every
+// trace but Mooncake's (1.012x -> 1.015x its peak live bytes). A window of 16 moves instead of
+// 4 gave `llm-serving` 0.85x but Mooncake 0.24x; of 64, Mooncake 0.40x; leaving every recently
+// moved chunk (not only those going straight back) gave Mooncake 0.41x and `packed-J` 2.45x ->
+// 2.67x, and leaving cross-heap moves altogether needed a 2% larger device on `llm-serving`.
+
+/// How many of the device's last chunk moves [`RecentMoves`] remembers (Note [No bounce]).
+pub(super) const BOUNCE_WINDOW: usize = 4;
+
+/// Where a chunk is cached or goes: an arena (its state's address, which stays put while the
+/// arena lives) and one of its heaps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Home {
+    arena: usize,
+    kind: HeapKind,
+}
+
+impl Home {
+    pub(super) fn of(a: &ArenaState, kind: HeapKind) -> Self {
+        Home {
+            arena: std::ptr::from_ref(a) as usize,
+            kind,
+        }
+    }
+}
+
+/// One chunk move: the handle, where it was cached, and where it went.
+#[derive(Clone, Copy, Debug)]
+struct Move {
+    handle: PhysHandle,
+    from: Home,
+    to: Home,
+}
+
+/// The device's last [`BOUNCE_WINDOW`] chunk moves (stitching), oldest overwritten first.
+#[derive(Debug, Default)]
+pub(super) struct RecentMoves {
+    ring: [Option<Move>; BOUNCE_WINDOW],
+    next: usize,
+}
+
+impl RecentMoves {
+    pub(super) fn record(&mut self, handle: PhysHandle, from: Home, to: Home) {
+        self.ring[self.next] = Some(Move { handle, from, to });
+        self.next = (self.next + 1) % BOUNCE_WINDOW;
+    }
+
+    /// Whether moving `handle` from `from` to another arena or heap `to` takes it straight
+    /// back: one of the last moves took it from `to` to `from`. (Moves within one heap, which
+    /// gather its free chunks into a window, are never bounces.)
+    pub(super) fn bounce(&self, handle: PhysHandle, from: Home, to: Home) -> bool {
+        from != to
+            && self
+                .ring
+                .iter()
+                .flatten()
+                .any(|m| m.handle == handle && m.from == to && m.to == from)
+    }
+}
+
+/// Where [`DevicePool::steal_pages`] moves chunks when stitching.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Dest {
+    /// The arena and heap of the window.
+    pub home: Home,
+    /// Leave the chunks that would go straight back where they came from (Note [No bounce]).
+    pub settle: bool,
+}
 
 /// Who takes the chunks that [`DevicePool::steal_pages`] unmaps.
 pub(super) trait Taker {
@@ -184,7 +274,9 @@ impl<D: Driver> DevicePool<D> {
     /// `wait` it blocks on it, without it takes nothing when an event query says the stream is
     /// still busy. The chunks are unmapped; their address ranges become holes. Only heaps in
     /// `from` give chunks; `to_kind` is the heap the chunks are for (for per-pool reserved
-    /// accounting). Returns the pages taken.
+    /// accounting). With `dest` (stitching), the moves are recorded in the device's
+    /// [`RecentMoves`], and with `dest.settle` a chunk that would go straight back is left.
+    /// Returns the pages taken.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn steal_pages(
         &self,
@@ -196,6 +288,7 @@ impl<D: Driver> DevicePool<D> {
         wait: bool,
         taker: &mut dyn Taker,
         from: &[HeapKind],
+        dest: Option<Dest>,
     ) -> usize {
         let c = &*self.core;
         let g = c.granularity;
@@ -218,6 +311,12 @@ impl<D: Driver> DevicePool<D> {
                     }
                     if !taker.wants(p.len) {
                         continue;
+                    }
+                    let here = Home::of(a, kind);
+                    if let Some(d) = dest {
+                        if d.settle && dev.moves.bounce(p.handle, here, d.home) {
+                            continue;
+                        }
                     }
                     if !synced {
                         // Unmapping needs the stream's work on these pages finished.
@@ -266,6 +365,9 @@ impl<D: Driver> DevicePool<D> {
                         dev.add_segments(kind, -1);
                         dev.add_reserved(to_kind, len as i64);
                         dev.add_segments(to_kind, 1);
+                    }
+                    if let Some(d) = dest {
+                        dev.moves.record(p.handle, here, d.home);
                     }
                     taker.take(p.chunk());
                     taken += p.len as usize;
@@ -320,5 +422,40 @@ impl<D: Driver> DevicePool<D> {
         if let Some(id) = hole {
             a.fill(kind, id, lo, hi, &self.core.shared);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const fn home(arena: usize, kind: HeapKind) -> Home {
+        Home { arena, kind }
+    }
+
+    /// A move back to where one of the last [`BOUNCE_WINDOW`] moves took a chunk from is a
+    /// bounce; another handle, another destination, a move within one heap, or a move older
+    /// than the window is not.
+    #[test]
+    fn bounces_are_straight_back_within_the_window() {
+        let (small, large) = (home(1, HeapKind::Small), home(1, HeapKind::Large));
+        let other = home(2, HeapKind::Small);
+        let (h, k) = (PhysHandle(7), PhysHandle(8));
+        let mut m = RecentMoves::default();
+        assert!(!m.bounce(h, large, small));
+        m.record(h, small, large);
+        assert!(m.bounce(h, large, small));
+        assert!(!m.bounce(k, large, small), "another handle");
+        assert!(!m.bounce(h, large, other), "another arena");
+        assert!(!m.bounce(h, large, large), "within one heap");
+        // A move within the large heap: still the same way back.
+        m.record(h, large, large);
+        assert!(!m.bounce(h, large, large));
+        assert!(m.bounce(h, large, small));
+        // Older than the window: forgotten.
+        for i in 0..BOUNCE_WINDOW as u64 {
+            m.record(PhysHandle(100 + i), other, large);
+        }
+        assert!(!m.bounce(h, large, small));
     }
 }

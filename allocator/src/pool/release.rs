@@ -164,7 +164,17 @@ impl<D: Driver> DevicePool<D> {
                     taken: Vec::new(),
                 };
                 // Each heap's chunks, counted as that heap's, so per-pool statistics stay true.
-                self.steal_pages(a, stream, None, dev, kind, wait, &mut budget_pages, &[kind]);
+                self.steal_pages(
+                    a,
+                    stream,
+                    None,
+                    dev,
+                    kind,
+                    wait,
+                    &mut budget_pages,
+                    &[kind],
+                    None,
+                );
                 for ch in budget_pages.taken {
                     self.release_handle(dev, kind, ch);
                     c.counters

@@ -26,7 +26,9 @@
 //! has room for it (first fit, [`Placement`]). So a chunk of 10 granules can fill a 10-page gap
 //! of another stream, but not a 3-page one: that gap is filled with smaller chunks or new
 //! granules. Releasing (`empty_cache`, the release threshold, a lowered limit) gives back whole
-//! chunks, the last of which may overshoot its budget. The feasibility check places the cached
+//! chunks, the last of which may overshoot its budget. While memory is plentiful, a chunk does
+//! not go straight back to the arena and heap a recent move took it from (Note [No bounce] in
+//! `pages.rs`). The feasibility check places the cached
 //! chunks in the window's runs largest first; gathering, arena by arena and first fit, may place
 //! fewer, and then the request may run short after stitching, and keeps what it stitched as
 //! cache.
@@ -36,7 +38,7 @@ use std::sync::Arc;
 
 use super::device::{DeviceState, Lost};
 use super::grow::Grow;
-use super::pages::Taker;
+use super::pages::{Dest, Home, Taker};
 use super::placement::Placement;
 use super::sizing::{
     creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages, Plenty, AUTO_SHARE,
@@ -424,9 +426,12 @@ impl<D: Driver> DevicePool<D> {
         } else {
             chunk_pages
         };
+        // While memory is plentiful, chunks do not go straight back where a recent move took
+        // them from (Note [No bounce] in `pages.rs`): growth creates for the rest instead.
+        let settle = !wait_first && instead != Plenty::Tight;
         let mut moved = 0u64;
         if need > 0 && cached > 0 && !create_instead {
-            moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, &mut place);
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
         let mut i = 0;
@@ -554,12 +559,12 @@ impl<D: Driver> DevicePool<D> {
         }
         if !place.full() && cached > 0 && create_instead {
             // Creation fell short (the limit, the device): the cached chunks after all.
-            moved += self.stitch(dev, arena, a, kind, w, wait_first, &mut place);
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, false, &mut place);
         }
         if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {
             // Memory pressure: the limit or the device stops creation, so waiting for busy
             // streams' cached chunks is now the only way to meet the request.
-            moved += self.stitch(dev, arena, a, kind, w, true, &mut place);
+            moved += self.stitch(dev, arena, a, kind, w, true, false, &mut place);
         }
         if moved > 0 {
             c.counters.num_stitches.fetch_add(1, Relaxed);
@@ -600,7 +605,9 @@ impl<D: Driver> DevicePool<D> {
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from
     /// this arena (outside the window, unless it is a pinned graph pool's) first, then from the
     /// other arenas (but the pinned ones). With `wait`, blocks
-    /// on a busy stream's work; without, leaves busy streams' chunks. Returns the pages moved.
+    /// on a busy stream's work; without, leaves busy streams' chunks. With `settle`, leaves
+    /// the chunks that would go straight back where a recent move took them from (Note [No
+    /// bounce] in `pages.rs`). Returns the pages moved.
     #[allow(clippy::too_many_arguments)]
     fn stitch(
         &self,
@@ -610,10 +617,15 @@ impl<D: Driver> DevicePool<D> {
         kind: HeapKind,
         w: &Window,
         wait: bool,
+        settle: bool,
         place: &mut Placement,
     ) -> u64 {
         let c = &*self.core;
         let mut moved = 0u64;
+        let dest = Some(Dest {
+            home: Home::of(a, kind),
+            settle,
+        });
         // A graph pool's pages never move: a replay reads and writes them where they are.
         if !place.full() && !arena.pinned() {
             moved += self.steal_pages(
@@ -625,6 +637,7 @@ impl<D: Driver> DevicePool<D> {
                 wait,
                 place,
                 &HeapKind::ALL,
+                dest,
             ) as u64;
         }
         if !place.full() {
@@ -642,6 +655,7 @@ impl<D: Driver> DevicePool<D> {
                     wait,
                     place,
                     &HeapKind::ALL,
+                    dest,
                 );
                 c.counters
                     .num_cross_stream_pages
