@@ -3,6 +3,32 @@
 //! stealing whole free chunks out of an arena for a [`Taker`] (a window's `Placement` when
 //! stitching, a [`Budget`] when releasing), once the arena's stream is idle. See Note [Chunks]
 //! in `vmm.rs`.
+//!
+//! # Note [No bounce]
+//!
+//! Stitching takes whole free chunks wherever they are cached, from either heap of any arena.
+//! A program whose small and large requests take turns over the same few pages then moves
+//! them back and forth for ever: a small block's granules are freed and stitched into a large
+//! window, the large block is freed, the next small request finds its heap without pages and
+//! takes the same granules back, and so on. Each move costs an unmap, a map and an access
+//! grant (≈64 µs at the published A100 prices) on every turn, where one new handle (≈233 µs)
+//! would have ended it. So while memory is plentiful (growth under `grow_whole_chunks:auto`,
+//! not under pressure: `sizing.rs`), stitching leaves a chunk that one of the device's last
+//! [`BOUNCE_WINDOW`] moves took out of the very arena and heap it would now go back to; growth
+//! then creates for the rest, once, and both sides keep their pages. Under pressure, or when
+//! creation falls short, nothing is left: memory first.
+//!
+//! Measured (`python3 scripts/cost-table.py`, and `cistern replay` with the smallest device
+//! over the dev snapshots, every built-in workload and the minimalloc instances): the
+//! `gpt-medium_infer_ctx128` snapshot 1.42x -> 1.14x `pytorch-expandable`'s modelled driver
+//! time and its steady-state calls 414 -> 0, `llm-serving` 0.92x -> 0.89x (steady 161 -> 0),
+//! Mooncake 0.27x -> 0.17x (steady 15 -> 0), the `forward_bf16` snapshot 1.73x -> 1.70x, the
+//! median over all traces 1.31x -> 1.17x; slower only on four static-lifetime instances
+//! (`packed-K` 2.37x -> 2.41x, minimalloc C, E and K by up to 0.1x); peak reserved at most
+//! 1.014x expandable's, as before; the smallest device unchanged on every trace but
+//! Mooncake's (1.012x -> 1.015x its peak live bytes). A window of 16 moves instead of 4 gave `llm-serving` 0.85x but Mooncake 0.24x; of 64, Mooncake 0.40x; leaving every recently
+//! moved chunk (not only those going straight back) gave Mooncake 0.41x and `packed-J` 2.45x ->
+//! 2.67x, and leaving cross-heap moves altogether needed a 2% larger device on `llm-serving`.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -12,33 +38,6 @@ use super::{DevicePool, PoolEventKind};
 use crate::arena::{ArenaState, Backing, Chunk, HeapKind, Page};
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::heap::SpanState;
-
-// Note [No bounce]
-// ~~~~~~~~~~~~~~~~
-// Stitching takes whole free chunks wherever they are cached, from either heap of any arena.
-// A program whose small and large requests take turns over the same few pages then moves
-// them back and forth for ever: a small block's granules are freed and stitched into a large
-// window, the large block is freed, the next small request finds its heap without pages and
-// takes the same granules back, and so on. Each move costs an unmap, a map and an access
-// grant (≈64 µs at the published A100 prices) on every turn, where one new handle (≈233 µs)
-// would have ended it. So while memory is plentiful (growth under `grow_whole_chunks:auto`,
-// not under pressure: `sizing.rs`), stitching leaves a chunk that one of the device's last
-// [`BOUNCE_WINDOW`] moves took out of the very arena and heap it would now go back to; growth
-// then creates for the rest, once, and both sides keep their pages. Under pressure, or when
-// creation falls short, nothing is left: memory first.
-//
-// Measured (`python3 scripts/cost-table.py`, and `cistern replay` with the smallest device
-// over the dev snapshots, every built-in workload and the minimalloc instances): the
-// `gpt-medium_infer_ctx128` snapshot 1.42x -> 1.14x `pytorch-expandable`'s modelled driver
-// time and its steady-state calls 414 -> 0, `llm-serving` 0.92x -> 0.89x (steady 161 -> 0),
-// Mooncake 0.27x -> 0.17x (steady 15 -> 0), the `forward_bf16` snapshot 1.73x -> 1.70x, the
-// median over all traces 1.31x -> 1.17x; slower only on four static-lifetime instances
-// (`packed-K` 2.37x -> 2.41x, minimalloc C, E and K by up to 0.1x); peak reserved at most
-// 1.014x expandable's, as before; the smallest device unchanged on every
-// trace but Mooncake's (1.012x -> 1.015x its peak live bytes). A window of 16 moves instead of
-// 4 gave `llm-serving` 0.85x but Mooncake 0.24x; of 64, Mooncake 0.40x; leaving every recently
-// moved chunk (not only those going straight back) gave Mooncake 0.41x and `packed-J` 2.45x ->
-// 2.67x, and leaving cross-heap moves altogether needed a 2% larger device on `llm-serving`.
 
 /// How many of the device's last chunk moves [`RecentMoves`] remembers (Note [No bounce]).
 pub(super) const BOUNCE_WINDOW: usize = 4;
