@@ -6,9 +6,13 @@ the dev snapshots and every built-in workload, in one run each.
 
     cargo build --release -p cistern-cli
     python3 scripts/cost-table.py [--cistern target/release/cistern] [--traces ../shared/traces]
-        [--costs FILE.json]
+        [--costs FILE.json] [--pressure FACTOR]
 
-Prints a Markdown table and the medians the issue's targets name.
+Prints a Markdown table and the medians the issue's targets name. With `--pressure 1.25`, each
+trace runs instead on a device FACTOR times the smallest one the `pytorch` model runs it on
+(found by `cistern replay`'s bisection), where memory is short: the issue asks for no host wait
+at any capacity where `pytorch` does not run out, and the table reports the same columns, with
+which allocators ran out (`oom`).
 """
 
 import argparse
@@ -20,10 +24,13 @@ import subprocess
 import sys
 
 ALLOCATORS = "cistern,cistern:grow_whole_chunks:off,pytorch,pytorch-expandable"
+GRANULE = 2 << 20
 
 
-def replay(binary, args, costs):
-    cmd = [binary, "replay", "--no-min-capacity", "--json", "-a", ALLOCATORS] + args
+def replay(binary, args, costs, allocators=ALLOCATORS, search=False):
+    cmd = [binary, "replay", "--json", "-a", allocators] + args
+    if not search:
+        cmd.append("--no-min-capacity")
     if costs:
         cmd += ["--costs", costs]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -33,21 +40,53 @@ def replay(binary, args, costs):
     return doc if isinstance(doc, list) else doc.get("traces", [doc])
 
 
+def under_pressure(binary, inputs, costs, factor):
+    """Each input (a list of `cistern replay` arguments naming one trace) on a device `factor`
+    times the smallest the `pytorch` model runs it on, rounded down to the 2 MiB granule."""
+    traces = []
+    for args in inputs:
+        (found,) = replay(binary, args, costs, allocators="pytorch", search=True)
+        least = next((x["min_capacity"] for x in found["results"] if x["allocator"] == "pytorch"),
+                     None)
+        if not least:
+            sys.exit(f"cost-table: no smallest device for {found['trace']}")
+        cap = int(least * factor) // GRANULE * GRANULE
+        traces += replay(binary, args + ["--capacity", f"{cap}B"], costs)
+    return traces
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cistern", default=os.path.join(here, "..", "target", "release", "cistern"))
     p.add_argument("--traces", default=os.path.join(here, "..", "..", "shared", "traces"))
     p.add_argument("--costs", help="a cost table (cistern replay --costs)")
+    p.add_argument("--pressure", type=float, metavar="FACTOR",
+                   help="run each trace on a device FACTOR times the smallest pytorch runs it on")
     a = p.parse_args()
     if not os.path.exists(a.cistern):
         sys.exit(f"cost-table: no {a.cistern}: run `cargo build --release -p cistern-cli` first")
+    if a.pressure is not None and a.pressure < 1.0:
+        sys.exit("cost-table: --pressure takes a factor of at least 1 (e.g. 1.25): below it "
+                 "the pytorch model runs out of memory by definition")
     snaps = sorted(glob.glob(os.path.join(a.traces, "pytorch_snapshots", "*.pickle")))
-    traces = (replay(a.cistern, snaps, a.costs) if snaps else []) + replay(a.cistern, [], a.costs)
+    if a.pressure is None:
+        traces = (replay(a.cistern, snaps, a.costs) if snaps else []) + replay(a.cistern, [],
+                                                                              a.costs)
+    else:
+        (listing,) = [subprocess.run([a.cistern, "replay", "--workload", "list"],
+                                     capture_output=True, text=True).stdout]
+        builtin = [line.split()[0] for line in listing.splitlines()[1:]
+                   if line.strip() and "(needs" not in line]
+        inputs = [[s] for s in snaps] + [["--workload", w] for w in builtin]
+        traces = under_pressure(a.cistern, inputs, a.costs, a.pressure)
+    oom_col = " oom |" if a.pressure is not None else ""
     print("| trace | cistern drv ms (x expandable) | off drv ms (x expandable) | expandable drv ms "
-          "| pytorch drv ms | host waits c/e/p | steady calls | peak GiB c / e / p | F c / e |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| pytorch drv ms | host waits c/e/p | steady calls | peak GiB c / e / p | F c / e |"
+          + oom_col)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if oom_col else ""))
     ratios = []
+    waits_past_pytorch = 0
     for t in traces:
         r = {x["allocator"]: x for x in t["results"]}
         c, o = r["cistern"], r["cistern:grow_whole_chunks:off"]
@@ -63,7 +102,10 @@ def main():
               f"| {c['host_waits']}/{e['host_waits']}/{pt['host_waits']} "
               f"| {c['steady_driver_calls']} "
               f"| {c['peak_reserved'] / gib:.2f} / {e['peak_reserved'] / gib:.2f} / "
-              f"{pt['peak_reserved'] / gib:.2f} | {100 * c['frag']:.1f}% / {100 * e['frag']:.1f}% |")
+              f"{pt['peak_reserved'] / gib:.2f} | {100 * c['frag']:.1f}% / {100 * e['frag']:.1f}% |"
+              + (f" {', '.join(n for n, x in r.items() if x.get('oom')) or '-'} |" if oom_col
+                 else ""))
+        waits_past_pytorch += c["host_waits"] if not pt.get("oom") else 0
     dev = ratios[:len(snaps)]
     print()
     if dev:
@@ -73,6 +115,9 @@ def main():
           f"{statistics.median(r[2] for r in ratios):.1f}x pytorch's; "
           f"at or under expandable's time on {sum(r[1] <= 1.0 for r in ratios)} of {len(ratios)}; "
           f"peak reserved at most {max(r[3] for r in ratios):.3f}x expandable's")
+    print(f"cistern's host waits where pytorch did not run out of memory: {waits_past_pytorch}")
+    if a.pressure is not None:
+        print(f"(each trace on a device {a.pressure}x the smallest the pytorch model runs it on)")
 
 
 if __name__ == "__main__":
