@@ -35,11 +35,11 @@
 //! per page; reads `cuMemGetInfo` (~10 µs) only when its last answer, corrected by what this
 //! pool reserved since, says the device may be too full (`DeviceState::free_seen`); polls
 //! pending frees per stream only up to the first unfinished event; buys memory in chunks of
-//! up to 20 MiB (Note \[Chunks\] in `vmm.rs`); while memory is plentiful, never moves a chunk
-//! straight back where it came from (Note \[No bounce\] in `pages.rs`); and blocks the host
-//! only under memory pressure, or on explicit `empty_cache` / `set_memory_fraction` / `trim`
-//! (without VMM, the release threshold too waits for those, as `cuMemFree` synchronises the
-//! device).
+//! up to 20 MiB (Note \[Chunks\] in `vmm.rs`); while memory is plentiful, leaves chunks that
+//! would go straight back where they came from (Note \[No bounce\] in `pages.rs`); and blocks
+//! the host only under memory pressure, or on explicit `empty_cache` / `set_memory_fraction` /
+//! `trim` (without VMM, the release threshold too waits for those, as `cuMemFree`
+//! synchronises the device).
 //!
 //! Without VMM the arena grows by `cuMemAlloc` segments (2 MiB for small requests, 20 MiB for
 //! requests under 10 MiB, else the request rounded to 2 MiB, as PyTorch does), and the OOM

@@ -15,8 +15,17 @@
 //! would have ended it. So while memory is plentiful (growth under `grow_whole_chunks:auto`,
 //! not under pressure: `sizing.rs`), stitching leaves a chunk that one of the device's last
 //! [`BOUNCE_WINDOW`] moves took out of the very arena and heap it would now go back to; growth
-//! then creates for the rest, once, and both sides keep their pages. Under pressure, or when
-//! creation falls short, nothing is left: memory first.
+//! then creates for the rest, once, and both sides keep their pages. Under pressure nothing is
+//! left: memory first; and when creation then falls short (the device had less room than it
+//! seemed), the left chunks are taken after all, still without a host wait.
+//!
+//! The rule acts where growth knows whether memory is plentiful: a large-heap window that its
+//! cached chunks do not cover, or cover only with several (`check_feasible` reads the room
+//! then). The small heap's one-granule growth, and a window one cached chunk covers, move
+//! without reading it (a `cuMemGetInfo` costs ~10 µs; judging by the last reading instead
+//! left one-off moves and made the `forward_bf16` snapshot 1.70x -> 1.82x), so there a single
+//! chunk may still go back and forth; the turn is broken on the large heap's side, as in the
+//! small and large programs above.
 //!
 //! Measured (`python3 scripts/cost-table.py`, and `cistern replay` with the smallest device
 //! over the dev snapshots, every built-in workload and the minimalloc instances): the
@@ -78,6 +87,15 @@ impl RecentMoves {
     pub(super) fn record(&mut self, handle: PhysHandle, from: Home, to: Home) {
         self.ring[self.next] = Some(Move { handle, from, to });
         self.next = (self.next + 1) % BOUNCE_WINDOW;
+    }
+
+    /// Forgets `handle`'s moves: it was released (the driver may issue its value again).
+    pub(super) fn forget(&mut self, handle: PhysHandle) {
+        for m in &mut self.ring {
+            if m.is_some_and(|m| m.handle == handle) {
+                *m = None;
+            }
+        }
     }
 
     /// Whether moving `handle` from `from` to another arena or heap `to` takes it straight
@@ -253,6 +271,7 @@ impl<D: Driver> DevicePool<D> {
     /// still reserved, in the lost list for growth to map again and `empty_cache` to retry.
     pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, ch: Chunk) {
         let c = &*self.core;
+        dev.moves.forget(ch.handle);
         match c.share.release_chunk(c, ch.handle) {
             Ok(()) => {
                 c.counters.num_device_free.fetch_add(1, Relaxed);
@@ -451,6 +470,10 @@ mod tests {
         m.record(h, large, large);
         assert!(!m.bounce(h, large, large));
         assert!(m.bounce(h, large, small));
+        // A released handle is forgotten (the driver may issue its value again).
+        m.forget(h);
+        assert!(!m.bounce(h, large, small));
+        m.record(h, small, large);
         // Older than the window: forgotten.
         for i in 0..BOUNCE_WINDOW as u64 {
             m.record(PhysHandle(100 + i), other, large);

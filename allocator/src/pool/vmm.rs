@@ -557,8 +557,9 @@ impl<D: Driver> DevicePool<D> {
                 place.runs[last_run].1 -= optional.min(n - f);
             }
         }
-        if !place.full() && cached > 0 && create_instead {
-            // Creation fell short (the limit, the device): the cached chunks after all.
+        if !place.full() && cached > 0 && (create_instead || settle) {
+            // Creation fell short (the limit, the device): the cached chunks after all, those
+            // left as bounces too, still without waiting for a busy stream.
             moved += self.stitch(dev, arena, a, kind, w, wait_first, false, &mut place);
         }
         if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {

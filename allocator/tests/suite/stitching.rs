@@ -749,9 +749,9 @@ fn small_then_large(sim: &cistern::SimDriver, pool: &SimPool) -> (u64, u64) {
 
 /// While memory is plentiful, granules do not go back and forth between the heaps (Note [No
 /// bounce] in `pages.rs`): the large block stitches the small heap's cached granules, the
-/// small heap then creates granules of its own rather than taking them straight back, and
-/// from the third round on the program makes no driver call at all. Without the rule every
-/// round moved four chunks (18 calls).
+/// small heap takes them back, and the next large block creates pages of its own rather than
+/// taking them straight back again; from the third round on the program makes no driver call
+/// at all. Without the rule every round moved four chunks (18 calls).
 #[test]
 fn chunks_do_not_bounce_between_heaps_while_memory_is_plentiful() {
     let (sim, pool) = pool(16 * GIB, true);
@@ -781,6 +781,48 @@ fn chunks_bounce_between_heaps_under_pressure() {
         assert!(moved > 0, "nothing moved under pressure");
         assert_eq!(sim.committed_bytes(0), reserved, "memory was bought");
     }
+    assert!(sim.hazards().is_empty());
+    assert_no_leak(&sim, pool);
+}
+
+/// A chunk left as a bounce never costs a host wait: when the device then turns out to have
+/// less room than it seemed (another process took it) and creation runs short, growth takes
+/// the left chunks (stream B's, idle) without waiting, before it would wait for its own busy
+/// stream's cached granule. The request succeeds from them.
+#[test]
+fn a_chunk_left_as_a_bounce_is_taken_without_a_wait_when_creation_runs_short() {
+    let (sim, pool) = pool(16 * GIB, true);
+    // Stream A: three small blocks (two granules); stream B: two granules of small blocks,
+    // freed, which A's large block takes, and B takes back.
+    let (x1, x2, a_live) = (
+        alloc(&pool, MIB, A),
+        alloc(&pool, MIB, A),
+        alloc(&pool, MIB, A),
+    );
+    let b_round = |pool: &SimPool| {
+        let smalls: Vec<u64> = (0..4).map(|_| alloc(pool, MIB, B)).collect();
+        for s in smalls {
+            free(pool, s, B);
+        }
+    };
+    b_round(&pool);
+    let l = alloc(&pool, 8 * MIB, A);
+    free(&pool, l, A);
+    b_round(&pool);
+    // A's stream is busy with work on its last small block, and one of A's small granules is
+    // cached; then the device has no room left beyond what the pool holds.
+    free(&pool, x1, A);
+    free(&pool, x2, A);
+    sim.launch(0, StreamId(A), &[(a_live, MIB)]).unwrap();
+    let waits = sim.host_waits();
+    sim.fail_after_bytes(sim.committed_bytes(0));
+    let l = alloc(&pool, 8 * MIB, A);
+    check(&pool);
+    assert_eq!(sim.host_waits(), waits, "growth waited for a busy stream");
+    sim.clear_faults();
+    sim.complete_all(0);
+    free(&pool, l, A);
+    free(&pool, a_live, A);
     assert!(sim.hazards().is_empty());
     assert_no_leak(&sim, pool);
 }
