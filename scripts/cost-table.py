@@ -74,8 +74,8 @@ def main():
         traces = (replay(a.cistern, snaps, a.costs) if snaps else []) + replay(a.cistern, [],
                                                                               a.costs)
     else:
-        (listing,) = [subprocess.run([a.cistern, "replay", "--workload", "list"],
-                                     capture_output=True, text=True).stdout]
+        listing = subprocess.run([a.cistern, "replay", "--workload", "list"],
+                                 capture_output=True, text=True).stdout
         builtin = [line.split()[0] for line in listing.splitlines()[1:]
                    if line.strip() and "(needs" not in line]
         inputs = [[s] for s in snaps] + [["--workload", w] for w in builtin]
