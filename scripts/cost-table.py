@@ -6,13 +6,15 @@ the dev snapshots and every built-in workload, in one run each.
 
     cargo build --release -p cistern-cli
     python3 scripts/cost-table.py [--cistern target/release/cistern] [--traces ../shared/traces]
-        [--costs FILE.json] [--pressure FACTOR]
+        [--costs FILE.json] [--pressure FACTOR] [--gpu-lag N]
 
 Prints a Markdown table and the medians the issue's targets name. With `--pressure 1.25`, each
 trace runs instead on a device FACTOR times the smallest one the `pytorch` model runs it on
 (found by `cistern replay`'s bisection), where memory is short: the issue asks for no host wait
 at any capacity where `pytorch` does not run out, and the table reports the same columns, with
-which allocators ran out (`oom`).
+which allocators ran out (`oom`). With `--gpu-lag 2`, cistern's models run on a GPU two
+kernels behind the host on each stream (`cistern replay --gpu-lag`): pages freed moments ago
+are still busy, as on a real GPU; without it the replay's GPU is never behind.
 """
 
 import argparse
@@ -27,8 +29,11 @@ ALLOCATORS = "cistern,cistern:grow_whole_chunks:off,pytorch,pytorch-expandable"
 GRANULE = 2 << 20
 
 
+GPU_LAG = []
+
+
 def replay(binary, args, costs, allocators=ALLOCATORS, search=False):
-    cmd = [binary, "replay", "--json", "-a", allocators] + args
+    cmd = [binary, "replay", "--json", "-a", allocators] + GPU_LAG + args
     if not search:
         cmd.append("--no-min-capacity")
     if costs:
@@ -63,7 +68,12 @@ def main():
     p.add_argument("--costs", help="a cost table (cistern replay --costs)")
     p.add_argument("--pressure", type=float, metavar="FACTOR",
                    help="run each trace on a device FACTOR times the smallest pytorch runs it on")
+    p.add_argument("--gpu-lag", type=int, metavar="N",
+                   help="replay cistern on a GPU N kernels behind the host (cistern replay "
+                        "--gpu-lag)")
     a = p.parse_args()
+    if a.gpu_lag:
+        GPU_LAG.extend(["--gpu-lag", str(a.gpu_lag)])
     if not os.path.exists(a.cistern):
         sys.exit(f"cost-table: no {a.cistern}: run `cargo build --release -p cistern-cli` first")
     if a.pressure is not None and a.pressure < 1.0:
@@ -89,7 +99,8 @@ def main():
     waits_past_pytorch = 0
     for t in traces:
         r = {x["allocator"]: x for x in t["results"]}
-        c, o = r["cistern"], r["cistern:grow_whole_chunks:off"]
+        lag = f"@lag={a.gpu_lag}" if a.gpu_lag else ""
+        c, o = r["cistern" + lag], r["cistern:grow_whole_chunks:off" + lag]
         e, pt = r["pytorch-expandable"], r["pytorch"]
         x = c["driver_time_us"] / max(e["driver_time_us"], 1e-9)
         xo = o["driver_time_us"] / max(e["driver_time_us"], 1e-9)

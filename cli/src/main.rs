@@ -167,6 +167,12 @@ pub struct ReplayArgs {
     /// A100 figures, as in replay/costs/a100-published.json).
     #[arg(long, value_name = "FILE.json")]
     pub costs: Option<PathBuf>,
+    /// Replay cistern's models on a GPU that runs N kernels behind the host on each stream
+    /// (each allocation launches one over its block): pages freed moments ago are still busy,
+    /// as on a real GPU. Default 0: every kernel has finished before the next call. Per model:
+    /// `--allocators cistern@lag=2`.
+    #[arg(long, value_name = "N")]
+    pub gpu_lag: Option<u32>,
     /// The most bytes taken from each input, read and decompressed (e.g. 16GiB; default 4 GiB
     /// read, and a gzipped input expanding to at most 100 times its size, at least 256 MiB).
     #[arg(long, value_name = "SIZE")]

@@ -2,7 +2,7 @@
 //! and present the comparison as tables, JSON and an SVG plot.
 
 use cistern::{format_bytes, CostTable};
-use cistern_replay::catalog::{self, as_recorded, ALLOCATORS, AS_RECORDED};
+use cistern_replay::catalog::{self, as_recorded, ALLOCATORS, AS_RECORDED, GPU_LAG};
 use cistern_replay::engine::{self, ReplayResult, TraceReport};
 use cistern_trace::load::{self, Format, LoadOptions, Trace};
 use cistern_trace::sequence::Op;
@@ -31,6 +31,10 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         }
         println!("  pytorch:max_split_size_mb:N, pytorch-expandable:max_split_size_mb:N");
         println!(
+            "  cistern@lag=N, cistern:KEY:VALUE,...@lag=N (on a GPU N kernels behind the host; \
+             --gpu-lag N for every cistern model)"
+        );
+        println!(
             "  {AS_RECORDED} (PyTorch with the settings a snapshot recorded; added for snapshots \
              that record them)"
         );
@@ -51,11 +55,19 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
         return Ok(());
     }
     let defaults = args.allocators.is_empty();
-    let allocators: Vec<String> = if defaults {
+    let mut allocators: Vec<String> = if defaults {
         ALLOCATORS.iter().map(|s| s.to_string()).collect()
     } else {
         join_cistern_settings(&args.allocators)
     };
+    if let Some(lag) = args.gpu_lag {
+        for a in &mut allocators {
+            let base = a.split(':').next().unwrap_or(a);
+            if (base == "cistern" || base == "cistern-novmm") && !a.contains(GPU_LAG) {
+                a.push_str(&format!("{GPU_LAG}{lag}"));
+            }
+        }
+    }
     for a in allocators.iter().filter(|a| *a != AS_RECORDED) {
         catalog::make(a, 1 << 30).map_err(|e| format!("--allocators: {e}"))?;
     }
@@ -191,6 +203,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
 /// setting, following a `cistern:` spec, is one more of that spec's settings.
 fn join_cistern_settings(pieces: &[String]) -> Vec<String> {
     let names_an_allocator = |p: &str| {
+        let p = p.split(GPU_LAG).next().unwrap_or(p);
         let base = p.split(':').next().unwrap_or(p).trim();
         ALLOCATORS.contains(&base)
             || base == AS_RECORDED

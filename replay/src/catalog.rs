@@ -20,6 +20,12 @@ pub const ALLOCATORS: &[&str] = &[
     "ideal",
 ];
 
+/// The suffix that replays a cistern model on a GPU running behind the host:
+/// `cistern@lag=2` launches a kernel over each block on its stream, and a stream's kernels
+/// finish only once two later ones were launched there
+/// ([`CisternModel::with_gpu_lag`](crate::simple::CisternModel::with_gpu_lag)).
+pub const GPU_LAG: &str = "@lag=";
+
 /// Name of the row built from a snapshot's own `segment_*` events (not a model; see
 /// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";
@@ -159,6 +165,33 @@ pub fn make_with(
     capacity: u64,
     costs: &CostTable,
 ) -> Result<Box<dyn AllocatorModel>, String> {
+    if let Some((base, lag)) = name.rsplit_once(GPU_LAG) {
+        // `SPEC@lag=N`: cistern on a GPU that runs N kernels behind the host, per stream.
+        let lag: u32 = lag.parse().map_err(|_| {
+            format!("`{name}`: `{GPU_LAG}` takes a number of kernels (e.g. `cistern{GPU_LAG}2`)")
+        })?;
+        let config = match base.split_once(':') {
+            Some(("cistern", conf)) => Config::parse(conf).map_err(|e| {
+                format!("`{name}`: {e} (expected `cistern:KEY:VALUE,...{GPU_LAG}N`)")
+            })?,
+            None if base == "cistern" => Config::default(),
+            None if base == "cistern-novmm" => Config {
+                vmm: false,
+                ..Config::default()
+            },
+            _ => {
+                return Err(format!(
+                    "`{name}`: only cistern's models run GPU work in the replay; the other \
+                     models never move a page, so a GPU that runs behind the host does not \
+                     change them (use `{GPU_LAG}` on `cistern`, `cistern:...` or \
+                     `cistern-novmm`)"
+                ))
+            }
+        };
+        return Ok(Box::new(
+            CisternModel::new(name, config, capacity, costs)?.with_gpu_lag(lag),
+        ));
+    }
     if let Some((base, conf)) = name.split_once(':') {
         if base == "cistern" {
             // `cistern:KEY:VALUE,...`: cistern with a configuration in CISTERN_CONF syntax.

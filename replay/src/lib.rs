@@ -34,7 +34,7 @@ pub mod recorded;
 pub mod simple;
 pub mod whatif;
 
-pub use catalog::{as_recorded, make, make_with, ALLOCATORS, AS_RECORDED, RECORDED};
+pub use catalog::{as_recorded, make, make_with, ALLOCATORS, AS_RECORDED, GPU_LAG, RECORDED};
 pub use cistern::{CallCost, CostTable};
 pub use engine::{
     evaluate, frag, min_capacity, min_capacity_from, min_capacity_with, replay, run, run_from,

@@ -19,6 +19,11 @@ pub struct CisternModel {
     /// id -> (pointer, stream, rounded size).
     live: FxHashMap<u64, (u64, u64, u64)>,
     allocated: u64,
+    /// How many kernels each stream's GPU work runs behind the host ([`Self::with_gpu_lag`]).
+    gpu_lag: u32,
+    /// Kernels launched and perhaps not finished, per stream (at least the simulator's count:
+    /// a host wait finishes work early).
+    in_flight: FxHashMap<u64, u32>,
 }
 
 impl CisternModel {
@@ -39,7 +44,49 @@ impl CisternModel {
             capacity,
             live: FxHashMap::default(),
             allocated: 0,
+            gpu_lag: 0,
+            in_flight: FxHashMap::default(),
         })
+    }
+
+    /// Replays on a GPU that runs behind the host: each allocation launches a kernel over its
+    /// block on its stream, and a stream's kernels finish only once `lag` later ones have been
+    /// launched there. With 0 (the default) every kernel has finished before the next call, as
+    /// if the GPU kept up with the host: no page is ever busy when the pool looks. A lag makes
+    /// the pool meet busy pages: it must leave them or wait for them (`stream_sync`), and the
+    /// simulator's hazard check sees any page unmapped or handed out under pending work.
+    pub fn with_gpu_lag(mut self, lag: u32) -> Self {
+        self.gpu_lag = lag;
+        self
+    }
+
+    /// The simulator's hazards so far (pages unmapped, released or handed out while work
+    /// still touched them): none, unless the pool has a bug.
+    pub fn hazards(&self) -> Vec<cistern::driver::sim::Hazard> {
+        self.driver.hazards()
+    }
+
+    /// Launches the kernel of a new block and lets the stream's oldest kernels finish until at
+    /// most `gpu_lag` are in flight.
+    fn run_behind(&mut self, ptr: u64, size: u64, stream: u64) {
+        if self.gpu_lag == 0 || size == 0 {
+            return;
+        }
+        let s = StreamId(stream);
+        // A launch over a block the pool just handed out cannot fail; if it did, there is no
+        // kernel to wait for.
+        if self.driver.launch(DEV, s, &[(ptr, size)]).is_err() {
+            return;
+        }
+        let n = self.in_flight.entry(stream).or_insert(0);
+        *n += 1;
+        while *n > self.gpu_lag {
+            *n -= 1;
+            if !self.driver.complete_next(DEV, s) {
+                // A host wait finished them already.
+                *n = 0;
+            }
+        }
     }
 
     /// The pool, e.g. for its statistics.
@@ -56,6 +103,7 @@ impl AllocatorModel for CisternModel {
     fn alloc(&mut self, id: u64, size: u64, stream: u64) -> Result<(), Oom> {
         match self.pool.alloc_raw(DEV, size, StreamId(stream)) {
             Ok(ptr) => {
+                self.run_behind(ptr, size, stream);
                 let rounded = if size == 0 {
                     0
                 } else {
@@ -117,6 +165,8 @@ impl AllocatorModel for CisternModel {
 
 impl Drop for CisternModel {
     fn drop(&mut self) {
+        // The GPU catches up first: the pool then tears down with no work pending.
+        self.driver.complete_all(DEV);
         // A trace's blocks live at its end are never freed; free them here so that the pool
         // does not warn about leaked blocks when a replay ends.
         for (_, (ptr, stream, _)) in self.live.drain() {

@@ -875,3 +875,47 @@ fn a_cistern_spec_keeps_its_settings_in_the_allocator_list() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--gpu-lag N` replays every cistern model on a GPU N kernels behind the host (its rows say
+/// `@lag=N`), leaves the other models as they are, and a lag on a PyTorch model is refused
+/// with the reason.
+#[test]
+fn gpu_lag_applies_to_cistern_models() {
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "packed-A",
+            "--no-min-capacity",
+            "--json",
+            "--gpu-lag",
+            "2",
+            "-a",
+            "cistern,cistern:chunk_size:2MiB,pytorch",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["cistern@lag=2", "cistern:chunk_size:2MiB@lag=2", "pytorch"]
+    );
+    let out = cistern()
+        .args(["replay", "-w", "packed-A", "-a", "pytorch@lag=2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("only cistern's models run GPU work"), "{err}");
+}
