@@ -60,7 +60,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     } else {
         join_cistern_settings(&args.allocators)
     };
-    if let Some(lag) = args.gpu_lag {
+    if let Some(lag) = args.gpu_lag.filter(|&l| l > 0) {
         for a in &mut allocators {
             let base = a.split(':').next().unwrap_or(a);
             if (base == "cistern" || base == "cistern-novmm") && !a.contains(GPU_LAG) {
@@ -172,6 +172,17 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
             bar.inc(1);
         }
         warnings.extend(capacity_warning(&input.trace, &results, cap));
+        for r in results.iter().filter(|r| r.hazards > 0) {
+            warnings.push(format!(
+                "{}: {} on {}: {} hazards (memory unmapped, released or handed out while \
+                 simulated GPU work still used it): a bug in the model; please report it with \
+                 this command",
+                input.trace.name,
+                r.allocator,
+                format_bytes(cap),
+                r.hazards
+            ));
+        }
         reports.push(TraceReport {
             trace: input.trace.name.clone(),
             results,
@@ -406,6 +417,7 @@ fn recorded_row(trace: &Trace, label: &str) -> Option<ReplayResult> {
         driver_time_us: 0.0,
         host_waits: 0,
         pages_moved: 0,
+        hazards: 0,
         steady_driver_calls: 0,
         ops_per_sec: None,
         ops: live.len(),

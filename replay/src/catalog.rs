@@ -167,9 +167,17 @@ pub fn make_with(
 ) -> Result<Box<dyn AllocatorModel>, String> {
     if let Some((base, lag)) = name.rsplit_once(GPU_LAG) {
         // `SPEC@lag=N`: cistern on a GPU that runs N kernels behind the host, per stream.
-        let lag: u32 = lag.parse().map_err(|_| {
-            format!("`{name}`: `{GPU_LAG}` takes a number of kernels (e.g. `cistern{GPU_LAG}2`)")
-        })?;
+        let lag: u32 = lag
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| lag.parse().ok())
+            .flatten()
+            .ok_or_else(|| {
+                format!(
+                    "`{name}`: `{GPU_LAG}` takes a number of kernels and ends the spec (e.g. \
+                     `cistern{GPU_LAG}2`, `cistern:stream_sync:always{GPU_LAG}2`)"
+                )
+            })?;
         let config = match base.split_once(':') {
             Some(("cistern", conf)) => Config::parse(conf).map_err(|e| {
                 format!("`{name}`: {e} (expected `cistern:KEY:VALUE,...{GPU_LAG}N`)")
@@ -179,6 +187,9 @@ pub fn make_with(
                 vmm: false,
                 ..Config::default()
             },
+            _ if base.contains(GPU_LAG) => {
+                return Err(format!("`{name}`: `{GPU_LAG}` may be given once"))
+            }
             _ => {
                 return Err(format!(
                     "`{name}`: only cistern's models run GPU work in the replay; the other \

@@ -67,9 +67,9 @@ pub struct OomAt {
 
 /// The measurements of one allocator on one sequence. Serializes as
 /// `{"allocator", "peak_reserved", "peak_live", "frag", "internal_waste", "min_capacity",
-/// "driver_calls", "driver_time_us", "host_waits", "pages_moved", "steady_driver_calls",
-/// "ops_per_sec", "ops", "capacity", "oom", "pre_window_bytes", "seeded", "note"}` (the last
-/// three only when set); the time series is kept out of the JSON
+/// "driver_calls", "driver_time_us", "host_waits", "pages_moved", "hazards",
+/// "steady_driver_calls", "ops_per_sec", "ops", "capacity", "oom", "pre_window_bytes",
+/// "seeded", "note"}` (the last three only when set); the time series is kept out of the JSON
 /// (it is for plots).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ReplayResult {
@@ -93,6 +93,9 @@ pub struct ReplayResult {
     pub host_waits: u64,
     /// Physical pages unmapped and mapped again elsewhere (cistern's stitched pages).
     pub pages_moved: u64,
+    /// Memory unmapped, released or handed out under pending simulated GPU work (only with
+    /// `--gpu-lag`): 0 unless the model has a bug.
+    pub hazards: u64,
     /// Driver calls made after the operation at which peak reserved was first reached.
     pub steady_driver_calls: u64,
     /// Allocator operations per second of the replay loop (`None` for recorded rows).
@@ -241,6 +244,7 @@ pub fn replay(seq: &AllocSequence, model: &mut dyn AllocatorModel) -> ReplayResu
         driver_time_us: cost.driver_time_us,
         host_waits: cost.host_waits,
         pages_moved: cost.pages_moved,
+        hazards: cost.hazards,
         // No peak reached (nothing reserved): no steady state to speak of.
         steady_driver_calls: if peak_reserved == 0 {
             0
@@ -274,6 +278,7 @@ fn failed_to_seed(model: &dyn AllocatorModel, oom: Oom) -> ReplayResult {
         driver_time_us: cost.driver_time_us,
         host_waits: cost.host_waits,
         pages_moved: cost.pages_moved,
+        hazards: cost.hazards,
         steady_driver_calls: 0,
         ops_per_sec: None,
         ops: 0,

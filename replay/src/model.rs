@@ -59,6 +59,10 @@ pub struct Cost {
     /// Physical pages unmapped from one place and mapped again at another (cistern: its
     /// stitched pages, `num_stitched_pages`; the PyTorch models never move a page: 0).
     pub pages_moved: u64,
+    /// Memory unmapped, released or handed out while simulated GPU work still used it (the
+    /// simulator's hazard check; only with GPU work, `cistern@lag=N`): 0 unless the model has
+    /// a bug.
+    pub hazards: u64,
 }
 
 /// An allocator that a sequence of allocations and frees can be replayed against.
@@ -112,6 +116,7 @@ pub fn sim_cost(driver: &SimDriver) -> Cost {
         driver_time_us: driver.modelled_time_us(),
         host_waits: driver.host_waits(),
         pages_moved: 0,
+        hazards: driver.hazards().len() as u64,
     }
 }
 

@@ -108,6 +108,7 @@ fn recorded_with(
         driver_time_us: 0.0,
         host_waits: 0,
         pages_moved: 0,
+        hazards: 0,
         steady_driver_calls: 0,
         ops_per_sec: None,
         ops: live.len(),

@@ -21,9 +21,9 @@ pub struct CisternModel {
     allocated: u64,
     /// How many kernels each stream's GPU work runs behind the host ([`Self::with_gpu_lag`]).
     gpu_lag: u32,
-    /// Kernels launched and perhaps not finished, per stream (at least the simulator's count:
-    /// a host wait finishes work early).
-    in_flight: FxHashMap<u64, u32>,
+    /// Blocks handed out that a kernel could not use (not mapped with access): a pool bug,
+    /// reported with the simulator's hazards.
+    bad_launches: u64,
 }
 
 impl CisternModel {
@@ -45,16 +45,19 @@ impl CisternModel {
             live: FxHashMap::default(),
             allocated: 0,
             gpu_lag: 0,
-            in_flight: FxHashMap::default(),
+            bad_launches: 0,
         })
     }
 
     /// Replays on a GPU that runs behind the host: each allocation launches a kernel over its
     /// block on its stream, and a stream's kernels finish only once `lag` later ones have been
-    /// launched there. With 0 (the default) every kernel has finished before the next call, as
-    /// if the GPU kept up with the host: no page is ever busy when the pool looks. A lag makes
-    /// the pool meet busy pages: it must leave them or wait for them (`stream_sync`), and the
-    /// simulator's hazard check sees any page unmapped or handed out under pending work.
+    /// launched there (or the pool waits for them). With 0 (the default) every kernel has
+    /// finished before the next call, as if the GPU kept up with the host: no page is ever busy
+    /// when the pool looks. A lag makes the pool meet busy pages: it must leave them or wait
+    /// for them (`stream_sync`), and the simulator's hazard check sees any page unmapped or
+    /// handed out under pending work. The pool judges a stream by its last kernel, so on a
+    /// trace with one stream any lag of 1 or more gives the same result: the stream is always
+    /// busy; larger lags differ only where streams take turns.
     pub fn with_gpu_lag(mut self, lag: u32) -> Self {
         self.gpu_lag = lag;
         self
@@ -66,25 +69,26 @@ impl CisternModel {
         self.driver.hazards()
     }
 
+    /// Kernels not finished on `stream`.
+    pub fn in_flight(&self, stream: u64) -> usize {
+        self.driver.unfinished_on(DEV, StreamId(stream))
+    }
+
     /// Launches the kernel of a new block and lets the stream's oldest kernels finish until at
-    /// most `gpu_lag` are in flight.
+    /// most `gpu_lag` are in flight (the simulator's count: a host wait finishes them early).
     fn run_behind(&mut self, ptr: u64, size: u64, stream: u64) {
         if self.gpu_lag == 0 || size == 0 {
             return;
         }
         let s = StreamId(stream);
-        // A launch over a block the pool just handed out cannot fail; if it did, there is no
-        // kernel to wait for.
         if self.driver.launch(DEV, s, &[(ptr, size)]).is_err() {
+            // The pool handed out a block a kernel cannot use.
+            self.bad_launches += 1;
             return;
         }
-        let n = self.in_flight.entry(stream).or_insert(0);
-        *n += 1;
-        while *n > self.gpu_lag {
-            *n -= 1;
+        while self.driver.unfinished_on(DEV, s) > self.gpu_lag as usize {
             if !self.driver.complete_next(DEV, s) {
-                // A host wait finished them already.
-                *n = 0;
+                break;
             }
         }
     }
@@ -156,9 +160,11 @@ impl AllocatorModel for CisternModel {
             .pool
             .stats(DEV)
             .map_or(0, |s| s.get("num_stitched_pages").max(0) as u64);
+        let sim = sim_cost(&self.driver);
         Cost {
             pages_moved: stitched,
-            ..sim_cost(&self.driver)
+            hazards: sim.hazards + self.bad_launches,
+            ..sim
         }
     }
 }

@@ -49,6 +49,7 @@ fn json_for_one_workload_has_every_field() {
             "driver_time_us",
             "host_waits",
             "pages_moved",
+            "hazards",
             "steady_driver_calls",
             "ops_per_sec",
         ] {
@@ -911,6 +912,29 @@ fn gpu_lag_applies_to_cistern_models() {
         names,
         ["cistern@lag=2", "cistern:chunk_size:2MiB@lag=2", "pytorch"]
     );
+    // On the lagging GPU cistern leaves busy pages and buys more: the flag reached the model.
+    let peak = |i: usize| doc["results"][i]["peak_reserved"].as_u64().unwrap();
+    let out = cistern()
+        .args([
+            "replay",
+            "-w",
+            "packed-A",
+            "--no-min-capacity",
+            "--json",
+            "--gpu-lag",
+            "0",
+            "-a",
+            "cistern",
+        ])
+        .output()
+        .unwrap();
+    let eager: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        eager["results"][0]["allocator"], "cistern",
+        "a lag of 0 is no lag"
+    );
+    assert!(peak(0) > eager["results"][0]["peak_reserved"].as_u64().unwrap());
+    assert_eq!(doc["results"][0]["hazards"], 0);
     let out = cistern()
         .args(["replay", "-w", "packed-A", "-a", "pytorch@lag=2"])
         .output()

@@ -210,38 +210,49 @@ fn cistern_runs_wherever_pytorch_does() {
 
 /// On a GPU that runs behind the host (`@lag=N`), pages freed moments ago are still busy:
 /// cistern must leave them (and buy more memory) or wait for them, and never unmap or hand
-/// out a page under pending work (the simulator's hazard check). With `stream_sync:always`
-/// it waits for them; the default leaves them while memory lasts. With no lag the GPU is never
-/// behind and nothing is busy.
+/// out a page under pending work (the simulator's hazard check, reported as `hazards`). The
+/// default leaves them while memory lasts; `stream_sync:always` waits for them, again and
+/// again (the GPU falls behind again after each wait). With no lag nothing is ever busy.
 #[test]
 fn a_gpu_running_behind_makes_cistern_meet_busy_pages() {
     use cistern_replay::simple::CisternModel;
     let t = cistern_trace::workloads::generate("packed-A", 42).unwrap();
-    let replay = |conf: &str, lag: u32| {
-        let config = cistern::Config::parse(conf).unwrap();
-        let mut m = CisternModel::new("cistern", config, 8 * GIB, &CostTable::default())
-            .unwrap()
-            .with_gpu_lag(lag);
-        let r = cistern_replay::engine::replay(&t.sequence, &mut m);
-        assert!(r.oom.is_none(), "{conf} lag {lag}: {:?}", r.oom);
-        assert!(
-            m.hazards().is_empty(),
-            "{conf} lag {lag}: {:?}",
-            m.hazards()
-        );
-        (r.peak_reserved, r.host_waits)
+    let seq = &t.sequence;
+    let replay = |spec: &str| {
+        let r = run(seq, spec, 8 * GIB).unwrap();
+        assert!(r.oom.is_none(), "{spec}: {:?}", r.oom);
+        assert_eq!(r.hazards, 0, "{spec}");
+        assert_eq!(r.allocator, spec);
+        r
     };
-    let (eager, eager_waits) = replay("", 0);
-    let (behind, behind_waits) = replay("", 2);
-    assert_eq!((eager_waits, behind_waits), (0, 0));
-    assert!(behind > eager, "busy pages were moved: {behind} <= {eager}");
-    let (_, waits) = replay("stream_sync:always", 2);
-    assert!(waits > 0, "stream_sync:always never waited for a busy page");
-    assert_eq!(replay("stream_sync:always", 0).1, 0);
-    // The suffix names it; the PyTorch models have no GPU work to lag.
-    let m = cistern_replay::make("cistern:chunk_size:2MiB@lag=2", GIB).unwrap();
-    assert_eq!(m.name(), "cistern:chunk_size:2MiB@lag=2");
-    for bad in ["pytorch@lag=2", "cistern@lag=two"] {
+    let (eager, behind) = (replay("cistern"), replay("cistern@lag=2"));
+    assert_eq!((eager.host_waits, behind.host_waits), (0, 0));
+    assert!(
+        behind.peak_reserved > eager.peak_reserved,
+        "busy pages were moved: {} <= {}",
+        behind.peak_reserved,
+        eager.peak_reserved
+    );
+    assert_eq!(replay("cistern:stream_sync:always").host_waits, 0);
+    let waits = replay("cistern:stream_sync:always@lag=2").host_waits;
+    assert!(waits > 1, "{waits} waits: the GPU stopped running behind");
+    // The lag holds to the end, waits or not: two kernels still in flight.
+    let config = cistern::Config::parse("stream_sync:always").unwrap();
+    let mut m = CisternModel::new("cistern", config, 8 * GIB, &CostTable::default())
+        .unwrap()
+        .with_gpu_lag(2);
+    let r = cistern_replay::engine::replay(seq, &mut m);
+    assert!(r.oom.is_none() && r.host_waits > 1);
+    assert_eq!(m.in_flight(0), 2);
+    assert!(m.hazards().is_empty());
+    // The PyTorch models have no GPU work to lag; the lag is a number and ends the spec.
+    for bad in [
+        "pytorch@lag=2",
+        "cistern@lag=two",
+        "cistern@lag=+2",
+        "cistern@lag=2,stream_sync:always",
+        "cistern@lag=2@lag=3",
+    ] {
         let e = cistern_replay::make(bad, GIB).err().unwrap();
         assert!(e.contains("@lag="), "{bad}: {e}");
     }

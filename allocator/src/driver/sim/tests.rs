@@ -309,6 +309,7 @@ fn events_complete_when_their_work_completes() {
     sim.event_record(0, ev, S1).unwrap();
     let w3 = sim.launch(0, S1, &[(base, 4096)]).unwrap();
     assert_eq!(sim.unfinished_work(0), 3);
+    assert_eq!((sim.unfinished_on(0, S1), sim.unfinished_on(0, S2)), (3, 0));
     assert!(!sim.event_query(0, ev).unwrap());
     assert!(sim.complete_next(0, S1));
     assert!(!sim.event_query(0, ev).unwrap());
@@ -326,8 +327,14 @@ fn events_complete_when_their_work_completes() {
         "work {w3:?} done, the later one not"
     );
     assert!(!sim.complete_next(0, S2));
+    assert_eq!(sim.unfinished_on(0, S1), 1);
     sim.device_synchronize(0).unwrap();
     assert_eq!(sim.unfinished_work(0), 0);
+    assert_eq!(
+        sim.unfinished_on(0, S1),
+        0,
+        "a host wait finishes a stream's work"
+    );
     // Destroyed or unknown events are invalid handles.
     assert_eq!(sim.live_events(0), 2);
     sim.event_destroy(0, ev).unwrap();

@@ -313,6 +313,18 @@ impl SimDriver {
         }
     }
 
+    /// How many work items are unfinished on `stream` of device `dev` (host waits and
+    /// completions finish them).
+    pub fn unfinished_on(&self, dev: DeviceId, stream: StreamId) -> usize {
+        self.devices.get(dev).map_or(0, |d| {
+            d.state
+                .lock()
+                .streams
+                .get(&stream.0)
+                .map_or(0, |s| s.queue.len())
+        })
+    }
+
     /// How many work items are unfinished on device `dev`.
     pub fn unfinished_work(&self, dev: DeviceId) -> usize {
         self.devices
