@@ -97,9 +97,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if oom_col else ""))
     ratios = []
     waits_past_pytorch = 0
+    lag = f"@lag={a.gpu_lag}" if a.gpu_lag else ""
     for t in traces:
         r = {x["allocator"]: x for x in t["results"]}
-        lag = f"@lag={a.gpu_lag}" if a.gpu_lag else ""
         c, o = r["cistern" + lag], r["cistern:grow_whole_chunks:off" + lag]
         e, pt = r["pytorch-expandable"], r["pytorch"]
         x = c["driver_time_us"] / max(e["driver_time_us"], 1e-9)

@@ -62,8 +62,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), String> {
     };
     if let Some(lag) = args.gpu_lag.filter(|&l| l > 0) {
         for a in &mut allocators {
-            let base = a.split(':').next().unwrap_or(a);
-            if (base == "cistern" || base == "cistern-novmm") && !a.contains(GPU_LAG) {
+            if catalog::runs_gpu_work(a) && !a.contains(GPU_LAG) {
                 a.push_str(&format!("{GPU_LAG}{lag}"));
             }
         }

@@ -26,6 +26,12 @@ pub const ALLOCATORS: &[&str] = &[
 /// ([`CisternModel::with_gpu_lag`](crate::simple::CisternModel::with_gpu_lag)).
 pub const GPU_LAG: &str = "@lag=";
 
+/// Whether the model `spec` names runs GPU work in the replay, so takes a [`GPU_LAG`]:
+/// cistern's models (`cistern`, `cistern:KEY:VALUE,...`, `cistern-novmm`).
+pub fn runs_gpu_work(spec: &str) -> bool {
+    matches!(spec.split(':').next(), Some("cistern" | "cistern-novmm"))
+}
+
 /// Name of the row built from a snapshot's own `segment_*` events (not a model; see
 /// [`crate::recorded()`]).
 pub const RECORDED: &str = "pytorch-recorded";

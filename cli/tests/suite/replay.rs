@@ -2,12 +2,33 @@
 
 use std::path::PathBuf;
 
-use crate::common::{bin as cistern, traces_dir};
+use crate::common::{bin as cistern, json, traces_dir};
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("cistern-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
+}
+
+/// `cistern replay ARGS`, which must succeed, as its JSON document.
+fn replay_json(args: &[&str]) -> serde_json::Value {
+    let out = cistern().arg("replay").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    json(&out)
+}
+
+/// The allocator of each row of one trace's JSON report.
+fn row_names(doc: &serde_json::Value) -> Vec<&str> {
+    doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect()
 }
 
 #[test]
@@ -826,32 +847,16 @@ fn the_default_device_holds_the_recorded_state_of_a_seeded_row() {
 /// belongs to the spec before it.
 #[test]
 fn a_cistern_spec_keeps_its_settings_in_the_allocator_list() {
-    let out = cistern()
-        .args([
-            "replay",
-            "-w",
-            "rmm-random",
-            "-a",
-            "cistern:chunk_size:2MiB,stream_sync:always,pytorch,cistern:grow_whole_chunks:on",
-            "--json",
-            "--no-min-capacity",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let names: Vec<&str> = doc["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["allocator"].as_str().unwrap())
-        .collect();
+    let doc = replay_json(&[
+        "-w",
+        "rmm-random",
+        "-a",
+        "cistern:chunk_size:2MiB,stream_sync:always,pytorch,cistern:grow_whole_chunks:on",
+        "--json",
+        "--no-min-capacity",
+    ]);
     assert_eq!(
-        names,
+        row_names(&doc),
         [
             "cistern:chunk_size:2MiB,stream_sync:always",
             "pytorch",
@@ -882,53 +887,26 @@ fn a_cistern_spec_keeps_its_settings_in_the_allocator_list() {
 /// with the reason.
 #[test]
 fn gpu_lag_applies_to_cistern_models() {
-    let out = cistern()
-        .args([
-            "replay",
+    let packed_a = |lag: &str, allocators: &str| {
+        replay_json(&[
             "-w",
             "packed-A",
             "--no-min-capacity",
             "--json",
             "--gpu-lag",
-            "2",
+            lag,
             "-a",
-            "cistern,cistern:chunk_size:2MiB,pytorch",
+            allocators,
         ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let names: Vec<&str> = doc["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["allocator"].as_str().unwrap())
-        .collect();
+    };
+    let doc = packed_a("2", "cistern,cistern:chunk_size:2MiB,pytorch");
     assert_eq!(
-        names,
+        row_names(&doc),
         ["cistern@lag=2", "cistern:chunk_size:2MiB@lag=2", "pytorch"]
     );
     // On the lagging GPU cistern leaves busy pages and buys more: the flag reached the model.
     let peak = |i: usize| doc["results"][i]["peak_reserved"].as_u64().unwrap();
-    let out = cistern()
-        .args([
-            "replay",
-            "-w",
-            "packed-A",
-            "--no-min-capacity",
-            "--json",
-            "--gpu-lag",
-            "0",
-            "-a",
-            "cistern",
-        ])
-        .output()
-        .unwrap();
-    let eager: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let eager = packed_a("0", "cistern");
     assert_eq!(
         eager["results"][0]["allocator"], "cistern",
         "a lag of 0 is no lag"
