@@ -47,12 +47,15 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ),
     (
         "stream_sync",
-        "pressure",
-        "When growth may block the host on another stream's (or its own) queued work to take its \
-         cached pages: `pressure` (only when the request cannot be met otherwise: the limit or \
-         the device is reached; until then cached pages whose stream is still busy are left and \
-         new memory is mapped) or `always` (take cached pages first, waiting for their stream, \
-         even where new handles would cost less than moving them).",
+        "device",
+        "How growth takes cached pages whose stream's queued work may still use them: `device` \
+         (never block the host: map them at their new address, make the taking stream wait for \
+         that work on the GPU with cuStreamWaitEvent, and unmap the old address once an event \
+         query says the work is done; where the GPU cannot keep the order, during a graph \
+         capture or for a stream that cannot be named, as `pressure`), `pressure` (leave them \
+         and map new memory; block the host on their stream only when the request cannot be met \
+         otherwise: the limit or the device is reached) or `always` (take cached pages first, \
+         waiting for their stream, even where new handles would cost less than moving them).",
     ),
     (
         "chunk_size",
@@ -184,6 +187,13 @@ pub enum StreamSync {
     /// Take cached pages before mapping new memory, waiting for their stream if needed: the
     /// least memory, at the price of host waits.
     Always,
+    /// The default. Take cached pages as `Pressure` does, but move a busy stream's pages with
+    /// the order kept on the GPU instead of leaving them or waiting: map them at their new address (one handle may be mapped at two), make the
+    /// taking stream wait for the donor's queued work (`cuStreamWaitEvent`), and unmap the old
+    /// address later, once an event query says that work is done (Note [Moves ordered on the
+    /// device] in `pool/pages.rs`). Where the GPU cannot order it (a graph capture underway, a
+    /// stream that cannot be named), it falls back to `Pressure`.
+    Device,
 }
 
 /// Which peer devices get access to a device's memory (the `peer_access` key).
@@ -261,7 +271,7 @@ impl Default for Config {
             memory_limit: None,
             memory_fraction: 1.0,
             release_threshold: None,
-            stream_sync: StreamSync::Pressure,
+            stream_sync: StreamSync::Device,
             chunk_size: 20 << 20,
             chunk_split: Some(4),
             grow_whole_chunks: WholeChunks::Auto,
@@ -490,10 +500,14 @@ impl Config {
                 self.stream_sync = match value.trim().to_ascii_lowercase().as_str() {
                     "pressure" => StreamSync::Pressure,
                     "always" => StreamSync::Always,
+                    "device" => StreamSync::Device,
                     other => {
                         return Err(err(
                             key,
-                            format!("`{other}` is not a stream_sync mode: use pressure or always"),
+                            format!(
+                                "`{other}` is not a stream_sync mode: use pressure, always or \
+                                 device"
+                            ),
                         ))
                     }
                 };

@@ -53,8 +53,9 @@ impl CisternModel {
     /// block on its stream, and a stream's kernels finish only once `lag` later ones have been
     /// launched there (or the pool waits for them). With 0 (the default) every kernel has
     /// finished before the next call, as if the GPU kept up with the host: no page is ever busy
-    /// when the pool looks. A lag makes the pool meet busy pages: it must leave them or wait
-    /// for them (`stream_sync`), and the simulator's hazard check sees any page unmapped or
+    /// when the pool looks. A lag makes the pool meet busy pages: it must move them with the
+    /// order kept on the device, leave them or wait for them (`stream_sync`), and the
+    /// simulator's hazard check sees any page unmapped or
     /// handed out under pending work. The pool judges a stream by its last kernel, so on a
     /// trace with one stream any lag of 1 or more gives the same result: the stream is always
     /// busy; larger lags differ only where streams take turns.

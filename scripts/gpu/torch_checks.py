@@ -150,9 +150,11 @@ def cmd_train(a) -> None:
         peak = cistern_torch.max_memory_reserved()
         st = cistern_torch.memory_stats()
         waits = (st.get("num_stream_syncs", 0) or 0) + (st.get("num_sync_all_streams", 0) or 0)
+        ordered = st.get("num_ordered_moves", 0) or 0
     else:
         peak = torch.cuda.max_memory_reserved()
         waits = None
+        ordered = None
     cost = alloc_cost_ns(torch)
     rec = {"mode": a.mode, "losses": losses, "seconds": round(seconds, 3), "peak_reserved": peak,
            "alloc_cost_ns": cost}
@@ -166,7 +168,7 @@ def cmd_train(a) -> None:
             json.dump(rec, f)
         emit("train", **rec)
         return
-    key(host_waits=waits)
+    key(host_waits=waits, ordered_moves=ordered)
     emit("train", **rec)
     try:
         with open(os.path.join(OUT, "train_native.json")) as f:

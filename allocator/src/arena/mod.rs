@@ -40,7 +40,7 @@ use crate::stats::{LocalGauges, SharedGauges};
 
 pub(crate) use live::{LiveMap, LiveRef};
 pub(crate) use segment::{Backing, Chunk, HeapKind, Heaps, Page, Segment};
-pub(crate) use shared::{Counters, DeviceCore, EventCache};
+pub(crate) use shared::{Counters, DeviceCore, EventCache, StreamMark};
 
 /// A stream, as an arena or a `record_stream` use knows it: the handle to name it with, and
 /// what identifies it (see [`crate::driver::Driver::stream_info`]).

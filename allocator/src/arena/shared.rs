@@ -62,6 +62,22 @@ pub(crate) struct Counters {
     pub(crate) num_released_pages: AtomicU64,
     pub(crate) num_driver_errors: AtomicU64,
     pub(crate) num_record_streams: AtomicU64,
+    /// Chunks moved from a busy stream with the order kept on the device.
+    pub(crate) num_ordered_moves: AtomicU64,
+    /// Old mappings of such moves unmapped once the donor's work was done.
+    pub(crate) num_deferred_unmaps: AtomicU64,
+}
+
+/// What [`DeviceCore::stream_mark`] found a stream doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamMark {
+    /// All its queued work has finished.
+    Idle,
+    /// Work is queued: this event, recorded after it, completes when it has finished.
+    Busy(EventId),
+    /// Not known: a capture is underway, the stream cannot be named here, or the driver
+    /// failed to record or query an event.
+    Unknown,
 }
 
 /// What every arena of a device shares: the driver, the settings, the published statistics.
@@ -142,6 +158,38 @@ impl<D: Driver> DeviceCore<D> {
             d.event_record(self.dev, ev, stream).is_ok() && d.event_query(self.dev, ev) == Ok(true);
         self.events.put(ev);
         idle
+    }
+
+    /// As [`Self::stream_idle`], but a busy stream's event is handed over: recorded after all
+    /// the work queued there so far, and not complete yet, for the caller to order other work
+    /// after it (`cuStreamWaitEvent`) and to query later; it goes back to the cache (`put`)
+    /// once done with.
+    pub(crate) fn stream_mark(&self, stream: Option<StreamId>) -> StreamMark {
+        let Some(stream) = stream else {
+            return StreamMark::Unknown;
+        };
+        if self.capturing() {
+            return StreamMark::Unknown;
+        }
+        let d = &*self.driver;
+        let Ok(ev) = self.events.get(d, self.dev) else {
+            return StreamMark::Unknown;
+        };
+        if d.event_record(self.dev, ev, stream).is_err() {
+            self.events.put(ev);
+            return StreamMark::Unknown;
+        }
+        match d.event_query(self.dev, ev) {
+            Ok(true) => {
+                self.events.put(ev);
+                StreamMark::Idle
+            }
+            Ok(false) => StreamMark::Busy(ev),
+            Err(_) => {
+                self.events.put(ev);
+                StreamMark::Unknown
+            }
+        }
     }
 
     /// Records an event on `stream` and waits for it: all work queued there so far is done.

@@ -80,9 +80,36 @@ pub(super) struct DeviceState {
     pub(super) gone: [[[i64; 3]; crate::stats::GAUGES]; 2],
     /// The last chunk moves stitching made (Note [No bounce] in `pages.rs`).
     pub(super) moves: super::pages::RecentMoves,
+    /// Old mappings of chunks moved from busy streams, unmapped once the donor's work is done
+    /// (Note [Moves ordered on the device] in `pages.rs`), oldest first.
+    pub(super) deferred: Vec<super::pages::Deferred>,
 }
 
 impl DeviceState {
+    /// Whether `handle` is still mapped at an address it moved from (a deferred unmap).
+    pub(super) fn aliased(&self, handle: crate::driver::PhysHandle) -> bool {
+        self.deferred
+            .iter()
+            .any(|d| d.aliases.iter().any(|al| al.handle == handle))
+    }
+
+    /// The address ranges (`(start, end)`, sorted) that sit in some heap's holes but are still
+    /// mapped: deferred unmaps, and pages whose unmap failed. Windows never cover them.
+    pub(super) fn still_mapped(&self, g: u64) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self
+            .deferred
+            .iter()
+            .flat_map(|d| d.aliases.iter().map(|al| (al.addr, al.addr + al.len)))
+            .chain(
+                self.stuck
+                    .iter()
+                    .map(|s| (s.addr, s.addr + s.chunk.pages as u64 * g)),
+            )
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Keeps the cumulative counts of an arena that is about to be dropped for good.
     pub(super) fn keep_counts(&mut self, a: &crate::arena::ArenaState) {
         for g in 0..crate::stats::GAUGES {
@@ -234,6 +261,7 @@ impl<D: Driver> DevicePool<D> {
                 peers,
                 gone: [[[0; 3]; crate::stats::GAUGES]; 2],
                 moves: Default::default(),
+                deferred: Vec::new(),
             }),
             graphs: Mutex::new(super::graphs::GraphPools::default()),
         })
@@ -675,6 +703,9 @@ impl<D: Driver> Drop for DevicePool<D> {
         c.share.close_all(c);
         let (lost, stuck) = {
             let mut dev = self.state.lock();
+            // Old mappings of moved chunks first: their donors' work is waited for, so that
+            // the chunks can be released and the address ranges freed.
+            self.finish_deferred(&mut dev, true);
             (
                 std::mem::take(&mut dev.lost),
                 std::mem::take(&mut dev.stuck),

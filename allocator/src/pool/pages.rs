@@ -1,8 +1,49 @@
 //! Chunks in and out of an extent's page table: mapping gathered chunks into a window (one
 //! `cuMemSetAccess` per run), releasing a chunk to the driver (or keeping it as lost), and
 //! stealing whole free chunks out of an arena for a [`Taker`] (a window's `Placement` when
-//! stitching, a [`Budget`] when releasing), once the arena's stream is idle. See Note [Chunks]
-//! in `vmm.rs`.
+//! stitching, a [`Budget`] when releasing), once the arena's stream is idle or with the order
+//! kept on the device, and the old mappings such moves leave until their donor is done. See
+//! Note [Chunks] in `vmm.rs`.
+//!
+//! # Note [Moves ordered on the device]
+//!
+//! A cached chunk may be unmapped only once the work queued before its block was freed has
+//! finished; that work is on the arena's own stream (uses on other streams were waited for
+//! before the block became free). Asking costs an event record and a query. When the stream is
+//! still busy, `stream_sync:pressure` leaves the chunk (growth creates instead, and waits on
+//! the host only under memory pressure) and `always` waits. `stream_sync:device` (the default)
+//! does neither:
+//!
+//! 1. the event recorded on the donor's stream is kept, and the taking stream is made to wait
+//!    for it on the GPU (`cuStreamWaitEvent`; on the donor's own stream FIFO order does it);
+//! 2. the chunk is carved out of the donor's heap (its range becomes a hole and leaves the
+//!    page table) but *not unmapped*: it is mapped at its new address too (CUDA allows one
+//!    handle at several addresses), so the donor's queued work still reaches it where it was;
+//! 3. the old range, with the event, goes to the device's deferred list ([`Deferred`]); no
+//!    window is chosen over it (`DeviceState::still_mapped`, `window::choose_window`), and
+//!    each growth first unmaps the old ranges whose event a query finds complete
+//!    ([`DevicePool::finish_deferred`]; one query per steal, never a wait).
+//!
+//! So a move costs a map and an access grant now and an unmap later, as before, plus an event
+//! record and a stream wait (~1 µs), and never blocks the host. A chunk still mapped at an old
+//! address cannot be released (the driver refuses a mapped handle): releasing leaves it
+//! (`Taker` without `Dest`), a failed mapping parks it with the lost chunks for growth to map
+//! again, and `empty_cache`, a lowered limit and the pool's end wait for the donors and unmap
+//! first. An arena's address range is freed only once no old mapping is left in it. Where the
+//! GPU cannot keep the order (a graph capture may be underway, or the stream cannot be named
+//! from this thread) the move falls back to `pressure`'s rule.
+//!
+//! The simulator checks it: work launched before the move is hazard-free when the chunk is
+//! handed out on the other stream only because of the stream wait, and its unmap hazard is per
+//! address (`driver/sim/work.rs`), so unmapping the old range while the new one is in use is
+//! not one.
+//!
+//! Measured (`python3 scripts/cost-table.py --gpu-lag 2`: the replay's GPU two kernels behind
+//! the host on each stream, over the dev snapshots and every built-in workload; `pressure`
+//! against `device`): peak reserved at most 1.39x `pytorch-expandable`'s -> 1.014x (`packed-A`
+//! 150 -> 84 MiB, Mooncake 57.1 -> 49.0 GiB), the median modelled driver time 1.26x -> 1.17x
+//! expandable's, 0 host waits either way; with `--pressure 1.25` as well, host waits 4 -> 0.
+//! With no lag nothing is ever busy and both modes give the same numbers.
 //!
 //! # Note [No bounce]
 //!
@@ -46,8 +87,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use super::device::{DeviceState, Lost, Stuck};
 use super::window::{free_page_runs, whole_mappings, Exclude};
 use super::{DevicePool, PoolEventKind};
-use crate::arena::{ArenaState, Backing, Chunk, HeapKind, Page};
-use crate::driver::{Driver, PhysHandle, StreamId};
+use crate::arena::{ArenaState, Backing, Chunk, HeapKind, Page, StreamMark};
+use crate::driver::{Driver, EventId, PhysHandle, StreamId};
 use crate::heap::SpanState;
 
 /// How many of the device's last chunk moves [`RecentMoves`] remembers (Note [No bounce]).
@@ -113,6 +154,25 @@ impl RecentMoves {
     }
 }
 
+/// A chunk's old mapping, left in place by a move ordered on the device (Note [Moves ordered
+/// on the device]): the chunk is mapped at its new address too, and this range is unmapped
+/// once the donor's work is done. The range is a hole of the donor's heap that growth never
+/// chooses for a window until then.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Alias {
+    pub addr: u64,
+    pub len: u64,
+    pub handle: PhysHandle,
+}
+
+/// The old mappings of one steal from a busy stream, with the event recorded there after the
+/// work that may still use them.
+#[derive(Debug)]
+pub(super) struct Deferred {
+    pub event: EventId,
+    pub aliases: Vec<Alias>,
+}
+
 /// Where [`DevicePool::steal_pages`] moves chunks when stitching.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Dest {
@@ -120,6 +180,10 @@ pub(super) struct Dest {
     pub home: Home,
     /// Leave the chunks that would go straight back where they came from (Note [No bounce]).
     pub settle: bool,
+    /// The window's stream, when a busy donor's chunks may move with the order kept on the
+    /// device (`stream_sync:device`, Note [Moves ordered on the device]); `None`: only an
+    /// idle donor's chunks move (or, with `wait`, after a host wait).
+    pub order: Option<StreamId>,
 }
 
 /// Who takes the chunks that [`DevicePool::steal_pages`] unmaps.
@@ -273,6 +337,13 @@ impl<D: Driver> DevicePool<D> {
     /// still reserved, in the lost list for growth to map again and `empty_cache` to retry.
     pub(super) fn release_handle(&self, dev: &mut DeviceState, kind: HeapKind, ch: Chunk) {
         let c = &*self.core;
+        if dev.aliased(ch.handle) {
+            // Still mapped at the address it moved from (Note [Moves ordered on the device]):
+            // the driver would refuse the release. Good memory: growth maps it again, and
+            // `empty_cache` releases it once the old mapping is gone.
+            dev.lost.push(Lost { kind, chunk: ch });
+            return;
+        }
         dev.moves.forget(ch.handle);
         match c.share.release_chunk(c, ch.handle) {
             Ok(()) => {
@@ -290,13 +361,15 @@ impl<D: Driver> DevicePool<D> {
     }
 
     /// Takes whole free chunks out of arena `a` (whose stream is `stream`) for `taker`, skipping
-    /// `exclude`, while the taker wants them. The stream's work must be finished first: with
-    /// `wait` it blocks on it, without it takes nothing when an event query says the stream is
-    /// still busy. The chunks are unmapped; their address ranges become holes. Only heaps in
-    /// `from` give chunks; `to_kind` is the heap the chunks are for (for per-pool reserved
-    /// accounting). With `dest` (stitching), the moves are recorded in the device's
-    /// [`RecentMoves`], and with `dest.settle` a chunk that would go straight back is left.
-    /// Returns the pages taken.
+    /// `exclude`, while the taker wants them. The stream's work on the chunks must be finished
+    /// before they are unmapped: an event query says whether it is; when it is not, with
+    /// `dest.order` the chunks move anyway, ordered on the device (Note [Moves ordered on the
+    /// device]), else with `wait` the host blocks on the stream, else nothing is taken. The
+    /// chunks' address ranges become holes. Only heaps in `from` give chunks; `to_kind` is the
+    /// heap the chunks are for (for per-pool reserved accounting). With `dest` (stitching), the
+    /// moves are recorded in the device's [`RecentMoves`], and with `dest.settle` a chunk that
+    /// would go straight back is left. Without `dest` (releasing), a chunk still mapped at an
+    /// old address is left: it cannot be released yet. Returns the pages taken.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn steal_pages(
         &self,
@@ -314,7 +387,9 @@ impl<D: Driver> DevicePool<D> {
         let g = c.granularity;
         let mut taken = 0usize;
         let mut synced = false;
-        for &kind in from {
+        // The old mappings left in place by moves ordered on the device.
+        let mut deferred: Option<Deferred> = None;
+        'kinds: for &kind in from {
             if taker.full() {
                 break;
             }
@@ -333,16 +408,37 @@ impl<D: Driver> DevicePool<D> {
                         continue;
                     }
                     let here = Home::of(a, kind);
-                    if let Some(d) = dest {
-                        if d.settle && dev.moves.bounce(p.handle, here, d.home) {
-                            continue;
-                        }
+                    match dest {
+                        Some(d) if d.settle && dev.moves.bounce(p.handle, here, d.home) => continue,
+                        None if dev.aliased(p.handle) => continue,
+                        _ => {}
                     }
                     if !synced {
-                        // Unmapping needs the stream's work on these pages finished.
-                        let ready = c.stream_idle(stream) || (wait && c.sync_stream(stream));
+                        // Unmapping needs the stream's work on these pages finished, or (moves
+                        // ordered on the device) the unmap deferred until it is.
+                        let ready = match dest.and_then(|d| d.order) {
+                            Some(to) => match c.stream_mark(stream) {
+                                StreamMark::Idle => true,
+                                StreamMark::Busy(ev) => {
+                                    // The taking stream's later work waits for the donor's on
+                                    // the GPU; on the donor's own stream FIFO order does it.
+                                    if stream == Some(to) || self.order_after(to, ev) {
+                                        deferred = Some(Deferred {
+                                            event: ev,
+                                            aliases: Vec::new(),
+                                        });
+                                        true
+                                    } else {
+                                        c.events.put(ev);
+                                        wait && c.sync_stream(stream)
+                                    }
+                                }
+                                StreamMark::Unknown => wait && c.sync_stream(stream),
+                            },
+                            None => c.stream_idle(stream) || (wait && c.sync_stream(stream)),
+                        };
                         if !ready {
-                            return taken;
+                            break 'kinds;
                         }
                         synced = true;
                     }
@@ -356,16 +452,23 @@ impl<D: Driver> DevicePool<D> {
                         n => Some(n),
                     };
                     // Told before the unmap (see `PoolEventKind::SegmentUnmap`): an observer
-                    // still finds the range mapped.
+                    // still finds the range mapped. (A deferred unmap is told now too: the
+                    // range leaves the pool's memory here.)
                     c.observer
                         .emit(PoolEventKind::SegmentUnmap, c.dev, addr, len, a.graph_pool);
-                    if c.driver.unmap(c.dev, addr, len).is_err() {
+                    if let Some(d) = deferred.as_mut() {
+                        d.aliases.push(Alias {
+                            addr,
+                            len,
+                            handle: p.handle,
+                        });
+                    } else if c.driver.unmap(c.dev, addr, len).is_err() {
                         c.counters.num_driver_errors.fetch_add(1, Relaxed);
                         // Put the carved range back as free space; it is still mapped.
                         self.refill(a, kind, run.seg, addr, addr + len);
                         c.observer
                             .emit(PoolEventKind::SegmentMap, c.dev, addr, len, a.graph_pool);
-                        return taken;
+                        break 'kinds;
                     }
                     // A released graph pool's memory counts as its own until it leaves.
                     dev.add_private_reserved(a.graph_pool, kind, -(len as i64));
@@ -394,7 +497,68 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         }
+        if let Some(d) = deferred {
+            if d.aliases.is_empty() {
+                c.events.put(d.event);
+            } else {
+                c.counters
+                    .num_ordered_moves
+                    .fetch_add(d.aliases.len() as u64, Relaxed);
+                dev.deferred.push(d);
+            }
+        }
         taken
+    }
+
+    /// Makes `stream`'s later work wait, on the device, for event `ev` (`cuStreamWaitEvent`).
+    /// Returns whether it does.
+    fn order_after(&self, stream: StreamId, ev: EventId) -> bool {
+        let c = &*self.core;
+        let ok = c.driver.stream_wait_event(c.dev, stream, ev).is_ok();
+        if !ok {
+            c.counters.num_driver_errors.fetch_add(1, Relaxed);
+        }
+        ok
+    }
+
+    /// Unmaps the old mappings of moves ordered on the device whose donor work is done (an
+    /// event query each; with `wait`, blocking on the events: for `empty_cache` and the pool's
+    /// end, never the allocation path). An unmap that fails is tried again next time.
+    pub(super) fn finish_deferred(&self, dev: &mut DeviceState, wait: bool) {
+        let c = &*self.core;
+        if dev.deferred.is_empty() || c.capturing() {
+            // No query, wait or unmap while a graph may be capturing.
+            return;
+        }
+        let d = &*c.driver;
+        let mut keep = Vec::new();
+        for mut group in std::mem::take(&mut dev.deferred) {
+            let done = if wait {
+                d.event_synchronize(c.dev, group.event).is_ok()
+                    || d.device_synchronize(c.dev).is_ok()
+            } else {
+                d.event_query(c.dev, group.event) == Ok(true)
+            };
+            if !done {
+                keep.push(group);
+                continue;
+            }
+            group.aliases.retain(|al| {
+                if d.unmap(c.dev, al.addr, al.len).is_ok() {
+                    c.counters.num_deferred_unmaps.fetch_add(1, Relaxed);
+                    false
+                } else {
+                    c.counters.num_driver_errors.fetch_add(1, Relaxed);
+                    true
+                }
+            });
+            if group.aliases.is_empty() {
+                c.events.put(group.event);
+            } else {
+                keep.push(group);
+            }
+        }
+        dev.deferred = keep;
     }
 
     /// Turns `[lo, hi)`, inside a free span of heap `kind`'s segment `seg_idx`, into a hole:

@@ -15,6 +15,9 @@ impl<D: Driver> DevicePool<D> {
     /// Releases all cached memory (whole free pages, wholly free linear segments) of every
     /// arena. Returns the bytes released.
     pub(super) fn release_cached(&self, dev: &mut DeviceState) -> u64 {
+        // Chunks still mapped where they moved from cannot be released before that mapping
+        // goes: wait for their donors (this path may wait for every stream anyway).
+        self.finish_deferred(dev, true);
         let mut released = 0;
         for arena in self.donors() {
             let mut st = arena.state.lock();
@@ -44,7 +47,7 @@ impl<D: Driver> DevicePool<D> {
                 continue;
             }
             self.release_arena(dev, None, &mut a, u64::MAX, true);
-            if !self.free_extents(&mut a) {
+            if !self.free_extents(dev, &mut a) {
                 continue;
             }
             dev.keep_counts(&a);
@@ -80,7 +83,7 @@ impl<D: Driver> DevicePool<D> {
                     Backing::Linear => true,
                 })
             });
-            if holds_memory || !self.free_extents(&mut a) {
+            if holds_memory || !self.free_extents(dev, &mut a) {
                 continue;
             }
             dev.keep_counts(&a);
@@ -99,17 +102,23 @@ impl<D: Driver> DevicePool<D> {
         );
     }
 
-    /// Frees every address range of an arena none of whose pages is mapped any more; returns
-    /// whether the arena holds no segment now.
-    fn free_extents(&self, a: &mut ArenaState) -> bool {
+    /// Frees every address range of an arena none of whose pages is mapped any more (also no
+    /// old mapping of a moved chunk, nor a page whose unmap failed); returns whether the arena
+    /// holds no segment now.
+    fn free_extents(&self, dev: &DeviceState, a: &mut ArenaState) -> bool {
         let c = &*self.core;
+        let still_mapped = dev.still_mapped(c.granularity);
         let mut all = true;
         for kind in [HeapKind::Large, HeapKind::Small] {
             let kh = &mut a.kinds[kind];
             for slot in &mut kh.segments {
                 let Some(seg) = slot.as_ref() else { continue };
+                let end = seg.base + seg.len;
                 let unmapped = matches!(&seg.backing,
-                    Backing::Vmm { pages } if pages.iter().all(Option::is_none));
+                    Backing::Vmm { pages } if pages.iter().all(Option::is_none))
+                    && !still_mapped
+                        .iter()
+                        .any(|&(lo, hi)| lo < end && seg.base < hi);
                 if !unmapped {
                     all = false;
                     continue;
@@ -264,6 +273,7 @@ impl<D: Driver> DevicePool<D> {
             return;
         }
         let mut budget = cached - threshold;
+        self.finish_deferred(dev, wait);
         let mut held = held;
         for arena in self.donors() {
             if budget == 0 {
@@ -343,6 +353,7 @@ impl<D: Driver> DevicePool<D> {
             .filter(|a| a.graph_pool == Some((id.0, id.1)))
             .cloned()
             .collect();
+        self.finish_deferred(&mut dev, true);
         let mut released = 0;
         for arena in arenas {
             let mut a = arena.state.lock();
@@ -382,6 +393,7 @@ impl<D: Driver> DevicePool<D> {
         // the limit), and the invariant checker allows exactly that much.
         let mut over = (dev.reserved[0].current.max(0) as u64).saturating_sub(dev.limit);
         if over > 0 {
+            self.finish_deferred(&mut dev, true);
             for arena in self.donors() {
                 if over == 0 {
                     break;

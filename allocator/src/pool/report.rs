@@ -117,6 +117,8 @@ impl<D: Driver> DevicePool<D> {
             ("num_released_pages", &k.num_released_pages),
             ("num_driver_errors", &k.num_driver_errors),
             ("num_record_streams", &k.num_record_streams),
+            ("num_ordered_moves", &k.num_ordered_moves),
+            ("num_deferred_unmaps", &k.num_deferred_unmaps),
         ] {
             s.set(name, v.load(Relaxed) as i64);
         }
@@ -221,6 +223,38 @@ impl<D: Driver> DevicePool<D> {
                 "graph pool ({}, {}) holds {held} bytes that no reserved count has",
                 id.0, id.1
             ));
+        }
+        // The old mapping of a chunk moved ordered on the device sits in a hole of the heap it
+        // left (so that no window maps over it), and the chunk is mapped or lost elsewhere.
+        for al in dev.deferred.iter().flat_map(|d| &d.aliases) {
+            let (lo, hi) = (al.addr, al.addr + al.len);
+            let mut in_hole = false;
+            let mut elsewhere = dev.lost.iter().any(|l| l.chunk.handle == al.handle);
+            for arena in self.all_arenas() {
+                let a = arena.state.lock();
+                for (_, kh) in a.kinds.iter() {
+                    for seg in kh.segments.iter().flatten() {
+                        let Backing::Vmm { pages } = &seg.backing else {
+                            continue;
+                        };
+                        elsewhere |= pages.iter().flatten().any(|p| p.handle == al.handle);
+                        if seg.base <= lo && hi <= seg.base + seg.len {
+                            in_hole |= kh.heap.segment_spans(seg.first).any(|(_, s)| {
+                                s.state == crate::heap::SpanState::Hole
+                                    && s.start <= lo
+                                    && hi <= s.end()
+                            });
+                        }
+                    }
+                }
+            }
+            if !in_hole || !elsewhere {
+                return Err(format!(
+                    "deferred unmap [{lo:#x}, {hi:#x}) of handle {}: in a hole {in_hole}, \
+                     mapped or lost elsewhere {elsewhere}",
+                    al.handle.0
+                ));
+            }
         }
         let reserved = dev.reserved[0].current as u64;
         let lost_pages: u64 = dev.lost.iter().map(|l| l.chunk.pages as u64).sum::<u64>()

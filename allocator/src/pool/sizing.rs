@@ -202,8 +202,8 @@ impl<D: Driver> DevicePool<D> {
     /// chunks, and how many pages past the window's end it then maps: `None` unless that run
     /// covers the window's end, still has open pages and ends in an unmapped range of the
     /// extent; else `Some(extra)`, what makes the run's open pages a whole number of chunks of
-    /// `full` pages, as far as that range (and any page left mapped by a failed unmap in it)
-    /// allows, and only while the limit and the device (`headroom`: their room beyond the
+    /// `full` pages, as far as that range (and any range in it still mapped: `still_mapped`,
+    /// a failed or a deferred unmap) allows, and only while the limit and the device (`headroom`: their room beyond the
     /// request) keep room for one chunk more after it, so that the pages pinned beyond a
     /// request never take the last of the room. With `auto_held` (`grow_whole_chunks:auto`:
     /// the pages the process holds), also `None` once the growth would leave the process
@@ -217,7 +217,7 @@ impl<D: Driver> DevicePool<D> {
         place: &Placement,
         full: u32,
         headroom: usize,
-        stuck: &[u64],
+        still_mapped: &[(u64, u64)],
         auto_held: Option<u64>,
     ) -> Option<u32> {
         let g = self.core.granularity;
@@ -233,7 +233,7 @@ impl<D: Driver> DevicePool<D> {
             .segment_spans(seg.first)
             .find(|(_, s)| s.state == SpanState::Hole && s.start < end && end <= s.end())
             .map(|(_, s)| s.end().min(seg_end))?;
-        for &at in stuck {
+        for &(at, _) in still_mapped {
             if at >= end && at < hole_end {
                 hole_end = at;
             }

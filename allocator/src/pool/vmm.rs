@@ -179,9 +179,12 @@ impl<D: Driver> DevicePool<D> {
                 dev.stuck.push(s);
             }
         }
+        // Old mappings of moved chunks whose donors are done: their ranges become usable.
+        self.finish_deferred(dev, false);
+        let blocked = dev.still_mapped(g);
         let mut choice: Option<Window> = None;
         for &seg in &a.kinds[kind].vmm_segs {
-            if let Some((lo, missing)) = choose_window(a, kind, seg, rounded, g) {
+            if let Some((lo, missing)) = choose_window(a, kind, seg, rounded, g, &blocked) {
                 if choice
                     .as_ref()
                     .is_none_or(|c| missing.len() < c.missing.len())
@@ -206,7 +209,7 @@ impl<D: Driver> DevicePool<D> {
             .unwrap_or(0);
         let extent = next_extent(cap, g, largest, rounded);
         let seg = self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
-        match choose_window(a, kind, seg, rounded, g) {
+        match choose_window(a, kind, seg, rounded, g, &blocked) {
             Some((lo, missing)) => Ok(Window {
                 seg,
                 lo,
@@ -463,7 +466,7 @@ impl<D: Driver> DevicePool<D> {
         let full = whole_chunk_pages(&c.config, g, auto);
         let mut whole: Option<u32> = None;
         if mode != WholeChunks::Off && kind == HeapKind::Large && !feasible.pressure {
-            let stuck: Vec<u64> = dev.stuck.iter().map(|s| s.addr).collect();
+            let blocked = dev.still_mapped(g);
             whole = self.whole_chunk_extension(
                 a,
                 kind,
@@ -471,7 +474,7 @@ impl<D: Driver> DevicePool<D> {
                 &place,
                 full,
                 feasible.headroom,
-                &stuck,
+                &blocked,
                 auto,
             );
             if let (Some(extra), Some(last)) = (whole, place.runs.last_mut()) {
@@ -604,8 +607,9 @@ impl<D: Driver> DevicePool<D> {
 
     /// Stitching: takes whole free chunks for window `w` into `place` until it is full, from
     /// this arena (outside the window, unless it is a pinned graph pool's) first, then from the
-    /// other arenas (but the pinned ones). With `wait`, blocks
-    /// on a busy stream's work; without, leaves busy streams' chunks. With `settle`, leaves
+    /// other arenas (but the pinned ones). A busy stream's chunks move ordered on the device
+    /// with `stream_sync:device`; else with `wait` the host blocks on the stream's work, and
+    /// without it they are left. With `settle`, leaves
     /// the chunks that would go straight back where a recent move took them from (Note [No
     /// bounce] in `pages.rs`). Returns the pages moved.
     #[allow(clippy::too_many_arguments)]
@@ -622,9 +626,18 @@ impl<D: Driver> DevicePool<D> {
     ) -> u64 {
         let c = &*self.core;
         let mut moved = 0u64;
+        // With `stream_sync:device`, a busy donor's chunks move with the order kept on the
+        // device: this arena's stream waits for the donor's work (Note [Moves ordered on the
+        // device] in `pages.rs`).
+        let order = if c.config.stream_sync == StreamSync::Device {
+            arena.handle_here()
+        } else {
+            None
+        };
         let dest = Some(Dest {
             home: Home::of(a, kind),
             settle,
+            order,
         });
         // A graph pool's pages never move: a replay reads and writes them where they are.
         if !place.full() && !arena.pinned() {

@@ -7,13 +7,16 @@ use crate::heap::{SpanId, SpanState};
 
 /// Chooses where in segment `seg_idx` of heap `kind` a block of `size` bytes should go: the
 /// run of free space and holes that needs the fewest newly mapped pages (ties: the smallest
-/// run). Returns the window's start and its unmapped pages.
+/// run). Ranges in `blocked` (sorted `(start, end)`: holes whose pages are still mapped, by
+/// a deferred or a failed unmap) are in no window. Returns the window's start and its unmapped
+/// pages.
 pub(super) fn choose_window(
     a: &ArenaState,
     kind: HeapKind,
     seg_idx: u32,
     size: u64,
     g: u64,
+    blocked: &[(u64, u64)],
 ) -> Option<(u64, Vec<u64>)> {
     let kh = &a.kinds[kind];
     let seg = kh.segment(seg_idx);
@@ -65,7 +68,20 @@ pub(super) fn choose_window(
             n = heap.span(n).next;
         }
         covered_until = end;
-        consider(start, end, &mut best);
+        // The parts of the run between the blocked ranges.
+        let mut from = start;
+        for &(blo, bhi) in blocked {
+            if bhi <= from || blo >= end {
+                continue;
+            }
+            if blo > from {
+                consider(from, blo, &mut best);
+            }
+            from = bhi;
+        }
+        if from < end {
+            consider(from, end, &mut best);
+        }
     }
     best.map(|(_, _, lo)| (lo, missing_in(lo)))
 }
@@ -315,7 +331,7 @@ mod tests {
     #[test]
     fn an_empty_extent_places_the_request_at_its_start() {
         let a = arena(8, &[]);
-        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G, &[]).unwrap();
         assert_eq!(lo, BASE);
         assert_eq!(missing, vec![BASE, BASE + G, BASE + 2 * G]);
     }
@@ -332,26 +348,41 @@ mod tests {
         assert_eq!(ptr, BASE + 3 * G);
         map_free(&mut a, 5);
         map_free(&mut a, 6);
-        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G, &[]).unwrap();
         assert_eq!((lo, missing), (BASE + 4 * G, vec![BASE + 4 * G]));
         // A request that ends inside a page needs that page too.
-        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G + 512, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G + 512, G, &[]).unwrap();
         assert_eq!(
             (lo, missing),
             (BASE + 4 * G, vec![BASE + 4 * G, BASE + 7 * G])
         );
         // Neither run holds five pages.
-        assert!(choose_window(&a, HeapKind::Large, 0, 5 * G, G).is_none());
+        assert!(choose_window(&a, HeapKind::Large, 0, 5 * G, G, &[]).is_none());
+    }
+
+    #[test]
+    fn a_window_never_covers_a_range_still_mapped() {
+        // Pages 2 and 6 sit in the hole but are still mapped (a deferred unmap): a 3-page
+        // request fits only between them (pages 3..6), and a 4-page one nowhere.
+        let a = arena(8, &[]);
+        let blocked = [(BASE + 2 * G, BASE + 3 * G), (BASE + 6 * G, BASE + 7 * G)];
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G, &blocked).unwrap();
+        assert_eq!((lo, missing.len()), (BASE + 3 * G, 3));
+        assert!(choose_window(&a, HeapKind::Large, 0, 4 * G, G, &blocked).is_none());
+        // Ranges elsewhere change nothing.
+        let far = [(BASE + 100 * G, BASE + 101 * G)];
+        let (lo, _) = choose_window(&a, HeapKind::Large, 0, 4 * G, G, &far).unwrap();
+        assert_eq!(lo, BASE);
     }
 
     #[test]
     fn no_window_when_the_extent_is_too_small() {
         let a = arena(2, &[]);
-        assert!(choose_window(&a, HeapKind::Large, 0, 3 * G, G).is_none());
+        assert!(choose_window(&a, HeapKind::Large, 0, 3 * G, G, &[]).is_none());
         // A linear heap has no window at all.
         let mut b = ArenaState::default();
         let seg = b.kinds[HeapKind::Small].add_segment(BASE, 4 * G, Backing::Linear);
-        assert!(choose_window(&b, HeapKind::Small, seg, G, G).is_none());
+        assert!(choose_window(&b, HeapKind::Small, seg, G, G, &[]).is_none());
     }
 
     #[test]
@@ -499,11 +530,11 @@ mod tests {
         let mut live = [p, q];
         live.sort_unstable();
         assert_eq!(live, [BASE + 5 * G, BASE + 12 * G]);
-        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G).unwrap();
+        let (lo, missing) = choose_window(&a, HeapKind::Large, 0, 3 * G, G, &[]).unwrap();
         assert_eq!(lo, BASE + 13 * G);
         assert_eq!(missing.len(), 3);
         // Four pages fit only in the first two runs; the smaller of those (0..5) wins.
-        let (lo, _) = choose_window(&a, HeapKind::Large, 0, 4 * G, G).unwrap();
+        let (lo, _) = choose_window(&a, HeapKind::Large, 0, 4 * G, G, &[]).unwrap();
         assert_eq!(lo, BASE);
     }
 
@@ -522,8 +553,8 @@ mod tests {
             },
         );
         kh.vmm_segs.push(seg);
-        assert!(choose_window(&a, HeapKind::Large, 0, 6 * G, G).is_none());
-        let (lo, missing) = choose_window(&a, HeapKind::Large, seg, 6 * G, G).unwrap();
+        assert!(choose_window(&a, HeapKind::Large, 0, 6 * G, G, &[]).is_none());
+        let (lo, missing) = choose_window(&a, HeapKind::Large, seg, 6 * G, G, &[]).unwrap();
         assert_eq!((lo, missing.len()), (far, 6));
     }
 

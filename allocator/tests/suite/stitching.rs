@@ -138,11 +138,15 @@ fn cross_stream_stitching_waits_for_the_donor() {
     assert_no_leak(&sim, pool);
 }
 
-/// With the default `stream_sync:pressure` and room on the device, a busy donor's cached
-/// pages are left where they are: growth maps new memory and never blocks the host.
+/// With `stream_sync:pressure` and room on the device, a busy donor's cached pages are left
+/// where they are: growth maps new memory and never blocks the host.
 #[test]
 fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
-    let (sim, pool) = pool(2 * GIB, true);
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:pressure",
+    );
     let keep = swiss_cheese(&pool);
     busy_donor(&sim, &pool);
     let waits = sim.calls(DriverCall::EventSynchronize) + sim.calls(DriverCall::DeviceSynchronize);
@@ -176,26 +180,175 @@ fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
     assert_no_leak(&sim, pool);
 }
 
-/// Under memory pressure (the device cannot hold the request in new memory) the pool does wait
-/// for the busy donor, and the request succeeds from new pages plus the donor's.
+/// With `stream_sync:pressure`, under memory pressure (the device cannot hold the request in
+/// new memory) the pool does wait for the busy donor, and the request succeeds from new pages
+/// plus the donor's. With the default (`device`) the same request succeeds without a wait.
 #[test]
 fn under_pressure_a_busy_donor_is_waited_for() {
-    let (sim, pool) = pool(GIB, true);
+    for mode in ["pressure", "device"] {
+        let (sim, pool) = pool_with(
+            cistern::SimConfig::default().capacity(GIB),
+            true,
+            &format!("stream_sync:{mode}"),
+        );
+        let keep = swiss_cheese(&pool);
+        busy_donor(&sim, &pool);
+        let syncs = stat(&pool, "num_stream_syncs");
+        let waits = host_waits(&sim);
+        let p = alloc(&pool, 300 * MIB, B);
+        assert!(sim.hazards().is_empty(), "{mode}: {:#?}", sim.hazards());
+        assert!(stat(&pool, "num_cross_stream_pages") > 0, "{mode}");
+        if mode == "pressure" {
+            assert_eq!(sim.unfinished_work(0), 0, "A's pages moved under its work");
+            assert!(stat(&pool, "num_stream_syncs") > syncs);
+        } else {
+            assert_eq!(host_waits(&sim), waits, "growth blocked the host");
+            assert!(sim.unfinished_work(0) > 0, "A's work was waited for");
+            assert!(stat(&pool, "num_ordered_moves") > 0);
+        }
+        check(&pool);
+        sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
+        free(&pool, p, B);
+        for k in keep {
+            free(&pool, k, A);
+        }
+        assert!(sim.hazards().is_empty(), "{mode}: {:#?}", sim.hazards());
+        assert_no_leak(&sim, pool);
+    }
+}
+
+/// Calls that block the host on GPU work.
+fn host_waits(sim: &cistern::SimDriver) -> u64 {
+    sim.calls(DriverCall::EventSynchronize)
+        + sim.calls(DriverCall::StreamSynchronize)
+        + sim.calls(DriverCall::DeviceSynchronize)
+}
+
+/// With `stream_sync:device`, a busy donor's cached pages move without a host wait and
+/// without new memory: mapped in B's window while still mapped at A's addresses, B's later
+/// work ordered after A's on the device (the simulator's handout check would report B's block
+/// otherwise), A's old addresses left out of every window until they are unmapped, which
+/// happens at a growth once A's work is done.
+#[test]
+fn a_busy_donor_moves_ordered_on_the_device() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:device",
+    );
     let keep = swiss_cheese(&pool);
     busy_donor(&sim, &pool);
-    let syncs = stat(&pool, "num_stream_syncs");
+    let waits = host_waits(&sim);
+    let created = sim.calls(DriverCall::CreatePhysical);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let ordered = sim.calls(DriverCall::StreamWaitEvent);
     let p = alloc(&pool, 300 * MIB, B);
     assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_eq!(sim.unfinished_work(0), 0, "A's pages moved under its work");
-    assert!(stat(&pool, "num_stream_syncs") > syncs);
-    assert!(stat(&pool, "num_cross_stream_pages") > 0);
+    assert_eq!(host_waits(&sim), waits, "growth blocked the host");
+    assert!(sim.unfinished_work(0) > 0, "A's work was waited for");
+    assert!(stat(&pool, "num_cross_stream_pages") >= 150);
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        created,
+        "new pages were created"
+    );
+    assert!(stat(&pool, "num_ordered_moves") > 0);
+    assert_eq!(sim.calls(DriverCall::StreamWaitEvent), ordered + 1);
+    assert_eq!(
+        sim.calls(DriverCall::Unmap),
+        unmaps,
+        "A's pages were unmapped under its work"
+    );
+    sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
+    // A grows while its old addresses are still mapped: no window covers them.
+    let q = alloc(&pool, 100 * MIB, A);
+    sim.launch(0, StreamId(A), &[(q, 100 * MIB)]).unwrap();
+    assert_eq!(stat(&pool, "num_deferred_unmaps"), 0);
+    // B's work completes only after A's first (it waits for it on the device); A's work on
+    // `q`, launched later, stays.
+    sim.complete_stream(0, StreamId(B));
+    assert_eq!(sim.unfinished_on(0, StreamId(A)), 1);
+    sim.complete_all(0);
+    // The next growth unmaps the old addresses, without a wait.
+    let r = alloc(&pool, 100 * MIB, A);
+    assert!(stat(&pool, "num_deferred_unmaps") > 0);
+    assert!(sim.calls(DriverCall::Unmap) > unmaps);
+    assert_eq!(host_waits(&sim), waits);
     check(&pool);
-    free(&pool, p, B);
+    for (x, s) in [(p, B), (q, A), (r, A)] {
+        free(&pool, x, s);
+    }
     for k in keep {
         free(&pool, k, A);
     }
     assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
     assert_no_leak(&sim, pool);
+}
+
+/// A stream's own busy pages move within its arena with no wait at all (its own work is in
+/// order already) and are unmapped from their old addresses once that work is done.
+#[test]
+fn a_busy_streams_own_pages_move_without_a_wait() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:device",
+    );
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let waits = host_waits(&sim);
+    let created = sim.calls(DriverCall::CreatePhysical);
+    let ordered = sim.calls(DriverCall::StreamWaitEvent);
+    let p = alloc(&pool, 300 * MIB, A);
+    assert_eq!(host_waits(&sim), waits, "growth blocked the host");
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), created);
+    assert_eq!(sim.calls(DriverCall::StreamWaitEvent), ordered);
+    assert!(stat(&pool, "num_ordered_moves") > 0);
+    sim.launch(0, StreamId(A), &[(p, 300 * MIB)]).unwrap();
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    sim.complete_all(0);
+    let q = alloc(&pool, 50 * MIB, A);
+    assert!(stat(&pool, "num_deferred_unmaps") > 0);
+    free(&pool, p, A);
+    free(&pool, q, A);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+/// Old mappings still waiting for their donor's work when the cache is emptied, or when the
+/// pool goes: `empty_cache` waits for the donor and releases everything; dropping the pool
+/// leaves no mapping, handle or address range behind either.
+#[test]
+fn deferred_unmaps_end_with_empty_cache_and_with_the_pool() {
+    for empty in [true, false] {
+        let (sim, pool) = pool_with(
+            cistern::SimConfig::default().capacity(2 * GIB),
+            true,
+            "stream_sync:device",
+        );
+        let keep = swiss_cheese(&pool);
+        busy_donor(&sim, &pool);
+        let p = alloc(&pool, 300 * MIB, B);
+        assert!(stat(&pool, "num_ordered_moves") > 0);
+        free(&pool, p, B);
+        for k in keep {
+            free(&pool, k, A);
+        }
+        // Nothing can be released while A's work may use the old mappings.
+        assert!(sim.unfinished_work(0) > 0);
+        if empty {
+            assert_no_leak(&sim, pool);
+        } else {
+            drop(pool);
+            assert_eq!(sim.mapped_bytes(0), 0, "mapped bytes after drop");
+            assert_eq!(sim.live_handles(0), 0, "handles after drop");
+            assert_eq!(sim.reserved_va_bytes(0), 0, "VA reservations after drop");
+        }
+        assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    }
 }
 
 /// Stitched pages keep their data with them: a page cached on A and mapped into B's range

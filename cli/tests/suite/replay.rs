@@ -899,16 +899,24 @@ fn gpu_lag_applies_to_cistern_models() {
             allocators,
         ])
     };
-    let doc = packed_a("2", "cistern,cistern:chunk_size:2MiB,pytorch");
+    let doc = packed_a(
+        "2",
+        "cistern:stream_sync:pressure,cistern:chunk_size:2MiB,pytorch",
+    );
     assert_eq!(
         row_names(&doc),
-        ["cistern@lag=2", "cistern:chunk_size:2MiB@lag=2", "pytorch"]
+        [
+            "cistern:stream_sync:pressure@lag=2",
+            "cistern:chunk_size:2MiB@lag=2",
+            "pytorch"
+        ]
     );
-    // On the lagging GPU cistern leaves busy pages and buys more: the flag reached the model.
+    // On the lagging GPU, `stream_sync:pressure` leaves busy pages and buys more: the flag
+    // reached the model.
     let peak = |i: usize| doc["results"][i]["peak_reserved"].as_u64().unwrap();
-    let eager = packed_a("0", "cistern");
+    let eager = packed_a("0", "cistern:stream_sync:pressure");
     assert_eq!(
-        eager["results"][0]["allocator"], "cistern",
+        eager["results"][0]["allocator"], "cistern:stream_sync:pressure",
         "a lag of 0 is no lag"
     );
     assert!(peak(0) > eager["results"][0]["peak_reserved"].as_u64().unwrap());

@@ -247,11 +247,18 @@ impl Driver for SimDriver {
             }
             None => return Err(invalid(call, format!("no mapping starts at {addr:#x}"))),
         };
-        let touching = st.work_touching(&[Piece {
-            key: MemKey::Phys(handle),
-            off: 0,
-            len: size,
-        }]);
+        // Only work launched over this address: the memory may stay mapped elsewhere (a
+        // move maps it at its new address before the old one is unmapped), and work that
+        // reaches it there is not disturbed.
+        let touching = st.work_through(
+            addr,
+            addr + size,
+            &[Piece {
+                key: MemKey::Phys(handle),
+                off: 0,
+                len: size,
+            }],
+        );
         st.mappings.remove(&addr);
         st.mapped_bytes -= size;
         st.access.remove(addr, addr + size);

@@ -36,8 +36,11 @@
 //!   captured work: completing that later work completes the dependency first.
 //! * **Hazards**: [`Driver::note_handout`] records a [`Hazard`] when unfinished work on another
 //!   stream touches the same physical memory and the handout stream has not waited for it (an
-//!   ordering established through `stream_wait_event`, transitively through pending work). `unmap`
-//!   and `release_physical` of physical memory that unfinished work touches are hazards too.
+//!   ordering established through `stream_wait_event`, transitively through pending work). An
+//!   `unmap` of an address range that unfinished work was launched over (and whose memory it
+//!   touches) is a hazard, and so is a `release_physical` of memory that unfinished work
+//!   touches. One handle may be mapped at several addresses (a real driver allows it): work
+//!   launched over one of them is not disturbed by unmapping another.
 //!   When a device has no unfinished work, `note_handout` costs one relaxed atomic load.
 //! * Stream `0` is treated as an ordinary stream: the legacy default stream's implicit
 //!   synchronisation with other streams is not simulated.

@@ -520,6 +520,33 @@ fn handout_hazard_follows_a_remapped_page() {
     );
 }
 
+/// One handle mapped at two addresses: unmapping the alias that no work was launched over is
+/// not a hazard (a move maps at the new address first and unmaps the old one later), while
+/// unmapping the one the work uses is.
+#[test]
+fn unmap_hazards_follow_the_address_the_work_used() {
+    let sim = small();
+    let (base, hs) = mapped(&sim, 1);
+    let other = sim.reserve_va(0, G, 0).unwrap();
+    sim.map(0, other, G, hs[0]).unwrap();
+    sim.set_access(0, other, G, &[]).unwrap();
+    let w = sim.launch(0, S2, &[(other, G)]).unwrap();
+    sim.unmap(0, base, G).unwrap();
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    sim.unmap(0, other, G).unwrap();
+    let hz = sim.take_hazards();
+    assert_eq!(hz.len(), 1);
+    assert_eq!(
+        (hz[0].kind, hz[0].ptr, hz[0].work),
+        (HazardKind::UnmapWhileInUse, other, w)
+    );
+    // Work over an address now mapped to other memory is not disturbed either.
+    let h2 = sim.create_physical(0, G).unwrap();
+    sim.map(0, base, G, h2).unwrap();
+    sim.unmap(0, base, G).unwrap();
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+}
+
 #[test]
 fn linear_memory_hazards_and_mem_free_synchronises() {
     let sim = small();

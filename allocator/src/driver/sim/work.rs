@@ -27,7 +27,8 @@ pub enum HazardKind {
     /// A range was handed out on one stream while unfinished work on another stream, not
     /// ordered before the handout stream, still touches its physical memory.
     ReuseWhileInUse,
-    /// A mapping was unmapped while unfinished work still touches its physical memory.
+    /// A mapping was unmapped while unfinished work launched over its addresses still touches
+    /// its physical memory (work reaching the memory through another mapping is unaffected).
     UnmapWhileInUse,
     /// A physical handle was released while unfinished work still touches it.
     ReleaseWhileInUse,
@@ -99,6 +100,9 @@ pub(super) fn merge_pos(set: &mut Vec<Pos>, p: Pos) {
 pub(super) struct Work {
     id: u64,
     pieces: Vec<Piece>,
+    /// The address ranges it was launched over (`(start, end)`): unmapping one of them under
+    /// it is a hazard, unmapping another alias of the same memory is not.
+    vas: Vec<(u64, u64)>,
     /// Positions on other streams this work waits for (from `stream_wait_event`).
     deps: Vec<Pos>,
     /// Its stream's `waited` map when it was launched: what is ordered before it.
@@ -211,6 +215,26 @@ impl DevState {
         out.sort_unstable();
         out
     }
+
+    /// Every unfinished work item (stream, id) that reaches `pieces` through an address in
+    /// `[lo, hi)`: what unmapping that range would pull from under running work. Work that
+    /// reaches the same memory through another mapping (an alias) keeps its own.
+    pub(super) fn work_through(&self, lo: u64, hi: u64, pieces: &[Piece]) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (&sid, st) in &self.streams {
+            for w in &st.queue {
+                if w.vas.iter().any(|&(s, e)| s < hi && lo < e)
+                    && w.pieces
+                        .iter()
+                        .any(|a| pieces.iter().any(|b| a.overlaps(b)))
+                {
+                    out.push((sid, w.id));
+                }
+            }
+        }
+        out.sort_unstable();
+        out
+    }
 }
 
 impl SimDriver {
@@ -268,9 +292,15 @@ impl SimDriver {
         let ss = st.streams.entry(stream.0).or_default();
         let deps = std::mem::take(&mut ss.pending_waits);
         let ordered_after = Arc::clone(&ss.waited);
+        let vas = ranges
+            .iter()
+            .filter(|&&(_, len)| len > 0)
+            .map(|&(ptr, len)| (ptr, ptr.saturating_add(len)))
+            .collect();
         ss.queue.push_back(Work {
             id,
             pieces,
+            vas,
             deps,
             ordered_after,
         });
