@@ -17,7 +17,7 @@ use crate::arena::{
     Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind, StreamRef,
 };
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
@@ -91,6 +91,16 @@ impl DeviceState {
         self.deferred
             .iter()
             .any(|d| d.aliases.iter().any(|al| al.handle == handle))
+    }
+
+    /// The events of the deferred unmaps of `handle`'s old mappings: what work that reaches
+    /// the handle elsewhere must be ordered after.
+    pub(super) fn alias_events(&self, handle: crate::driver::PhysHandle) -> Vec<EventId> {
+        self.deferred
+            .iter()
+            .filter(|d| d.aliases.iter().any(|al| al.handle == handle))
+            .map(|d| d.event)
+            .collect()
     }
 
     /// The address ranges (`(start, end)`, sorted) that sit in some heap's holes but are still

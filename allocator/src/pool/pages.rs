@@ -26,9 +26,10 @@
 //!
 //! So a move costs a map and an access grant now and an unmap later, as before, plus an event
 //! record and a stream wait (~1 µs), and never blocks the host. A chunk still mapped at an old
-//! address cannot be released (the driver refuses a mapped handle): releasing leaves it
-//! (`Taker` without `Dest`), a failed mapping parks it with the lost chunks for growth to map
-//! again, and `empty_cache`, a lowered limit and the pool's end wait for the donors and unmap
+//! address is not released (CUDA would free it only at that unmap, uncounted meanwhile):
+//! releasing leaves it (`Taker` without `Dest`), a failed mapping parks it with the lost chunks
+//! for growth to map again (after a stream wait on its donor's event, like the move itself),
+//! and `empty_cache`, a lowered limit and the pool's end wait for the donors and unmap
 //! first. An arena's address range is freed only once no old mapping is left in it. Where the
 //! GPU cannot keep the order (a graph capture may be underway, or the stream cannot be named
 //! from this thread) the move falls back to `pressure`'s rule.
@@ -339,7 +340,9 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         if dev.aliased(ch.handle) {
             // Still mapped at the address it moved from (Note [Moves ordered on the device]):
-            // the driver would refuse the release. Good memory: growth maps it again, and
+            // CUDA would free the memory only at that mapping's unmap, so it would stay
+            // committed without being counted anywhere (the simulator refuses the release
+            // outright). Good memory: growth maps it again (ordered after its donor), and
             // `empty_cache` releases it once the old mapping is gone.
             dev.lost.push(Lost { kind, chunk: ch });
             return;
@@ -512,7 +515,7 @@ impl<D: Driver> DevicePool<D> {
 
     /// Makes `stream`'s later work wait, on the device, for event `ev` (`cuStreamWaitEvent`).
     /// Returns whether it does.
-    fn order_after(&self, stream: StreamId, ev: EventId) -> bool {
+    pub(super) fn order_after(&self, stream: StreamId, ev: EventId) -> bool {
         let c = &*self.core;
         let ok = c.driver.stream_wait_event(c.dev, stream, ev).is_ok();
         if !ok {

@@ -353,7 +353,10 @@ impl<D: Driver> DevicePool<D> {
             .filter(|a| a.graph_pool == Some((id.0, id.1)))
             .cloned()
             .collect();
-        self.finish_deferred(&mut dev, true);
+        if !arenas.is_empty() {
+            // Their chunks still mapped where they moved from can go only after their donors.
+            self.finish_deferred(&mut dev, true);
+        }
         let mut released = 0;
         for arena in arenas {
             let mut a = arena.state.lock();

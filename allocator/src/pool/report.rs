@@ -225,11 +225,13 @@ impl<D: Driver> DevicePool<D> {
             ));
         }
         // The old mapping of a chunk moved ordered on the device sits in a hole of the heap it
-        // left (so that no window maps over it), and the chunk is mapped or lost elsewhere.
+        // left (so that no window maps over it), and the chunk is mapped, lost or stuck
+        // elsewhere.
         for al in dev.deferred.iter().flat_map(|d| &d.aliases) {
             let (lo, hi) = (al.addr, al.addr + al.len);
             let mut in_hole = false;
-            let mut elsewhere = dev.lost.iter().any(|l| l.chunk.handle == al.handle);
+            let mut elsewhere = dev.lost.iter().any(|l| l.chunk.handle == al.handle)
+                || dev.stuck.iter().any(|s| s.chunk.handle == al.handle);
             for arena in self.all_arenas() {
                 let a = arena.state.lock();
                 for (_, kh) in a.kinds.iter() {

@@ -256,9 +256,13 @@ impl<D: Driver> DevicePool<D> {
             // The cached chunks that could serve the window, placed largest first in its runs
             // of missing pages (the best packing; gathering, which goes arena by arena, may
             // place fewer).
+            // A lost chunk still mapped where it moved from serves only a stream that can wait
+            // for its donor on the device (as gathering does below).
+            let ordered = self.order_stream(arena).is_some();
             let mut lens: Vec<u32> = dev
                 .lost
                 .iter()
+                .filter(|l| ordered || !dev.aliased(l.chunk.handle))
                 .map(|l| l.chunk.pages)
                 .filter(|&n| n <= longest)
                 .collect();
@@ -437,11 +441,24 @@ impl<D: Driver> DevicePool<D> {
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
         let mut i = 0;
+        let order = self.order_stream(arena);
         while i < dev.lost.len() && !place.full() {
             let l = dev.lost[i];
             if !place.wants(l.chunk.pages) {
                 i += 1;
                 continue;
+            }
+            if dev.aliased(l.chunk.handle) {
+                // Parked while still mapped where it moved from (a failed mapping): its donor's
+                // work may still be queued, so this stream must wait for it on the device, as
+                // the stream it moved to did (Note [Moves ordered on the device]).
+                let events = dev.alias_events(l.chunk.handle);
+                let ordered =
+                    order.is_some_and(|s| events.iter().all(|&ev| self.order_after(s, ev)));
+                if !ordered {
+                    i += 1;
+                    continue;
+                }
             }
             dev.lost.swap_remove(i);
             if l.kind != kind {
@@ -629,11 +646,7 @@ impl<D: Driver> DevicePool<D> {
         // With `stream_sync:device`, a busy donor's chunks move with the order kept on the
         // device: this arena's stream waits for the donor's work (Note [Moves ordered on the
         // device] in `pages.rs`).
-        let order = if c.config.stream_sync == StreamSync::Device {
-            arena.handle_here()
-        } else {
-            None
-        };
+        let order = self.order_stream(arena);
         let dest = Some(Dest {
             home: Home::of(a, kind),
             settle,
@@ -680,6 +693,18 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         moved
+    }
+
+    /// The stream that work moved to `arena` may be ordered on (Note [Moves ordered on the
+    /// device] in `pages.rs`): its own, with `stream_sync:device`, when it can be named here and
+    /// no graph capture may be underway (a capturing stream may not wait for an event recorded
+    /// outside the capture); `None` otherwise.
+    fn order_stream(&self, arena: &Arena<D>) -> Option<crate::driver::StreamId> {
+        let c = &*self.core;
+        if c.config.stream_sync != StreamSync::Device || c.capturing() {
+            return None;
+        }
+        arena.handle_here()
     }
 
     /// Map: maps what was gathered into the window's holes (even when short: it stays as

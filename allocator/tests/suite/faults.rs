@@ -13,7 +13,7 @@ use cistern::{Error, SimDriver, StreamId};
 const CAP: u64 = 256 * MIB;
 
 /// Every driver call the pool makes.
-const KINDS: [DriverCall; 14] = [
+const KINDS: [DriverCall; 15] = [
     DriverCall::ReserveVa,
     DriverCall::CreatePhysical,
     DriverCall::Map,
@@ -24,6 +24,7 @@ const KINDS: [DriverCall; 14] = [
     DriverCall::EventRecord,
     DriverCall::EventQuery,
     DriverCall::EventSynchronize,
+    DriverCall::StreamWaitEvent,
     DriverCall::MemAlloc,
     DriverCall::MemFree,
     DriverCall::DeviceSynchronize,
@@ -210,6 +211,7 @@ fault_tests! {
     event_record: EventRecord,
     event_query: EventQuery,
     event_synchronize: EventSynchronize,
+    stream_wait_event: StreamWaitEvent,
     mem_alloc: MemAlloc,
     mem_free: MemFree,
     device_synchronize: DeviceSynchronize,

@@ -15,7 +15,7 @@ const STREAMS: u64 = 4;
 
 /// Every fault kind the pool meets before it is dropped (a failed release is retried by
 /// `empty_cache`, so none of them may leak here).
-const FAULTS: [DriverCall; 13] = [
+const FAULTS: [DriverCall; 14] = [
     DriverCall::ReserveVa,
     DriverCall::Unmap,
     DriverCall::ReleasePhysical,
@@ -28,6 +28,7 @@ const FAULTS: [DriverCall; 13] = [
     DriverCall::EventRecord,
     DriverCall::EventQuery,
     DriverCall::EventSynchronize,
+    DriverCall::StreamWaitEvent,
     DriverCall::DeviceSynchronize,
 ];
 

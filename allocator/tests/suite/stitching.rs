@@ -318,6 +318,67 @@ fn a_busy_streams_own_pages_move_without_a_wait() {
     assert_no_leak(&sim, pool);
 }
 
+/// A move ordered on the device whose new mapping fails parks the chunks (still mapped where
+/// they were) with the lost ones; a third stream that reuses them while the donor's work is
+/// still queued must wait for it on the device too, or the simulator's handout check reports
+/// the race.
+#[test]
+fn parked_moved_chunks_are_reused_in_order() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:device",
+    );
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    // All of A's cached chunks (400 MiB) move, and none maps.
+    sim.fail_nth(DriverCall::Map, 1);
+    let failed = pool.alloc_raw(0, 400 * MIB, StreamId(B));
+    sim.clear_faults();
+    assert!(failed.is_err(), "the failed mapping went unnoticed");
+    check(&pool);
+    assert!(stat(&pool, "num_ordered_moves") > 0);
+    assert!(sim.unfinished_on(0, StreamId(A)) > 0);
+    let ordered = sim.calls(DriverCall::StreamWaitEvent);
+    // Stream 3 finds nothing cached but the parked chunks.
+    let c = alloc(&pool, 400 * MIB, 3);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert!(sim.calls(DriverCall::StreamWaitEvent) > ordered);
+    sim.launch(0, StreamId(3), &[(c, 400 * MIB)]).unwrap();
+    sim.complete_all(0);
+    free(&pool, c, 3);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(&sim, pool);
+}
+
+/// A limit lowered while old mappings wait for their donor: the cached memory above it is
+/// released after a wait for the donor (this path may wait), never under its work.
+#[test]
+fn a_lowered_limit_waits_for_old_mappings() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:device",
+    );
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let p = alloc(&pool, 300 * MIB, B);
+    free(&pool, p, B);
+    assert!(sim.unfinished_on(0, StreamId(A)) > 0);
+    pool.set_memory_fraction(0, 0.25).unwrap();
+    check(&pool);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert!(stat(&pool, "num_deferred_unmaps") > 0);
+    assert!(stat(&pool, "reserved_bytes.all.current") as u64 <= 2 * GIB / 4 + 100 * MIB);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert_no_leak(&sim, pool);
+}
+
 /// Old mappings still waiting for their donor's work when the cache is emptied, or when the
 /// pool goes: `empty_cache` waits for the donor and releases everything; dropping the pool
 /// leaves no mapping, handle or address range behind either.
