@@ -6,15 +6,17 @@ the dev snapshots and every built-in workload, in one run each.
 
     cargo build --release -p cistern-cli
     python3 scripts/cost-table.py [--cistern target/release/cistern] [--traces ../shared/traces]
-        [--costs FILE.json] [--pressure FACTOR] [--gpu-lag N]
+        [--costs FILE.json] [--pressure FACTOR] [--gpu-lag N (default 2)]
 
 Prints a Markdown table and the medians the issue's targets name. With `--pressure 1.25`, each
 trace runs instead on a device FACTOR times the smallest one the `pytorch` model runs it on
 (found by `cistern replay`'s bisection), where memory is short: the issue asks for no host wait
 at any capacity where `pytorch` does not run out, and the table reports the same columns, with
-which allocators ran out (`oom`). With `--gpu-lag 2`, cistern's models run on a GPU two
-kernels behind the host on each stream (`cistern replay --gpu-lag`): pages freed moments ago
-are still busy, as on a real GPU; without it the replay's GPU is never behind.
+which allocators ran out (`oom`). cistern's models run on a GPU two kernels behind the host on
+each stream (`cistern replay --gpu-lag 2`; `--gpu-lag N` sets it): pages freed moments ago are
+still busy, as on a real GPU, and the table prices what cistern does about them (moves ordered
+on the device, by default). `--gpu-lag 0` replays on a GPU that is never behind (the tables of
+notes before device-side ordering).
 """
 
 import argparse
@@ -68,9 +70,9 @@ def main():
     p.add_argument("--costs", help="a cost table (cistern replay --costs)")
     p.add_argument("--pressure", type=float, metavar="FACTOR",
                    help="run each trace on a device FACTOR times the smallest pytorch runs it on")
-    p.add_argument("--gpu-lag", type=int, metavar="N",
+    p.add_argument("--gpu-lag", type=int, metavar="N", default=2,
                    help="replay cistern on a GPU N kernels behind the host (cistern replay "
-                        "--gpu-lag)")
+                        "--gpu-lag; default 2, 0 for a GPU that is never behind)")
     a = p.parse_args()
     if a.gpu_lag:
         GPU_LAG.extend(["--gpu-lag", str(a.gpu_lag)])

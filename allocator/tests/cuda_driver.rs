@@ -152,6 +152,41 @@ fn gpu_vmm_round_trip() {
     d.free_va(0, va, 8 * g).unwrap();
 }
 
+/// What a move ordered on the device relies on (Note [Moves ordered on the device] in
+/// `pool/pages.rs`): one handle mapped at two addresses at once, access granted on both, and
+/// either mapping unmapped while the other stays; a stream may wait for an event recorded on
+/// another.
+#[test]
+fn gpu_one_handle_at_two_addresses() {
+    let Some(d) = gpu("gpu_one_handle_at_two_addresses") else {
+        return;
+    };
+    let g = d.capabilities(0).unwrap().granularity;
+    let old = d.reserve_va(0, 4 * g, g).unwrap();
+    let new = d.reserve_va(0, 4 * g, g).unwrap();
+    let h = d.create_physical(0, 2 * g).unwrap();
+    d.map(0, old, 2 * g, h).unwrap();
+    d.set_access(0, old, 2 * g, &[]).unwrap();
+    d.map(0, new + g, 2 * g, h).unwrap();
+    d.set_access(0, new + g, 2 * g, &[]).unwrap();
+    let ev = d.event_create(0).unwrap();
+    d.event_record(0, ev, StreamId::DEFAULT).unwrap();
+    d.stream_wait_event(0, StreamId::DEFAULT, ev).unwrap();
+    d.unmap(0, old, 2 * g).unwrap();
+    // The old range is free for another handle while the first stays mapped at the new one.
+    let other = d.create_physical(0, 2 * g).unwrap();
+    d.map(0, old, 2 * g, other).unwrap();
+    d.set_access(0, old, 2 * g, &[]).unwrap();
+    d.device_synchronize(0).unwrap();
+    d.unmap(0, old, 2 * g).unwrap();
+    d.unmap(0, new + g, 2 * g).unwrap();
+    d.release_physical(0, other).unwrap();
+    d.release_physical(0, h).unwrap();
+    d.event_destroy(0, ev).unwrap();
+    d.free_va(0, old, 4 * g).unwrap();
+    d.free_va(0, new, 4 * g).unwrap();
+}
+
 #[test]
 fn gpu_physical_memory_beyond_the_device_is_out_of_memory() {
     let Some(d) = gpu("gpu_physical_memory_beyond_the_device_is_out_of_memory") else {
