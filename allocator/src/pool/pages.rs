@@ -34,6 +34,14 @@
 //! GPU cannot keep the order (a graph capture may be underway, or the stream cannot be named
 //! from this thread) the move falls back to `pressure`'s rule.
 //!
+//! Two departures from DESIGN.md ("pages of another stream are taken only when their free
+//! events already test complete, or under pressure"; old mappings unmapped "off the allocation
+//! path"): a busy stream's chunks are taken this way also while memory lasts, because leaving
+//! them cost memory wherever the GPU runs behind (below) and a move ordered on the device
+//! costs what an idle one does plus ~1 µs; and the old mappings are unmapped at the start of a
+//! later growth, the slow path, after a query that never blocks, not on a thread of the pool's
+//! own (it has none: one would need the device's context and a place in the lock order).
+//!
 //! The simulator checks it: work launched before the move is hazard-free when the chunk is
 //! handed out on the other stream only because of the stream wait, and its unmap hazard is per
 //! address (`driver/sim/work.rs`), so unmapping the old range while the new one is in use is

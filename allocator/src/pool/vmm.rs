@@ -28,6 +28,8 @@
 //! granules. Releasing (`empty_cache`, the release threshold, a lowered limit) gives back whole
 //! chunks, the last of which may overshoot its budget. While memory is plentiful, a chunk does
 //! not go straight back to the arena and heap a recent move took it from (Note [No bounce] in
+//! `pages.rs`). A chunk whose stream may still have work queued on it moves with the order
+//! kept on the GPU, its old mapping unmapped later (Note [Moves ordered on the device] in
 //! `pages.rs`). The feasibility check places the cached chunks in the window's runs largest
 //! first; gathering, arena by arena and first fit, may place fewer, and then the request may
 //! run short after stitching, and keeps what it stitched as cache.
