@@ -154,8 +154,8 @@ fn gpu_vmm_round_trip() {
 
 /// What a move ordered on the device relies on (Note [Moves ordered on the device] in
 /// `pool/pages.rs`): one handle mapped at two addresses at once, access granted on both, and
-/// either mapping unmapped while the other stays; a stream may wait for an event recorded on
-/// another.
+/// either mapping unmapped while the other stays. (That work through one mapping is ordered
+/// and undisturbed needs kernels: the PyTorch checks of `scripts/gpu-check.sh` cover it.)
 #[test]
 fn gpu_one_handle_at_two_addresses() {
     let Some(d) = gpu("gpu_one_handle_at_two_addresses") else {
@@ -169,9 +169,6 @@ fn gpu_one_handle_at_two_addresses() {
     d.set_access(0, old, 2 * g, &[]).unwrap();
     d.map(0, new + g, 2 * g, h).unwrap();
     d.set_access(0, new + g, 2 * g, &[]).unwrap();
-    let ev = d.event_create(0).unwrap();
-    d.event_record(0, ev, StreamId::DEFAULT).unwrap();
-    d.stream_wait_event(0, StreamId::DEFAULT, ev).unwrap();
     d.unmap(0, old, 2 * g).unwrap();
     // The old range is free for another handle while the first stays mapped at the new one.
     let other = d.create_physical(0, 2 * g).unwrap();
@@ -182,7 +179,6 @@ fn gpu_one_handle_at_two_addresses() {
     d.unmap(0, new + g, 2 * g).unwrap();
     d.release_physical(0, other).unwrap();
     d.release_physical(0, h).unwrap();
-    d.event_destroy(0, ev).unwrap();
     d.free_va(0, old, 4 * g).unwrap();
     d.free_va(0, new, 4 * g).unwrap();
 }

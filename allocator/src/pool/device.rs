@@ -716,6 +716,11 @@ impl<D: Driver> Drop for DevicePool<D> {
             // Old mappings of moved chunks first: their donors' work is waited for, so that
             // the chunks can be released and the address ranges freed.
             self.finish_deferred(&mut dev, true);
+            // Whatever is left (an unmap that failed again, a capture underway) stays mapped,
+            // as the failing call leaves it; its events go with the pool.
+            for group in std::mem::take(&mut dev.deferred) {
+                let _ = c.driver.event_destroy(c.dev, group.event);
+            }
             (
                 std::mem::take(&mut dev.lost),
                 std::mem::take(&mut dev.stuck),

@@ -16,13 +16,15 @@
 //! 2. with VMM, choose a *window* in the arena's virtual segment for the request: the run of free
 //!    space and unmapped holes that needs the fewest new pages (often the growing end);
 //! 3. find physical pages for the unmapped part of the window, cheapest first: **stitch** whole
-//!    free pages cached anywhere in the device pool (any arena, either heap), unmapping them
-//!    where they are once the owning stream's work has finished (an event query: while new
-//!    memory can cover the request, a busy stream's pages are left, never waited for), then
-//!    create new chunks with the driver while the per-process limit and the device allow.
-//!    Under memory pressure (new memory alone cannot cover the request), or with
-//!    `stream_sync:always`, growth waits for busy streams first and takes their cached
-//!    chunks before creating any (`stream_sync`);
+//!    free pages cached anywhere in the device pool (any arena, either heap): an idle stream's
+//!    (an event query) are unmapped where they are; a busy stream's, by default
+//!    (`stream_sync:device`), are mapped at their new address while the old mapping stays,
+//!    the taking stream waits for the donor's work on the GPU, and the old mapping is unmapped
+//!    at a later growth once that work is done (Note \[Moves ordered on the device\] in
+//!    `pages.rs`); then create new chunks with the driver while the per-process limit and the
+//!    device allow. With `stream_sync:pressure` a busy stream's pages are left while new
+//!    memory can cover the request and waited for under memory pressure; with `always`,
+//!    growth waits for busy streams first and takes their cached chunks before creating any;
 //! 4. if that is not enough: wait for pending frees' events, free them, and retry once; then
 //!    fail with an [`OomReport`](crate::OomReport) (pages already gathered stay mapped in the
 //!    window as cache);
@@ -36,10 +38,12 @@
 //! pool reserved since, says the device may be too full (`DeviceState::free_seen`); polls
 //! pending frees per stream only up to the first unfinished event; buys memory in chunks of
 //! up to 20 MiB (Note \[Chunks\] in `vmm.rs`); while memory is plentiful, leaves chunks that
-//! would go straight back where they came from (Note \[No bounce\] in `pages.rs`); and blocks
-//! the host only under memory pressure, or on explicit `empty_cache` / `set_memory_fraction` /
-//! `trim` (without VMM, the release threshold too waits for those, as `cuMemFree`
-//! synchronises the device).
+//! would go straight back where they came from (Note \[No bounce\] in `pages.rs`); moves a busy
+//! stream's pages with the order kept on the GPU instead of waiting for it; and blocks the
+//! host only where the GPU cannot keep that order (a graph capture, a stream that cannot be
+//! named: a retired arena is reaped after a device synchronisation), or on explicit
+//! `empty_cache` / `set_memory_fraction` / `trim` (without VMM, the release threshold too
+//! waits for those, as `cuMemFree` synchronises the device).
 //!
 //! Without VMM the arena grows by `cuMemAlloc` segments (2 MiB for small requests, 20 MiB for
 //! requests under 10 MiB, else the request rounded to 2 MiB, as PyTorch does), and the OOM
@@ -50,8 +54,9 @@
 //! A block freed on stream S may still be read by queued work on S. S itself can reuse it at
 //! once (stream order), but another stream cannot without an event. Rather than recording an
 //! event on every free (a driver call on the hot path), arenas never lend blocks across
-//! streams; whole free *pages* move instead, on the slow path, after an event recorded on the
-//! donor stream has completed. This keeps the hot path free of driver calls and still lets
+//! streams; whole free *pages* move instead, on the slow path, once an event recorded on the
+//! donor stream has completed, or ordered after it on the GPU (the taking stream waits for it;
+//! the old mapping stays until it completes). This keeps the hot path free of driver calls and still lets
 //! every stream's cache serve every other stream: physical fragmentation is bounded by the
 //! partially used pages at the edges of live runs.
 //!
@@ -110,9 +115,11 @@
 //!    this pool (mapped pages, linear segments, and handles whose release or unmap failed), by
 //!    heap kind and in all, and reserved never exceeds the limit except by what live blocks kept
 //!    after the limit was lowered.
-//! 5. **Cross-stream safety.** Memory moves between arenas only as whole free chunks (VMM) after
-//!    the donor stream's work on them is known finished, or as wholly free segments returned
-//!    to the driver (`cuMemFree` synchronises); no block is ever reused by another stream.
+//! 5. **Cross-stream safety.** Memory moves between arenas only as whole free chunks (VMM),
+//!    after the donor stream's work on them is known finished or with the taking stream
+//!    ordered after it on the GPU (and the old mapping unmapped only once it is finished), or
+//!    as wholly free segments returned to the driver (`cuMemFree` synchronises); no block is
+//!    ever reused by another stream.
 //! 6. **Give up once.** When memory is short and frees are waiting on events, growth asks for
 //!    one retry of the OOM protocol (`Grow::Retry`); otherwise it fails with an
 //!    [`OomReport`](crate::OomReport).

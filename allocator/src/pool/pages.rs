@@ -22,7 +22,7 @@
 //! 3. the old range, with the event, goes to the device's deferred list ([`Deferred`]); no
 //!    window is chosen over it (`DeviceState::still_mapped`, `window::choose_window`), and
 //!    each growth first unmaps the old ranges whose event a query finds complete
-//!    ([`DevicePool::finish_deferred`]; one query per steal, never a wait).
+//!    ([`DevicePool::finish_deferred`]; a query per outstanding steal, never a wait).
 //!
 //! So a move costs a map and an access grant now and an unmap later, as before, plus an event
 //! record and a stream wait (~1 µs), and never blocks the host. A chunk still mapped at an old

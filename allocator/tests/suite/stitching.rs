@@ -379,6 +379,62 @@ fn a_lowered_limit_waits_for_old_mappings() {
     assert_no_leak(&sim, pool);
 }
 
+/// A's old addresses, still mapped while its work is queued, lie in the free range A's next
+/// large request would take: the window goes around them (a map over them would fail).
+#[test]
+fn a_window_goes_around_old_mappings() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(4 * GIB),
+        true,
+        "stream_sync:device",
+    );
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let p = alloc(&pool, 300 * MIB, B);
+    assert!(stat(&pool, "num_ordered_moves") > 0);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    assert!(sim.unfinished_on(0, StreamId(A)) > 0);
+    let errors = stat(&pool, "num_driver_errors");
+    let q = alloc(&pool, 300 * MIB, A);
+    assert_eq!(
+        stat(&pool, "num_driver_errors"),
+        errors,
+        "a map over an old mapping"
+    );
+    assert_eq!(stat(&pool, "num_deferred_unmaps"), 0);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    sim.complete_all(0);
+    free(&pool, p, B);
+    free(&pool, q, A);
+    assert_no_leak(&sim, pool);
+}
+
+/// An old mapping whose unmap fails at the pool's end stays mapped (as the failing call leaves
+/// it), but its event goes with the pool.
+#[test]
+fn a_failed_deferred_unmap_at_the_end_leaks_no_event() {
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(2 * GIB),
+        true,
+        "stream_sync:device",
+    );
+    let keep = swiss_cheese(&pool);
+    busy_donor(&sim, &pool);
+    let p = alloc(&pool, 300 * MIB, B);
+    assert!(stat(&pool, "num_ordered_moves") > 0);
+    free(&pool, p, B);
+    for k in keep {
+        free(&pool, k, A);
+    }
+    sim.fail_nth(DriverCall::Unmap, 1);
+    drop(pool);
+    sim.clear_faults();
+    assert_eq!(sim.live_events(0), 0, "events after drop");
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+}
+
 /// Old mappings still waiting for their donor's work when the cache is emptied, or when the
 /// pool goes: `empty_cache` waits for the donor and releases everything; dropping the pool
 /// leaves no mapping, handle or address range behind either.

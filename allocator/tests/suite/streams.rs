@@ -316,6 +316,8 @@ fn short_lived_busy_streams_hand_pages_on_in_order() {
         "no page moved while busy"
     );
     assert!(stat(&pool, "num_deferred_unmaps") > 0);
+    // No address range freed under an old mapping, no map over one.
+    assert_eq!(stat(&pool, "num_driver_errors"), 0);
     assert!(
         most_arenas <= 4 * pages,
         "{most_arenas} arenas for a device of {pages} pages"
