@@ -148,6 +148,11 @@ int main(int argc, char **argv) {
   c_err = (err_fn)dlsym(lib, "cistern_last_error");
   init_fn c_init = (init_fn)dlsym(lib, "cistern_init");
   void_fn c_empty = (void_fn)dlsym(lib, "cistern_empty_cache");
+  // cistern must hear of a stream before it is destroyed: it may still name the stream
+  // (an event record on its cached pages' stream), and a destroyed handle is undefined
+  // behaviour on a real driver (a segfault at cistern_empty_cache on an H200).
+  typedef void (*forget_fn)(void *);
+  forget_fn c_forget = (forget_fn)dlsym(lib, "cistern_forget_stream");
   if (!c_malloc || !c_free || !c_stats || !c_err || !c_init || !c_empty) {
     fprintf(stderr, "pairbench: libcistern.so lacks an export\n");
     return 2;
@@ -248,6 +253,7 @@ int main(int argc, char **argv) {
       key("move_host_waits", (double)waits);
       key("move_stitched_pages", (double)(after[2] - before[2]));
       key("move_new_pages", (double)(after[4] - before[4]));
+      if (c_forget) c_forget(s2);
       sd(s2);
     }
     driver_pair(cuda, 4096, "drv_pair_4KiB_us");

@@ -44,6 +44,18 @@ fn sample_cost_file_is_the_default_table() {
     );
 }
 
+/// The table measured on an H200 (`scripts/gpu-check.sh`, step `driver_costs`) loads, and
+/// says what the published A100 one does not: a handle is cheap there.
+#[test]
+fn measured_h200_cost_file_loads() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/costs/h200-measured.json");
+    let t = CostTable::from_json_file(path).unwrap();
+    let create = t.get(DriverCall::CreatePhysical).per_call_us;
+    assert!(create > 0.0 && create < 50.0, "{create}");
+    assert!(t.get(DriverCall::SetAccess).per_call_us > 0.0);
+    assert_ne!(t, CostTable::default());
+}
+
 #[test]
 fn expandable_grows_by_20_mib_large_and_2_mib_small_handles() {
     let mut m = expandable(GIB);
