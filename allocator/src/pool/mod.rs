@@ -131,6 +131,7 @@
 
 mod buffer;
 mod device;
+mod extent;
 mod graphs;
 mod grow;
 mod observe;
