@@ -6,6 +6,7 @@
 mod common;
 
 mod acceptance;
+mod busy_donors;
 mod faults;
 mod graphs;
 mod interop;
