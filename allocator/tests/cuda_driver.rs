@@ -258,3 +258,61 @@ fn gpu_calls_from_many_threads() {
         t.join().unwrap();
     }
 }
+
+/// While a stream captures a graph, resolving it must not break the capture: the driver
+/// refuses `cuStreamGetId` of a capturing stream and invalidates the capture (driver 580,
+/// `scripts/gpu/capture_rules.py`), so the backend names it by its handle, and says it is
+/// capturing; the stream's own id comes back once the capture is over.
+#[test]
+fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
+    let Some(d) = gpu("gpu_a_capturing_stream_is_resolved_without_breaking_the_capture") else {
+        return;
+    };
+    d.mem_info(0).unwrap(); // retains device 0's primary context inside the driver
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: every pointer is a live local of the right type; `ctx` is the primary context the
+    // driver returned, current on this thread for the rest of the test.
+    unsafe {
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, 1), CUDA_SUCCESS);
+    }
+    let stream = StreamId(s as usize as u64);
+    let before = d.stream_info(0, stream).unwrap();
+    assert!(!before.capturing && !d.stream_capturing(0, stream));
+    for mode in [
+        CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CU_STREAM_CAPTURE_MODE_RELAXED,
+    ] {
+        // SAFETY: `s` is the stream created above; the mode is a valid enum value.
+        assert_eq!(
+            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
+            CUDA_SUCCESS
+        );
+        let during = d.stream_info(0, stream).unwrap();
+        assert!(during.capturing, "{mode:?}");
+        assert_eq!(during.id, cistern::driver::CAPTURING_ID | stream.0);
+        assert_eq!(during.device, 0);
+        assert!(d.stream_capturing(0, stream));
+        assert!(!d.stream_capturing(0, StreamId::DEFAULT));
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `graph` is a live, writable CUgraph.
+        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+        assert_eq!(
+            r, CUDA_SUCCESS,
+            "resolving the stream invalidated the {mode:?} capture"
+        );
+        // SAFETY: the graph the capture returned.
+        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+        assert_eq!(d.stream_info(0, stream).unwrap(), before);
+    }
+    // SAFETY: the stream and context of this test, no longer used.
+    unsafe {
+        assert_eq!(sys::cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+    }
+}

@@ -76,9 +76,16 @@ impl StreamRef {
         }
     }
 
-    /// Whether both name the same stream.
+    /// Whether both name the same stream: the same driver id, or, where either was resolved
+    /// while its stream captured (no driver id: [`crate::driver::CAPTURING_ID`]), the same
+    /// handle on the same device.
     pub fn same(&self, other: &StreamRef) -> bool {
-        self.dev == other.dev && self.id == other.id
+        self.dev == other.dev
+            && (self.id == other.id
+                || ((self.id | other.id) & crate::driver::CAPTURING_ID != 0
+                    && self.handle == other.handle
+                    && self.thread.is_none()
+                    && other.thread.is_none()))
     }
 }
 

@@ -92,7 +92,16 @@ pub struct StreamInfo {
     /// Whether the handle names a different stream on every thread (`CU_STREAM_PER_THREAD`): it
     /// can only be used for this stream on the thread that resolved it.
     pub per_thread: bool,
+    /// Whether the stream was capturing a CUDA graph when it was resolved. The driver refuses
+    /// to name a capturing stream (`cuStreamGetId` fails and invalidates the capture), so `id`
+    /// is then [`CAPTURING_ID`] with the handle's bits: unique among live streams (a capturing
+    /// stream cannot be destroyed), but not the id the same stream has outside the capture.
+    pub capturing: bool,
 }
+
+/// The bit that marks the id of a stream resolved while it was capturing ([`StreamInfo`]):
+/// `cuStreamGetId`'s ids count up from 1 and never reach it.
+pub const CAPTURING_ID: u64 = 1 << 63;
 
 impl fmt::Display for StreamId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -456,6 +465,14 @@ pub trait Driver: Send + Sync + 'static {
         stream: StreamId,
         event: EventId,
     ) -> DriverResult<()>;
+    /// Whether `stream` is capturing a CUDA graph now (`cuStreamIsCapturing`; never for the
+    /// legacy stream). A capturing stream may not wait on an event recorded outside its capture
+    /// (the driver refuses and invalidates the capture). The default is for drivers without
+    /// graphs: never. A failed query counts as capturing.
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+        let _ = (dev, stream);
+        false
+    }
     /// Blocks the host until all work on device `dev` has completed.
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
     /// Blocks the host until all work queued on `stream` so far has completed
@@ -479,6 +496,7 @@ pub trait Driver: Send + Sync + 'static {
             device: dev,
             id: stream.0,
             per_thread: false,
+            capturing: false,
         })
     }
 
@@ -582,6 +600,9 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
         event: EventId,
     ) -> DriverResult<()> {
         (**self).stream_wait_event(dev, stream, event)
+    }
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+        (**self).stream_capturing(dev, stream)
     }
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         (**self).device_synchronize(dev)

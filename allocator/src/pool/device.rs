@@ -17,7 +17,7 @@ use crate::arena::{
     Arena, Chunk, Counters, DeviceCore, EventCache, FreeOutcome, HeapKind, StreamRef,
 };
 use crate::config::Config;
-use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId};
+use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId, StreamInfo};
 use crate::error::{Error, OomReport, Result};
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
@@ -345,18 +345,25 @@ impl<D: Driver> DevicePool<D> {
     /// path.
     pub(super) fn arena(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
         let info = self.stream_here(stream)?;
-        if let Some(a) = self.arenas.read().get(&info.id) {
-            return Ok(a.clone());
+        let key = |map: &FxHashMap<u64, Arc<Arena<D>>>| arena_key(map, stream, &info);
+        {
+            let map = self.arenas.read();
+            if let Some(a) = map.get(&key(&map)) {
+                return Ok(a.clone());
+            }
         }
         let mut map = self.arenas.write();
-        if let Some(a) = map.get(&info.id) {
+        let id = key(&map);
+        if let Some(a) = map.get(&id) {
             return Ok(a.clone());
         }
-        if !stream.is_special() {
+        // A stream met while it captures has no driver id: its handle names it, and a later
+        // id for that handle (once the capture is over) retires the arena as a new stream's.
+        if !stream.is_special() && !info.capturing {
             self.retire_handle(&mut map, stream);
         }
         let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
-        map.insert(info.id, arena.clone());
+        map.insert(id, arena.clone());
         if map.len() >= self.sweep_at.load(Relaxed) {
             self.sweep_wanted.store(true, Relaxed);
         }
@@ -748,6 +755,27 @@ impl<D: Driver> Drop for DevicePool<D> {
             let _ = c.driver.event_destroy(c.dev, ev);
         }
     }
+}
+
+/// The key of `stream`'s arena in `map` (a device's stream arenas, or a graph pool's): its
+/// driver id; for a stream resolved while capturing ([`StreamInfo::capturing`]), whose id is
+/// made from its handle, the key of the arena already made for that handle (live: a
+/// capturing stream cannot have been destroyed), so that a capture allocates from the
+/// stream's own cache rather than a second arena of the same stream.
+pub(super) fn arena_key<D: Driver>(
+    map: &FxHashMap<u64, Arc<Arena<D>>>,
+    stream: StreamId,
+    info: &StreamInfo,
+) -> u64 {
+    if info.capturing {
+        if let Some((&id, _)) = map
+            .iter()
+            .find(|(_, a)| a.stream == stream && a.sref.dev == info.device)
+        {
+            return id;
+        }
+    }
+    info.id
 }
 
 /// Refuses pool work in a `fork()` child (see [`crate::fork`]): before any lock, one relaxed

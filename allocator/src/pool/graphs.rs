@@ -280,7 +280,12 @@ impl<D: Driver> DevicePool<D> {
             .collect();
         ids.sort_unstable();
         ids.iter()
-            .filter_map(|id| g.pools[id].arenas.get(&info.id).cloned())
+            .filter_map(|id| {
+                let arenas = &g.pools[id].arenas;
+                arenas
+                    .get(&super::device::arena_key(arenas, stream, &info))
+                    .cloned()
+            })
             .collect()
     }
 
@@ -603,7 +608,8 @@ impl<D: Driver> DevicePool<D> {
             // Released since the windows were read.
             return Ok(None);
         };
-        let arena = p.arenas.entry(info.id).or_insert_with(|| {
+        let key = super::device::arena_key(&p.arenas, stream, &info);
+        let arena = p.arenas.entry(key).or_insert_with(|| {
             Arc::new(Arena::for_pool(
                 StreamRef::new(stream, info),
                 self.core.clone(),

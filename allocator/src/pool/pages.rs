@@ -525,6 +525,11 @@ impl<D: Driver> DevicePool<D> {
     /// Returns whether it does.
     pub(super) fn order_after(&self, stream: StreamId, ev: EventId) -> bool {
         let c = &*self.core;
+        // A stream capturing a graph cistern was not told of (no window open): waiting there on
+        // an event recorded outside the capture would fail and invalidate it.
+        if c.driver.stream_capturing(c.dev, stream) {
+            return false;
+        }
         let ok = c.driver.stream_wait_event(c.dev, stream, ev).is_ok();
         if !ok {
             c.counters.num_driver_errors.fetch_add(1, Relaxed);

@@ -27,6 +27,16 @@
 //! they do not synchronise, the docs name none of them, and PyTorch's expandable segments grow
 //! with them during graph capture.
 //!
+//! Measured on a real driver (580, CUDA 13.0, an H200; `scripts/gpu/capture_rules.py` probes
+//! each call in each mode from the capturing thread and another), three rules go beyond the
+//! documentation and are kept here too: `cuStreamGetId` of a capturing stream is refused
+//! (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the capture in every mode;
+//! `cuCtxSynchronize` does the same to every capture of the context, from any thread and in
+//! relaxed mode too; and a capturing stream may not wait on an event recorded outside a capture
+//! (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidating it). The probe agreed with the rules
+//! above on every other call: `cuStreamGetCtx`, `cuMemGetInfo`, event records and the VMM calls
+//! are allowed in every mode.
+//!
 //! Using the legacy stream while a blocking stream of its context is capturing is
 //! `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("the operation would have resulted in an implicit
 //! dependency on a capturing stream, as with the legacy stream") and invalidates that capture.
@@ -100,6 +110,28 @@ pub(crate) fn not_capturing(st: &mut State, sid: u64) -> Result<(), CUresult> {
         return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     }
     Ok(())
+}
+
+/// Refuses to synchronise device `dev` while any stream of it is capturing, in any mode and
+/// from any thread, invalidating those captures: what `cuCtxSynchronize` does on driver 580
+/// (an H200, `scripts/gpu/capture_rules.py`), also in relaxed mode, which the documentation
+/// would let through.
+pub(crate) fn no_capture_on(st: &mut State, dev: usize) -> Result<(), CUresult> {
+    let ids: Vec<u64> = st
+        .streams
+        .values()
+        .filter(|s| s.dev == dev)
+        .filter_map(|s| s.capture)
+        .collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    for id in ids {
+        if let Some(c) = st.captures.get_mut(&id) {
+            c.invalidated = true;
+        }
+    }
+    Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
 }
 
 /// When `sid` is a legacy stream and a blocking stream of its context is capturing:

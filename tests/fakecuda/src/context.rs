@@ -190,6 +190,7 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
         let mut st = f.state();
         let d = f.current(&st)?;
         capture::unsafe_call(&mut st)?;
+        capture::no_capture_on(&mut st, d)?;
         f.sim.device_synchronize(d).map_err(|e| crate::code(&e))?;
         let peers: Vec<u64> = st
             .streams

@@ -245,7 +245,7 @@ const ATTR_VMM: c_uint = 102;
 const ATTR_POSIX_FD: c_uint = 103;
 
 /// The description of each code the fake can return, as the real driver words it.
-const ERROR_STRINGS: [(CUresult, &CStr); 25] = [
+const ERROR_STRINGS: [(CUresult, &CStr); 26] = [
     (CUDA_SUCCESS, c"no error"),
     (CUDA_ERROR_INVALID_VALUE, c"invalid argument"),
     (CUDA_ERROR_OUT_OF_MEMORY, c"out of memory"),
@@ -288,6 +288,10 @@ const ERROR_STRINGS: [(CUresult, &CStr); 25] = [
     (
         CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
         c"capturing stream has unjoined work",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+        c"dependency created on uncaptured work in another stream",
     ),
     (
         CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,

@@ -249,7 +249,11 @@ pub unsafe extern "C" fn cuStreamGetId(hStream: CUstream, streamId: *mut c_ulong
         if streamId.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let sid = f.resolve(&mut f.state(), hStream)?;
+        let mut st = f.state();
+        let sid = f.resolve(&mut st, hStream)?;
+        // Refused on a capturing stream, whatever the capture mode or thread, and the capture
+        // is invalidated (driver 580 on an H200: `scripts/gpu/capture_rules.py`).
+        capture::not_capturing(&mut st, sid)?;
         // SAFETY: `streamId` is non-null and writable (contract).
         unsafe { put(streamId, sid) }
     })
@@ -420,7 +424,8 @@ pub unsafe extern "C" fn cuEventDestroy_v2(hEvent: CUevent) -> CUresult {
 /// stream": see the module documentation for how the simulator orders that case. On a
 /// capturing stream the wait is a node of the graph; waiting on an event recorded in a capture
 /// makes a non-capturing stream join that capture (cross-stream capture), and joining a second
-/// capture is `CUDA_ERROR_STREAM_CAPTURE_MERGE`.
+/// capture is `CUDA_ERROR_STREAM_CAPTURE_MERGE`. A capturing stream may not wait on an event
+/// recorded outside a capture (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidating the capture).
 ///
 /// # Safety
 ///
@@ -443,8 +448,16 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
         if let Some(cid) = captured.filter(|c| st.captures.contains_key(c)) {
             return capture::join(&mut st, sid, cid);
         }
-        if st.streams[&sid].capture.is_some() {
-            // A dependency of the graph on work outside it: nothing to simulate.
+        if let Some(cid) = st.streams[&sid].capture {
+            // A capture may not depend on work recorded outside it: refused, and the capture
+            // invalidated, whatever the mode (driver 580 on an H200:
+            // `scripts/gpu/capture_rules.py`). An event never recorded adds no dependency.
+            if recorded.is_some() {
+                if let Some(c) = st.captures.get_mut(&cid) {
+                    c.invalidated = true;
+                }
+                return Err(CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+            }
             return Ok(());
         }
         if captured.is_some() {

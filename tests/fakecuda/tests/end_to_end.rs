@@ -866,6 +866,146 @@ fn child_capture_pool() {
     drain(&pool, vec![(q.unwrap(), sa)]);
 }
 
+/// A capture cistern was not told of (no graph pool window: a cudarc program's own) on a
+/// stream whose growth would take a busy donor's cached pages: a move ordered on the device
+/// would make the capturing stream wait on an event recorded outside the capture, which the
+/// driver refuses and which invalidates the capture (driver 580, `capture_rules.py`). The move
+/// falls back instead, and the capture stays valid.
+#[test]
+fn a_busy_donor_during_a_capture_keeps_the_capture_valid() {
+    run_child(
+        "child_capture_busy_donor",
+        &[("CISTERN_FAKECUDA_CAPACITY", "2GiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of a_busy_donor_during_a_capture_keeps_the_capture_valid"]
+fn child_capture_busy_donor() {
+    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    if !is_child("child_capture_busy_donor") {
+        return;
+    }
+    let d = driver();
+    let (a, b) = (new_stream(&d, 0), new_stream(&d, 0));
+    let pool = Pool::new(d, Config::default()).unwrap();
+    // Swiss cheese on A: 20 MiB holes between live blocks, then work queued on A over one.
+    let (mut big, mut live) = (Vec::new(), Vec::new());
+    for _ in 0..40 {
+        big.push(pool.alloc_raw(0, 20 * MIB, a).unwrap());
+        live.push((pool.alloc_raw(0, 2 * MIB, a).unwrap(), a));
+    }
+    for (i, p) in big.into_iter().enumerate() {
+        if i % 2 == 0 {
+            pool.free_raw(p, a).unwrap();
+        } else {
+            live.push((p, a));
+        }
+    }
+    let x = pool.alloc_raw(0, 20 * MIB, a).unwrap();
+    type Launch = unsafe extern "C" fn(u64, u64, usize) -> u32;
+    // SAFETY: the fake is loaded; the hook has this signature (the fake's README), and the
+    // stream and range are live.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").unwrap();
+        let launch: libloading::Symbol<Launch> = lib.get(b"cisternFakeLaunch\0").unwrap();
+        assert_eq!(launch(a.0, x, (20 * MIB) as usize), 0);
+    }
+    pool.free_raw(x, a).unwrap();
+    // B's first allocation (its arena made before the capture), then its capture.
+    live.push((pool.alloc_raw(0, MIB, b).unwrap(), b));
+    let s = b.0 as usize as sys::CUstream;
+    // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
+    assert_eq!(
+        unsafe { sys::cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL) },
+        CUDA_SUCCESS
+    );
+    let p = pool.alloc_raw(0, 300 * MIB, b).unwrap();
+    check(&pool);
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `graph` is a live, writable CUgraph.
+    let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+    assert_eq!(r, CUDA_SUCCESS, "the pool's calls invalidated the capture");
+    // SAFETY: the graph the capture returned.
+    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    assert_eq!(
+        stat(&pool, "num_ordered_moves"),
+        0,
+        "a move was ordered on a capturing stream"
+    );
+    live.push((p, b));
+    // Outside the capture the same growth may order moves again.
+    let q = pool.alloc_raw(0, 300 * MIB, b).unwrap();
+    check(&pool);
+    live.push((q, b));
+    drain(&pool, live);
+}
+
+/// Found on a GPU (driver 580): the driver refuses `cuStreamGetId` of a capturing stream, in
+/// every mode, and invalidates the capture, so growth on the capturing stream (which resolves
+/// its stream) broke every `torch.cuda.graph` that allocated. Now a capturing stream is named by
+/// its handle: in each mode, a stream the pool first meets inside its capture grows there (on
+/// first use, past its cache, with a free another stream used), the capture stays valid, and
+/// after it the same stream's next growth finds its real id and goes on.
+#[test]
+fn growth_on_a_capturing_stream_keeps_the_capture_valid() {
+    run_child(
+        "child_capture_growth",
+        &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of growth_on_a_capturing_stream_keeps_the_capture_valid"]
+fn child_capture_growth() {
+    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    if !is_child("child_capture_growth") {
+        return;
+    }
+    let d = driver();
+    let other = new_stream(&d, 0);
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let mut live = Vec::new();
+    for mode in [
+        CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CU_STREAM_CAPTURE_MODE_RELAXED,
+    ] {
+        let sn = new_stream(pool.driver(), 0);
+        let s = sn.0 as usize as sys::CUstream;
+        // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
+        assert_eq!(
+            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
+            CUDA_SUCCESS
+        );
+        let a = pool.alloc_raw(0, 3 * MIB, sn).unwrap();
+        let b = pool.alloc_raw(0, 40 * MIB, sn).unwrap();
+        // A use by its own stream (met by handle) is none; one by a stream outside the capture
+        // is an event there, queried at the next allocation (the other stream has no work:
+        // the block is free again at once).
+        pool.record_stream(b, sn).unwrap();
+        pool.record_stream(a, other).unwrap();
+        pool.free_raw(a, sn).unwrap();
+        let c = pool.alloc_raw(0, 3 * MIB, sn).unwrap();
+        assert_eq!(c, a);
+        check(&pool);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `graph` is a live, writable CUgraph.
+        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+        assert_eq!(
+            r, CUDA_SUCCESS,
+            "the pool's calls invalidated the {mode:?} capture"
+        );
+        // SAFETY: the graph the capture returned.
+        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+        // After the capture: the stream has its id again.
+        let e = pool.alloc_raw(0, 64 * MIB, sn).unwrap();
+        check(&pool);
+        live.extend([(b, sn), (c, sn), (e, sn)]);
+    }
+    drain(&pool, live);
+}
+
 /// A graph pool over the real backend under the fake's strict capture rules: a capture that
 /// forks a side stream, allocates, frees a block the side stream used (its event must wait for
 /// the capture's end: an event recorded on a capturing stream is a captured event, which no

@@ -618,6 +618,51 @@ fn child_capture() {
             (CUDA_SUCCESS, CUDA_SUCCESS)
         );
 
+        // Beyond the documentation, as driver 580 answered on an H200
+        // (scripts/gpu/capture_rules.py), in every capture mode: naming a capturing stream
+        // (cuStreamGetId) is refused, though its context may be read; a device synchronisation
+        // from a relaxed thread still breaks the capture; a capturing stream may not wait on an
+        // event recorded outside the capture.
+        let ctx_sync_relaxed = move || {
+            std::thread::spawn(move || {
+                assert_eq!(sys::cuCtxPushCurrent_v2(c as sys::CUcontext), CUDA_SUCCESS);
+                exchange(CU_STREAM_CAPTURE_MODE_RELAXED);
+                sys::cuCtxSynchronize()
+            })
+            .join()
+            .unwrap()
+        };
+        for mode in [
+            CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CU_STREAM_CAPTURE_MODE_RELAXED,
+        ] {
+            let mut id = 0;
+            let mut ctx = null_mut();
+            assert_eq!(begin(s, mode), CUDA_SUCCESS);
+            assert_eq!(sys::cuStreamGetId(nb, &mut id), CUDA_SUCCESS);
+            assert_eq!(sys::cuStreamGetCtx(s, &mut ctx), CUDA_SUCCESS);
+            assert_eq!(status(s), Ok(CU_STREAM_CAPTURE_STATUS_ACTIVE));
+            assert_eq!(
+                sys::cuStreamGetId(s, &mut id),
+                CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                "{mode:?}"
+            );
+            assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+
+            assert_eq!(begin(s, mode), CUDA_SUCCESS);
+            assert_eq!(ctx_sync_relaxed(), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "{mode:?}");
+
+            assert_eq!(sys::cuEventRecord(ev, nb), CUDA_SUCCESS);
+            assert_eq!(begin(s, mode), CUDA_SUCCESS);
+            assert_eq!(
+                sys::cuStreamWaitEvent(s, ev, 0),
+                CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+            );
+            assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "{mode:?}");
+        }
+
         // The error strings are the driver's.
         for (r, text) in [
             (
@@ -635,6 +680,10 @@ fn child_capture() {
             (
                 CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
                 "operation would make the legacy stream depend on a capturing blocking stream",
+            ),
+            (
+                CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                "dependency created on uncaptured work in another stream",
             ),
         ] {
             let mut t = std::ptr::null();

@@ -142,6 +142,8 @@ driver_api! {
     cuStreamSynchronize(CUstream);
     cuStreamGetId(CUstream, *mut c_ulonglong);
     cuStreamGetCtx(CUstream, *mut CUcontext);
+    // The status is a `CUstreamCaptureStatus`, read as a plain integer (as the mode below).
+    cuStreamIsCapturing(CUstream, *mut c_uint);
     // The mode is a `CUstreamCaptureMode`, read and written as a plain integer here so that no
     // value the driver writes back can be an invalid Rust enum.
     cuThreadExchangeStreamCaptureMode(*mut c_uint);

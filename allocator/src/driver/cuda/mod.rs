@@ -29,8 +29,12 @@
 //! # Streams
 //!
 //! [`Driver::stream_info`] says what a handle names: `cuStreamGetCtx` and `cuCtxGetDevice` give
-//! its device, `cuStreamGetId` an id that no other live stream of the process has. The special
-//! handles `0` (the legacy default stream), `CU_STREAM_LEGACY` (`0x1`, the same stream) and
+//! its device, `cuStreamGetId` an id that no other live stream of the process has. A stream
+//! that is capturing a graph (`cuStreamIsCapturing`) is not asked for its id: the driver
+//! refuses `cuStreamGetId` then and invalidates the capture, in every capture mode (measured
+//! on driver 580, `scripts/gpu/capture_rules.py`); its id is [`CAPTURING_ID`] with the
+//! handle's bits, and the pool finds the stream's arena by its handle. The special handles
+//! `0` (the legacy default stream), `CU_STREAM_LEGACY` (`0x1`, the same stream) and
 //! `CU_STREAM_PER_THREAD` (`0x2`, a different stream on every thread) are resolved through the
 //! device's context on the calling thread, as the driver resolves them.
 //!
@@ -45,7 +49,15 @@
 //! (`cuThreadExchangeStreamCaptureMode`, as PyTorch's `CUDAStreamCaptureModeGuard` does around
 //! `cudaMalloc`): a capture elsewhere is left valid. Calls that conflict with a capture
 //! whatever the mode (a query of an event recorded inside one) still fail, and the pool treats
-//! them as "not yet".
+//! them as "not yet". Measured on driver 580 (`scripts/gpu/capture_rules.py`, results in
+//! `tests/fakecuda/capture-rules-h200.json`), some calls break a capture in every mode, relaxed
+//! too: `cuCtxSynchronize` (every capture of the context, from any thread), `cuStreamGetId` and
+//! `cuStreamQuery` of the capturing stream, and `cuStreamWaitEvent` of the capturing stream on
+//! an event recorded outside it. The pool never calls `cuStreamQuery`; it asks no id of a
+//! stream [`Driver::stream_info`] finds capturing, orders no move on one
+//! [`Driver::stream_capturing`] finds capturing, and makes no device synchronisation while a
+//! graph pool's window is open. A device synchronisation (`empty_cache`, the OOM protocol)
+//! while a capture cistern was not told of runs still breaks that capture.
 //!
 //! # Handles
 //!
@@ -75,7 +87,7 @@ use parking_lot::Mutex;
 
 use super::{
     DeviceCaps, DeviceId, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
-    MemInfo, PhysHandle, StreamId, StreamInfo,
+    MemInfo, PhysHandle, StreamId, StreamInfo, CAPTURING_ID,
 };
 
 use api::Api;
@@ -93,6 +105,8 @@ const LINEAR_GRANULARITY: u64 = 2 << 20;
 
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
 const CAPTURE_MODE_RELAXED: c_uint = 2;
+/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not capturing.
+const CAPTURE_STATUS_NONE: c_uint = 0;
 
 /// The code reported when the driver library cannot be loaded at all (`CUDA_ERROR_NOT_INITIALIZED`).
 const CODE_NOT_LOADED: i32 = CUresult::CUDA_ERROR_NOT_INITIALIZED as i32;
@@ -676,6 +690,26 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+        if stream == StreamId::DEFAULT || stream == StreamId::LEGACY {
+            return false;
+        }
+        let call = DriverCall::StreamWaitEvent;
+        let Ok(st) = stream_ptr(call, stream) else {
+            return true;
+        };
+        let Ok(_bound) = self.bind(call, dev) else {
+            return true;
+        };
+        let mut status: c_uint = CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
+        // (the driver refuses one it does not know). Allowed during any capture.
+        let r = cu(call, "cuStreamIsCapturing", || unsafe {
+            (self.api.cuStreamIsCapturing)(st, &mut status)
+        });
+        r.is_err() || status != CAPTURE_STATUS_NONE
+    }
+
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         let call = DriverCall::DeviceSynchronize;
         let _bound = self.bind(call, dev)?;
@@ -709,6 +743,34 @@ impl Driver for CudaDriver {
         } else {
             None
         };
+        // The legacy stream never captures (and asking about it while a blocking stream
+        // captures is itself an error); any other may, and then it cannot be named.
+        if stream != StreamId::DEFAULT && stream != StreamId::LEGACY {
+            let mut status: c_uint = CAPTURE_STATUS_NONE;
+            // SAFETY: `status` is a live, writable integer; `st` as below. The query is allowed
+            // during any capture and changes nothing.
+            cu(call, "cuStreamIsCapturing", || unsafe {
+                (api.cuStreamIsCapturing)(st, &mut status)
+            })?;
+            if status != CAPTURE_STATUS_NONE {
+                if stream == StreamId::PER_THREAD {
+                    return Err(DriverError::new(
+                        call,
+                        DriverErrorKind::NotSupported,
+                        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32,
+                        "this thread's per-thread default stream is capturing a graph, and \
+                         the driver cannot name it during a capture: capture on a stream \
+                         created for it (cuStreamCreate), as torch.cuda.graph does",
+                    ));
+                }
+                return Ok(StreamInfo {
+                    device,
+                    id: CAPTURING_ID | stream.0,
+                    per_thread: false,
+                    capturing: true,
+                });
+            }
+        }
         let mut id: std::ffi::c_ulonglong = 0;
         // SAFETY: `id` is a live, writable integer; `st` is a live stream handle or a special
         // handle resolved through the context bound above.
@@ -719,6 +781,7 @@ impl Driver for CudaDriver {
             device,
             id,
             per_thread: stream == StreamId::PER_THREAD,
+            capturing: false,
         })
     }
 

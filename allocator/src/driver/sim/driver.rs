@@ -569,6 +569,7 @@ impl Driver for SimDriver {
             device: dev,
             id,
             per_thread: false,
+            capturing: false,
         })
     }
 
