@@ -184,7 +184,17 @@ std::mutex& g_observers_mu = *new std::mutex();
 std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver>& g_observers =
     *new std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver>();
 
+// A block cistern already made live (a checkpoint's restore) that the next call of
+// cistern_alloc on this thread returns instead of allocating: the base's malloc then books it
+// as its own (see CisternAllocator::adopt).
+thread_local void* t_adopt = nullptr;
+
 void* cistern_alloc(size_t size, int device, cudaStream_t stream) {
+  if (t_adopt != nullptr) {
+    void* adopted = t_adopt;
+    t_adopt = nullptr;
+    return adopted;
+  }
   void* ptr = g_api.malloc(size, device, stream);
   if (ptr != nullptr || size == 0) {
     if (ptr != nullptr) {
@@ -522,6 +532,19 @@ class CisternAllocator : public PluggableBase {
     TORCH_CHECK(ok == 1, "cistern: enablePeerAccess: ", last_error());
   }
 
+  // Books `ptr`, already live in cistern (a restored checkpoint's block), in the base's
+  // allocation_metadata_ so that its raw_delete frees it with this size and stream. Through the
+  // base's malloc (cistern_alloc hands `ptr` back, t_adopt): the entry's type,
+  // _AllocationMetadata, is not exported from libtorch_cuda.so in newer torch (2.11 hides its
+  // constructors), so constructing one here would leave the library unloadable there.
+  void adopt(void* ptr, size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    t_adopt = ptr;
+    void* r = this->malloc(size, device, stream);
+    t_adopt = nullptr;
+    TORCH_CHECK(r == ptr, "cistern: setCheckpointPoolState: the restored block ", ptr,
+                " was booked as ", r);
+  }
+
   // CUDA graph trees (torch.compile(mode="reduce-overhead")) checkpoint the pool after each
   // recording and put it back before recording a new branch: cistern frees the pool's blocks
   // and makes the checkpoint's live again at their addresses. The base's books of each pointer
@@ -561,10 +584,9 @@ class CisternAllocator : public PluggableBase {
           allocation_metadata_.erase(it);
         }
       }
-      for (const auto& m : seen.made) {
-        allocation_metadata_[std::get<0>(m)] = torch::cuda::CUDAPluggableAllocator::
-            _AllocationMetadata(std::get<1>(m), device, static_cast<cudaStream_t>(std::get<2>(m)));
-      }
+    }
+    for (const auto& m : seen.made) {
+      adopt(std::get<0>(m), std::get<1>(m), device, static_cast<cudaStream_t>(std::get<2>(m)));
     }
     // The history, as PyTorch's own restore records it: the frees, then the allocations.
     for (size_t i = 0; i < seen.freed.size(); ++i) {
@@ -682,15 +704,20 @@ class CisternAllocator : public PluggableBase {
     return g_history.user_metadata();
   }
   void annotateMemory(const void* ptr, const std::string& metadata) {
-    torch::cuda::CUDAPluggableAllocator::_AllocationMetadata meta;
+    // The fields, not the struct: its constructors are not exported (see adopt).
+    size_t size = 0;
+    c10::DeviceIndex device = -1;
+    cudaStream_t stream = nullptr;
     {
       std::lock_guard<std::mutex> g(allocator_mutex_);
       auto it = allocation_metadata_.find(const_cast<void*>(ptr));
       TORCH_CHECK(it != allocation_metadata_.end(), "cistern: annotateMemory: ", ptr,
                   " is not the start of a live allocation of cistern's");
-      meta = it->second;
+      size = it->second.size;
+      device = it->second.device_idx;
+      stream = it->second.stream;
     }
-    g_history.annotate(meta.device_idx, ptr, meta.size, meta.stream, metadata);
+    g_history.annotate(device, ptr, size, stream, metadata);
   }
   std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) {
     return g_history.context_of(reinterpret_cast<size_t>(ptr));

@@ -82,6 +82,58 @@ def _compiler() -> str:
     return cxx
 
 
+def _libstdcxx(cxx: str) -> Optional[str]:
+    """The shared C++ runtime to link against by path: the compiler's ``libstdc++.so`` (where it
+    resolves to a file), else the ``libstdc++.so*`` this process has mapped (torch's). None when
+    neither is found (the compiler's default then)."""
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    if os.path.isabs(out) and os.path.isfile(out):
+        return os.path.realpath(out)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if path.startswith("/") and os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def elf_needed(path: str) -> Optional[List[str]]:
+    """The DT_NEEDED entries of the 64-bit ELF shared library at ``path``; None when it is not
+    one (another platform's format)."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return None
+    end = "<" if data[5] == 1 else ">"
+    shoff = struct.unpack_from(end + "Q", data, 0x28)[0]
+    shentsize, shnum = struct.unpack_from(end + "HH", data, 0x3A)
+    # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, ...)
+    sections = [struct.unpack_from(end + "IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    needed: List[str] = []
+    for sec in sections:
+        if sec[1] != 6:  # SHT_DYNAMIC
+            continue
+        strtab = sections[sec[6]][4]
+        for off in range(sec[4], sec[4] + sec[5], 16):
+            tag, val = struct.unpack_from(end + "qQ", data, off)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                start = strtab + val
+                needed.append(data[start:data.index(b"\0", start)].decode(errors="replace"))
+    return needed
+
+
 def build(
     torch_include: str,
     torch_lib: str,
@@ -127,6 +179,12 @@ def _compile(
     part of the key: they name where the same headers are)."""
     cxx = _compiler()
     flags: List[str] = list(extra_flags) + os.environ.get("CISTERN_TORCH_CXXFLAGS", "").split()
+    # The C++ runtime by path, as a shared library: a compiler that would link it statically
+    # (-static-libstdc++ in its specs, its flags or CXX; no libstdc++.so beside it) puts a
+    # second libstdc++ in a process that already has torch's, and the first stream written
+    # through it crashes (found on a GPU: every OOM message segfaulted). Named in the cache key
+    # so that such a build is never reused.
+    runtime = _libstdcxx(cxx)
     parts = []
     for src in sources:
         with open(src, "rb") as f:
@@ -134,7 +192,8 @@ def _compile(
     key = hashlib.sha256(
         b"\0".join(
             parts + [tag.encode(), " ".join(includes).encode(), str(int(cxx11_abi)).encode(),
-                     cxx.encode(), " ".join(flags).encode(), " ".join(libs).encode()]
+                     cxx.encode(), " ".join(flags).encode(), " ".join(libs).encode(),
+                     b"runtime:" + (runtime or "default").encode()]
         )
     ).hexdigest()[:20]
     out_dir = cache_dir()
@@ -160,7 +219,8 @@ def _compile(
             cxx, f"-std={std}", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
             *includes, *flags, sources[0], "-o", tmp,
-            "-L", torch_lib, *[f"-l{lib}" for lib in libs], f"-Wl,-rpath,{torch_lib}",
+            "-L", torch_lib, *[f"-l{lib}" for lib in libs], *([runtime] if runtime else []),
+            f"-Wl,-rpath,{torch_lib}",
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -168,6 +228,16 @@ def _compile(
             os.unlink(tmp)
             raise ShimBuildError(f"running {cxx} failed: {e}") from e
         if proc.returncode == 0:
+            needed = elf_needed(tmp)
+            if needed is not None and not any(n.startswith(("libstdc++", "libc++")) for n in needed):
+                os.unlink(tmp)
+                raise ShimBuildError(
+                    f"{cxx} linked the C++ runtime into {os.path.basename(out)} statically "
+                    f"(it needs only {', '.join(needed)}): a second libstdc++ beside torch's "
+                    "crashes the process. Fix: install the compiler's shared libstdc++ "
+                    "(libstdc++-dev), or drop -static-libstdc++ from CXX and "
+                    "CISTERN_TORCH_CXXFLAGS"
+                )
             os.replace(tmp, out)  # atomic: concurrent installs never see half a file
             return out
         os.unlink(tmp)
