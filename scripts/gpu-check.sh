@@ -9,6 +9,8 @@
 #   env                  the GPU, driver and tools (read-only queries)
 #   driver_costs         the driver's per-call table -> $OUT/costs.json (cistern replay --costs)
 #   cuda_driver          CudaDriver's GPU tests (gpu_*) on the device; a "skipping:" is a failure
+#   capture_rules        what the driver allows while a stream captures a graph, per capture
+#                        mode and thread (scripts/gpu/capture_rules.py): the fake's rules' evidence
 #   pool_vmm             the pool's cache-hit pair against the driver's cuMemAlloc+cuMemFree, cold
 #                        growth, 1 GiB moved to a second stream with its host waits (pairbench)
 #   pool_novmm           the same with CISTERN_CONF=vmm:false (the cuMemAlloc path)
@@ -294,6 +296,14 @@ run_cuda_driver() {
   fi
 }
 
+run_capture_rules() {
+  command -v "${PYTHON:-python3}" > /dev/null 2>&1 || skip "no ${PYTHON:-python3}"
+  "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/capture_rules.py" --out "$OUT/capture_rules.json" || return
+  # How many probes the driver refused, or that ended the capture.
+  grep -c ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" | sed 's/^/allowed=/' >> "$STEP_KEYS"
+  grep -vc ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" | sed 's/^/refused_or_invalidating=/' >> "$STEP_KEYS"
+}
+
 run_pairbench() {
   need_file "$CISTERN_LIB"
   if [ ! -x "$KIT/pairbench" ]; then
@@ -316,10 +326,22 @@ run_cudarc_kernel() {
   echo "kernel_check=ok" >> "$STEP_KEYS"
 }
 
+# backtrace_preload: the LD_PRELOAD value that gives a crashing step a native backtrace in its
+# log (scripts/gpu/backtrace.c, compiled once into $OUT when a C compiler is here), or nothing.
+backtrace_preload() {
+  local so="$OUT/.backtrace.so"
+  if [ ! -f "$so" ] && command -v gcc > /dev/null 2>&1; then
+    gcc -shared -fPIC -O1 -o "$so" "$GPU_CHECK_ROOT/scripts/gpu/backtrace.c" 2> /dev/null || rm -f "$so"
+  fi
+  [ -f "$so" ] && echo "$so${LD_PRELOAD:+ $LD_PRELOAD}"
+}
+
 run_torch() {
   command -v "${PYTHON:-python3}" > /dev/null 2>&1 || skip "no ${PYTHON:-python3}"
   case "$*" in "train --mode native" | shim) ;; *) need_file "$CISTERN_LIB" ;; esac
-  "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/torch_checks.py" "$@"
+  local preload
+  preload=$(backtrace_preload)
+  LD_PRELOAD="${preload:-${LD_PRELOAD:-}}" "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/torch_checks.py" "$@"
 }
 
 run_plugin_pytest() {
@@ -385,6 +407,7 @@ main() {
   step env 30 run_env
   step driver_costs 90 run_driver_costs
   step cuda_driver 60 run_cuda_driver
+  step capture_rules 60 run_capture_rules
   step pool_vmm 60 run_pairbench
   CISTERN_CONF=registry:off,vmm:false step pool_novmm 45 run_pairbench
   step cudarc_kernel 30 run_cudarc_kernel
