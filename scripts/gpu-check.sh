@@ -300,8 +300,8 @@ run_capture_rules() {
   command -v "${PYTHON:-python3}" > /dev/null 2>&1 || skip "no ${PYTHON:-python3}"
   "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/capture_rules.py" --out "$OUT/capture_rules.json" || return
   # How many probes the driver refused, or that ended the capture.
-  grep -c ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" | sed 's/^/allowed=/' >> "$STEP_KEYS"
-  grep -vc ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" | sed 's/^/refused_or_invalidating=/' >> "$STEP_KEYS"
+  echo "allowed=$(grep -c ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" || true)" >> "$STEP_KEYS"
+  echo "refused_or_invalidating=$(grep -vc ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" || true)" >> "$STEP_KEYS"
 }
 
 run_pairbench() {

@@ -537,6 +537,9 @@ class CisternAllocator : public PluggableBase {
   // base's malloc (cistern_alloc hands `ptr` back, t_adopt): the entry's type,
   // _AllocationMetadata, is not exported from libtorch_cuda.so in newer torch (2.11 hides its
   // constructors), so constructing one here would leave the library unloadable there.
+  // The base's malloc books with emplace, which keeps an existing entry: every restored
+  // block's address must be out of the books first (setCheckpointPoolState erases the freed
+  // ones before adopting the made ones; a made block was not live before the restore).
   void adopt(void* ptr, size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     t_adopt = ptr;
     void* r = this->malloc(size, device, stream);

@@ -106,24 +106,27 @@ def _libstdcxx(cxx: str) -> Optional[str]:
 
 def elf_needed(path: str) -> Optional[List[str]]:
     """The DT_NEEDED entries of the 64-bit ELF shared library at ``path``; None when it is not
-    one (another platform's format)."""
+    one that can be read so (another platform's format, a truncated file, no dynamic section
+    in the section headers): the caller then cannot tell, and checks nothing."""
     import struct
 
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        return None
-    end = "<" if data[5] == 1 else ">"
-    shoff = struct.unpack_from(end + "Q", data, 0x28)[0]
-    shentsize, shnum = struct.unpack_from(end + "HH", data, 0x3A)
-    # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, ...)
-    sections = [struct.unpack_from(end + "IIQQQQIIQQ", data, shoff + i * shentsize)
-                for i in range(shnum)]
-    needed: List[str] = []
-    for sec in sections:
-        if sec[1] != 6:  # SHT_DYNAMIC
-            continue
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:
+            return None
+        end = "<" if data[5] == 1 else ">"
+        shoff = struct.unpack_from(end + "Q", data, 0x28)[0]
+        shentsize, shnum = struct.unpack_from(end + "HH", data, 0x3A)
+        # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, ...)
+        sections = [struct.unpack_from(end + "IIQQQQIIQQ", data, shoff + i * shentsize)
+                    for i in range(shnum)]
+        dynamic = [sec for sec in sections if sec[1] == 6]  # SHT_DYNAMIC
+        if not dynamic:
+            return None
+        sec = dynamic[0]
         strtab = sections[sec[6]][4]
+        needed: List[str] = []
         for off in range(sec[4], sec[4] + sec[5], 16):
             tag, val = struct.unpack_from(end + "qQ", data, off)
             if tag == 0:  # DT_NULL
@@ -131,7 +134,9 @@ def elf_needed(path: str) -> Optional[List[str]]:
             if tag == 1:  # DT_NEEDED
                 start = strtab + val
                 needed.append(data[start:data.index(b"\0", start)].decode(errors="replace"))
-    return needed
+        return needed
+    except (OSError, struct.error, IndexError, ValueError):
+        return None
 
 
 def build(

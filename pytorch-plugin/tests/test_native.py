@@ -133,6 +133,24 @@ def test_native_allocator_compiles_against_each_torch(tmp_path, monkeypatch) -> 
     assert built
 
 
+def test_elf_needed_reads_a_library_or_says_it_cannot(tmp_path) -> None:
+    import _ctypes  # an ELF shared object wherever these tests run (Linux)
+
+    lib = _ctypes.__file__
+    needed = _shim.elf_needed(lib)
+    if needed is None:
+        pytest.skip(f"{lib} is not a 64-bit ELF shared object")
+    assert all(isinstance(n, str) and n for n in needed), needed
+    data = open(lib, "rb").read()
+    # Truncated, empty, missing or not ELF at all: None, never an exception.
+    for name, blob in (("four", data[:4]), ("header", data[:64]), ("half", data[: len(data) // 2]),
+                       ("empty", b""), ("text", b"not an ELF file\n" * 8)):
+        p = tmp_path / name
+        p.write_bytes(blob)
+        assert _shim.elf_needed(str(p)) is None, name
+    assert _shim.elf_needed(str(tmp_path / "missing")) is None
+
+
 def test_the_cxx_runtime_is_linked_shared_even_where_the_compiler_links_it_statically(
     tmp_path, monkeypatch
 ) -> None:

@@ -4,7 +4,9 @@ cistern's fake libcuda (tests/fakecuda) enforces, and for what cistern may call 
 
 Each probe begins a capture on a fresh non-blocking stream S (in each capture mode: global,
 thread_local, relaxed), makes one driver call the pool makes (on S, on another stream T, on the
-legacy and per-thread handles, from this thread or another one), then records the call's result,
+legacy and per-thread handles, from this thread or another one, each also with the thread's
+capture mode exchanged to relaxed for the call, as cistern's backend makes its calls), then
+records the call's result,
 whether the capture survived (cuStreamIsCapturing) and what cuStreamEndCapture said. Nothing but
 ctypes and libcuda.so.1: no compiler, no torch.
 
@@ -213,6 +215,8 @@ def probes(gpu: Gpu):
          drop_event),
         ("event_synchronize(recorded on T before)", recorded_on_t,
          lambda e: cu.cuEventSynchronize(e["e"]), drop_event),
+        ("event_query(recorded on S in the capture)", event_only,
+         lambda e: cu.cuEventRecord(e["e"], e["s"]) or cu.cuEventQuery(e["e"]), drop_event),
         ("stream_wait_event(S, recorded on T before)", recorded_on_t,
          lambda e: cu.cuStreamWaitEvent(e["s"], e["e"], c_uint(0)), drop_event),
         ("stream_query(T)", nothing, lambda e: cu.cuStreamQuery(e["t"]), nothing),
@@ -233,17 +237,29 @@ def probes(gpu: Gpu):
     ]
 
 
-def run_probe(gpu: Gpu, mode: str, probe, other_thread: bool) -> dict:
+def run_probe(gpu: Gpu, mode: str, probe, other_thread: bool, relaxed: bool = False) -> dict:
     pname, setup, call, teardown = probe
     env = {"s": gpu.stream(), "t": gpu.stream()}
-    setup(env)
-    check(cu.cuStreamBeginCapture_v2(env["s"], MODES[mode]), "cuStreamBeginCapture")
+    try:
+        setup(env)
+        check(cu.cuStreamBeginCapture_v2(env["s"], MODES[mode]), "cuStreamBeginCapture")
+    except RuntimeError:
+        cu.cuStreamDestroy_v2(env["s"])
+        cu.cuStreamDestroy_v2(env["t"])
+        raise
     rc = [None]
     def attempt():
+        # As cistern's CUDA backend makes its calls: with the thread's capture mode exchanged
+        # to relaxed for the call, and put back after.
+        saved = c_uint(2)
+        if relaxed:
+            cu.cuThreadExchangeStreamCaptureMode(byref(saved))
         try:
             rc[0] = call(env)
         except AttributeError:  # not exported (a fake driver): recorded as MISSING
             rc[0] = None
+        if relaxed:
+            cu.cuThreadExchangeStreamCaptureMode(byref(saved))
 
     if other_thread:
         def body():
@@ -268,7 +284,7 @@ def run_probe(gpu: Gpu, mode: str, probe, other_thread: bool) -> dict:
     return {
         "mode": mode,
         "probe": pname,
-        "thread": "other" if other_thread else "capturing",
+        "thread": ("other" if other_thread else "capturing") + ("/relaxed" if relaxed else ""),
         "rc": name(rc[0]),
         "capture_after": STATUS.get(status.value, str(status.value)) if st_rc == 0 else name(st_rc),
         "end_capture": name(end_rc),
@@ -286,13 +302,17 @@ def short(r: dict) -> str:
 
 def summarize(path: str) -> None:
     """One line per probe: its result per mode (g, t, r) and thread (c: the capturing one, o:
-    another)."""
+    another; C, O: the same with the thread's mode exchanged to relaxed for the call)."""
     doc = json.load(open(path))
     rows: dict = {}
     for r in doc["probes"]:
-        rows.setdefault(r["probe"], []).append(f"{r['mode'][0]}{r['thread'][0]}={short(r)}")
+        who = r["thread"][0]
+        if r["thread"].endswith("/relaxed"):
+            who = who.upper()
+        rows.setdefault(r["probe"], []).append(f"{r['mode'][0]}{who}={short(r)}")
     print(f"driver {doc['driver_version']}; g/t/r: global/thread_local/relaxed capture, "
-          "c/o: the capturing thread/another; !: the capture was invalidated")
+          "c/o: the capturing thread/another (C/O: exchanged to relaxed for the call, as "
+          "cistern calls); !: the capture was invalidated")
     for probe, cells in rows.items():
         print(f"{probe}: {' '.join(cells)}")
 
@@ -317,14 +337,14 @@ def main() -> int:
     results = []
     for mode in MODES:
         for probe in probes(gpu):
-            for other in (False, True):
+            for other, relaxed in ((False, False), (True, False), (False, True), (True, True)):
+                thread = ("other" if other else "capturing") + ("/relaxed" if relaxed else "")
                 try:
-                    r = run_probe(gpu, mode, probe, other)
+                    r = run_probe(gpu, mode, probe, other, relaxed)
                 except RuntimeError as e:
-                    r = {"mode": mode, "probe": probe[0],
-                         "thread": "other" if other else "capturing", "error": str(e)}
+                    r = {"mode": mode, "probe": probe[0], "thread": thread, "error": str(e)}
                 results.append(r)
-                print(f"{r['mode']:12} {r['probe']:42} {r['thread']:9} -> "
+                print(f"{r['mode']:12} {r['probe']:42} {r['thread']:17} -> "
                       + (f"{r['rc']} | capture {r['capture_after']} | end {r['end_capture']}"
                          if "rc" in r else f"setup failed: {r['error']}"), flush=True)
     if args.out:

@@ -759,9 +759,19 @@ impl<D: Driver> Drop for DevicePool<D> {
 
 /// The key of `stream`'s arena in `map` (a device's stream arenas, or a graph pool's): its
 /// driver id; for a stream resolved while capturing ([`StreamInfo::capturing`]), whose id is
-/// made from its handle, the key of the arena already made for that handle (live: a
-/// capturing stream cannot have been destroyed), so that a capture allocates from the
-/// stream's own cache rather than a second arena of the same stream.
+/// made from its handle, the key of the arena already made for that handle, so that a capture
+/// allocates from the stream's own cache rather than a second arena of the same stream.
+///
+/// Limits, both of the handle standing in for the id. That arena may be a destroyed stream's
+/// whose handle the capturing stream got, when cistern was not told ([`Pool::forget_stream`])
+/// and has not met the new stream outside a capture: the known limit of [`DevicePool::arena`]'s
+/// thread caches. And a stream first met inside a capture keeps a handle-keyed arena: outside
+/// the capture its real id makes a new one, and the old one retires (a device stream's: its
+/// free pages serve others after a device synchronisation) or stays beside it (a graph pool's:
+/// two arenas of one stream split that pool's cached memory until it is released). Re-keying
+/// it would be the cheaper move but is not safe where the handle has meanwhile been reused.
+///
+/// [`Pool::forget_stream`]: super::Pool::forget_stream
 pub(super) fn arena_key<D: Driver>(
     map: &FxHashMap<u64, Arc<Arena<D>>>,
     stream: StreamId,

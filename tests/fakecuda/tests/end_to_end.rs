@@ -934,9 +934,14 @@ fn child_capture_busy_donor() {
         "a move was ordered on a capturing stream"
     );
     live.push((p, b));
-    // Outside the capture the same growth may order moves again.
+    // Outside the capture the same growth orders moves again (so the capture's growth met a
+    // move to order, and fell back).
     let q = pool.alloc_raw(0, 300 * MIB, b).unwrap();
     check(&pool);
+    assert!(
+        stat(&pool, "num_ordered_moves") > 0,
+        "no move to order: the test tests nothing"
+    );
     live.push((q, b));
     drain(&pool, live);
 }

@@ -56,8 +56,10 @@
 //! an event recorded outside it. The pool never calls `cuStreamQuery`; it asks no id of a
 //! stream [`Driver::stream_info`] finds capturing, orders no move on one
 //! [`Driver::stream_capturing`] finds capturing, and makes no device synchronisation while a
-//! graph pool's window is open. A device synchronisation (`empty_cache`, the OOM protocol)
-//! while a capture cistern was not told of runs still breaks that capture.
+//! graph pool's window is open. A device synchronisation while a capture cistern was not told
+//! of runs (no window open on that device) still breaks that capture: `empty_cache`, the OOM
+//! protocol, and a free whose block another thread's per-thread stream used (no event can be
+//! recorded on that stream from here, so the free waits for the whole device).
 //!
 //! # Handles
 //!
