@@ -90,6 +90,9 @@ impl SimDriver {
                 *r -= 1;
             }
         }
+        if fail {
+            self.faults_fired.fetch_add(1, Ordering::Relaxed);
+        }
         fail
     }
 
@@ -122,6 +125,12 @@ impl SimDriver {
     /// above `budget` fail with `OutOfMemory`.
     pub fn fail_after_bytes(&self, budget: u64) {
         self.byte_budget.store(budget, Ordering::Relaxed);
+    }
+
+    /// How many injected faults ([`SimDriver::fail_nth`], [`SimDriver::fail_from`]) have fired
+    /// so far: a test can tell a driver error the pool passed on from one it made up.
+    pub fn faults_fired(&self) -> u64 {
+        self.faults_fired.load(Ordering::Relaxed)
     }
 
     /// Removes every injected fault and the byte budget.

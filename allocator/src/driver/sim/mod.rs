@@ -195,6 +195,8 @@ pub struct SimDriver {
     /// Injected per-device budget of committed bytes (`u64::MAX`: none).
     byte_budget: AtomicU64,
     faults_armed: AtomicBool,
+    /// How many injected faults have fired ([`SimDriver::faults_fired`]).
+    faults_fired: AtomicU64,
     faults: Mutex<Faults>,
     hazards: Mutex<Vec<Hazard>>,
     /// Source of handle, event and linear allocation ids (never 0).
@@ -325,6 +327,7 @@ impl SimDriver {
             host_waits: AtomicU64::new(0),
             byte_budget: AtomicU64::new(u64::MAX),
             faults_armed: AtomicBool::new(false),
+            faults_fired: AtomicU64::new(0),
             faults: Mutex::new(Faults::default()),
             hazards: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
