@@ -103,9 +103,10 @@ pub(crate) struct Pending {
     /// The device to synchronise when `needs_device_sync`.
     pub sync_dev: DeviceId,
     /// Streams whose events are not recorded yet: the block was freed while a graph capture
-    /// may have been underway, when an event recorded on a capturing stream would be part of
-    /// the graph and never complete. They are recorded at the first poll after the capture
-    /// (later than the free, so they order at least as much work: safe).
+    /// may have been underway (a graph pool's window was open, or the stream itself was
+    /// capturing), when an event recorded on a capturing stream would be part of the graph and
+    /// never complete. They are recorded at the first poll after the capture (later than the
+    /// free, so they order at least as much work: safe); the block stays pending until then.
     pub deferred: Vec<StreamRef>,
 }
 
@@ -118,9 +119,16 @@ impl Pending {
     fn record<D: Driver>(&mut self, streams: Vec<StreamRef>, core: &DeviceCore<D>) {
         let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
         for u in streams {
-            let recorded = u
-                .handle_here()
-                .and_then(|h| record_use(driver, events, dev, u.dev, h));
+            let handle = u.handle_here();
+            if handle.is_some_and(|h| driver.stream_capturing(u.dev, h)) {
+                // A stream capturing a graph cistern was not told of: an event recorded there
+                // would be a captured event, which no query may touch without breaking the
+                // capture, and a device synchronisation now would break it too. Deferred, as
+                // during a graph pool's window: recorded at a poll once the capture is over.
+                self.deferred.push(u);
+                continue;
+            }
+            let recorded = handle.and_then(|h| record_use(driver, events, dev, u.dev, h));
             match recorded {
                 Some(ev) => self.events.push(((u.dev, u.id), ev)),
                 None => {
@@ -653,7 +661,8 @@ impl ArenaState {
                     k += 1;
                 }
             }
-            let done = p.events.is_empty();
+            // Not while a use is still deferred (its stream was capturing at the last poll).
+            let done = p.events.is_empty() && p.deferred.is_empty();
             if done {
                 done_spans.push((p.kind, p.span));
             }

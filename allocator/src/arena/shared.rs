@@ -142,12 +142,14 @@ impl<D: Driver> DeviceCore<D> {
     /// Whether all work queued on `stream` so far has finished, without blocking: records an
     /// event there and queries it. A failure to record or query counts as "busy", and so does
     /// a stream that cannot be named here (`None`: gone, or another thread's per-thread one).
-    /// While capturing it is "busy" without a call.
+    /// While capturing it is "busy" without an event: a graph pool's window is open, or the
+    /// stream itself is capturing a graph cistern was not told of (an event recorded there is
+    /// a captured event, and querying one breaks its capture in every mode).
     pub(crate) fn stream_idle(&self, stream: Option<StreamId>) -> bool {
         let Some(stream) = stream else {
             return false;
         };
-        if self.capturing() {
+        if self.capturing() || self.driver.stream_capturing(self.dev, stream) {
             return false;
         }
         let d = &*self.driver;
@@ -168,7 +170,7 @@ impl<D: Driver> DeviceCore<D> {
         let Some(stream) = stream else {
             return StreamMark::Unknown;
         };
-        if self.capturing() {
+        if self.capturing() || self.driver.stream_capturing(self.dev, stream) {
             return StreamMark::Unknown;
         }
         let d = &*self.driver;
@@ -193,11 +195,11 @@ impl<D: Driver> DeviceCore<D> {
     }
 
     /// Records an event on `stream` and waits for it: all work queued there so far is done.
-    /// Never while capturing (false: not known to be done).
+    /// Never while capturing, nor for a stream that is capturing (false: not known to be done).
     /// When no event can be recorded there (or the stream cannot be named here: `None`), waits
     /// for the whole device instead, which never touches the stream's handle.
     pub(crate) fn sync_stream(&self, stream: Option<StreamId>) -> bool {
-        if self.capturing() {
+        if self.capturing() || stream.is_some_and(|s| self.driver.stream_capturing(self.dev, s)) {
             return false;
         }
         self.counters.num_stream_syncs.fetch_add(1, Relaxed);

@@ -365,10 +365,10 @@ pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
         let f = fake()?;
         let mut st = f.state();
         let e = Fake::event(&st, hEvent)?;
-        let (d, captured) = (e.dev, e.captured.is_some());
+        let (d, captured) = (e.dev, e.captured);
         capture::unsafe_call(&mut st)?;
-        if captured {
-            return Err(CUDA_ERROR_CAPTURED_EVENT);
+        if let Some(cid) = captured {
+            return Err(capture::captured_event(&mut st, cid));
         }
         match f.sim.event_query(d, EventId(hEvent as usize as u64)) {
             Ok(true) => Ok(()),
@@ -390,10 +390,10 @@ pub unsafe extern "C" fn cuEventSynchronize(hEvent: CUevent) -> CUresult {
         let f = fake()?;
         let mut st = f.state();
         let e = Fake::event(&st, hEvent)?;
-        let (d, captured) = (e.dev, e.captured.is_some());
+        let (d, captured) = (e.dev, e.captured);
         capture::unsafe_call(&mut st)?;
-        if captured {
-            return Err(CUDA_ERROR_CAPTURED_EVENT);
+        if let Some(cid) = captured {
+            return Err(capture::captured_event(&mut st, cid));
         }
         f.sim
             .event_synchronize(d, EventId(hEvent as usize as u64))

@@ -946,6 +946,67 @@ fn child_capture_busy_donor() {
     drain(&pool, live);
 }
 
+/// Another stream's growth looks at the cached pages of a stream that is capturing a graph
+/// cistern was not told of: an event recorded there would be a captured event, and querying it
+/// breaks the capture whatever the mode (driver 580, `capture_rules.py`). The capturing
+/// stream's pages are then not known to be idle, and are left; the capture stays valid.
+#[test]
+fn growth_beside_a_capturing_stream_keeps_the_capture_valid() {
+    run_child(
+        "child_capture_donor",
+        &[("CISTERN_FAKECUDA_CAPACITY", "160MiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of growth_beside_a_capturing_stream_keeps_the_capture_valid"]
+fn child_capture_donor() {
+    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    if !is_child("child_capture_donor") {
+        return;
+    }
+    let d = driver();
+    let (s, t) = (new_stream(&d, 0), new_stream(&d, 0));
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let x = pool.alloc_raw(0, 64 * MIB, s).unwrap();
+    let keep = pool.alloc_raw(0, 2 * MIB, s).unwrap();
+    pool.free_raw(x, s).unwrap();
+    let cs = s.0 as usize as sys::CUstream;
+    // SAFETY: `cs` is a stream the fake created; the mode is a valid enum value.
+    assert_eq!(
+        unsafe { sys::cuStreamBeginCapture_v2(cs, CU_STREAM_CAPTURE_MODE_GLOBAL) },
+        CUDA_SUCCESS
+    );
+    // A block of T's that the capturing stream used: its event cannot be recorded on S during
+    // the capture, so the block stays pending (not reused) until after it.
+    let u = pool.alloc_raw(0, 4 * MIB, t).unwrap();
+    pool.record_stream(u, s).unwrap();
+    pool.free_raw(u, t).unwrap();
+    let u2 = pool.alloc_raw(0, 4 * MIB, t).unwrap();
+    assert_ne!(
+        u2, u,
+        "a block the capturing stream used was reused during its capture"
+    );
+    // T needs more than new memory leaves: S's cached pages are the rest.
+    let y = pool.alloc_raw(0, 80 * MIB, t);
+    check(&pool);
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `graph` is a live, writable CUgraph.
+    let r = unsafe { sys::cuStreamEndCapture(cs, &mut graph) };
+    assert_eq!(r, CUDA_SUCCESS, "the pool's calls invalidated the capture");
+    // SAFETY: the graph the capture returned.
+    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    let mut live = vec![(keep, s), (u2, t)];
+    match y {
+        Ok(y) => live.push((y, t)),
+        Err(e) => assert!(e.is_oom(), "{e}"),
+    }
+    // After the capture, S's pages can be seen idle and taken.
+    let z = pool.alloc_raw(0, 80 * MIB, t).unwrap();
+    live.push((z, t));
+    drain(&pool, live);
+}
+
 /// Found on a GPU (driver 580): the driver refuses `cuStreamGetId` of a capturing stream, in
 /// every mode, and invalidates the capture, so growth on the capturing stream (which resolves
 /// its stream) broke every `torch.cuda.graph` that allocated. Now a capturing stream is named by

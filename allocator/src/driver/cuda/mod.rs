@@ -52,11 +52,13 @@
 //! them as "not yet". Measured on driver 580 (`scripts/gpu/capture_rules.py`, results in
 //! `tests/fakecuda/capture-rules-h200.json`), some calls break a capture in every mode, relaxed
 //! too: `cuCtxSynchronize` (every capture of the context, from any thread), `cuStreamGetId` and
-//! `cuStreamQuery` of the capturing stream, and `cuStreamWaitEvent` of the capturing stream on
-//! an event recorded outside it. The pool never calls `cuStreamQuery`; it asks no id of a
-//! stream [`Driver::stream_info`] finds capturing, orders no move on one
-//! [`Driver::stream_capturing`] finds capturing, and makes no device synchronisation while a
-//! graph pool's window is open. A device synchronisation while a capture cistern was not told
+//! `cuStreamQuery` of the capturing stream, `cuStreamWaitEvent` of the capturing stream on an
+//! event recorded outside it, and a query of an event recorded inside the capture. The pool
+//! never calls `cuStreamQuery`; it asks no id of a stream [`Driver::stream_info`] finds
+//! capturing; on one [`Driver::stream_capturing`] finds capturing it orders no move and
+//! records no event to query (its cached pages are not known to be idle, and a free it used
+//! waits for the capture's end); and it makes no device synchronisation while a graph pool's
+//! window is open. A device synchronisation while a capture cistern was not told
 //! of runs (no window open on that device) still breaks that capture: `empty_cache`, the OOM
 //! protocol, and a free whose block another thread's per-thread stream used (no event can be
 //! recorded on that stream from here, so the free waits for the whole device).
