@@ -281,7 +281,8 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
     }
     let stream = StreamId(s as usize as u64);
     let before = d.stream_info(0, stream).unwrap();
-    assert!(!before.capturing && !d.stream_capturing(0, stream));
+    assert!(!before.capturing);
+    assert_eq!(d.stream_capturing(0, stream), Ok(false));
     for mode in [
         CU_STREAM_CAPTURE_MODE_GLOBAL,
         CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -296,8 +297,8 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
         assert!(during.capturing, "{mode:?}");
         assert_eq!(during.id, cistern::driver::CAPTURING_ID | stream.0);
         assert_eq!(during.device, 0);
-        assert!(d.stream_capturing(0, stream));
-        assert!(!d.stream_capturing(0, StreamId::DEFAULT));
+        assert_eq!(d.stream_capturing(0, stream), Ok(true));
+        assert_eq!(d.stream_capturing(0, StreamId::DEFAULT), Ok(false));
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: `graph` is a live, writable CUgraph.
         let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };

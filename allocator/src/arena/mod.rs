@@ -116,11 +116,27 @@ impl Pending {
     /// waited for by synchronising its whole device instead, so the block is still never
     /// reused too early; if even that fails, the block waits for a later successful
     /// synchronisation of that device.
-    fn record<D: Driver>(&mut self, streams: Vec<StreamRef>, core: &DeviceCore<D>) {
+    ///
+    /// `keep_unnamed` (a poll that may not block: deferred uses recorded at last): a use this
+    /// thread cannot name (another thread's per-thread stream) stays deferred rather than
+    /// synchronise the device on the allocation path, where the stream may still be capturing;
+    /// its own thread's next poll, or a blocking one, records it.
+    fn record<D: Driver>(
+        &mut self,
+        streams: Vec<StreamRef>,
+        core: &DeviceCore<D>,
+        keep_unnamed: bool,
+    ) {
         let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
         for u in streams {
             let handle = u.handle_here();
-            if handle.is_some_and(|h| driver.stream_capturing(u.dev, h)) {
+            if handle.is_none() && keep_unnamed {
+                self.deferred.push(u);
+                continue;
+            }
+            // Only a stream known to be capturing: one the driver cannot answer for (destroyed)
+            // takes the path below (no event: the device is waited for instead).
+            if handle.is_some_and(|h| driver.stream_capturing(u.dev, h) == Ok(true)) {
                 // A stream capturing a graph cistern was not told of: an event recorded there
                 // would be a captured event, which no query may touch without breaking the
                 // capture, and a device synchronisation now would break it too. Deferred, as
@@ -574,7 +590,7 @@ impl ArenaState {
             if core.capturing() {
                 p.deferred = streams;
             } else {
-                p.record(streams, core);
+                p.record(streams, core, false);
             }
             if !p.events.is_empty() || p.needs_device_sync || !p.deferred.is_empty() {
                 let d = [-1, -(len as i64), 0, 0, 0, 0, -(requested as i64)];
@@ -612,7 +628,7 @@ impl ArenaState {
         }
         for p in self.pending.iter_mut().filter(|p| !p.deferred.is_empty()) {
             let streams = std::mem::take(&mut p.deferred);
-            p.record(streams, core);
+            p.record(streams, core, !wait);
         }
         let (dev, driver, events) = (core.dev, &*core.driver, &core.events);
         // Streams whose oldest pending event has not completed yet (small: one per stream).

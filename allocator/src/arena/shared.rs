@@ -149,7 +149,7 @@ impl<D: Driver> DeviceCore<D> {
         let Some(stream) = stream else {
             return false;
         };
-        if self.capturing() || self.driver.stream_capturing(self.dev, stream) {
+        if self.capturing() || self.driver.stream_capturing(self.dev, stream) != Ok(false) {
             return false;
         }
         let d = &*self.driver;
@@ -170,7 +170,7 @@ impl<D: Driver> DeviceCore<D> {
         let Some(stream) = stream else {
             return StreamMark::Unknown;
         };
-        if self.capturing() || self.driver.stream_capturing(self.dev, stream) {
+        if self.capturing() || self.driver.stream_capturing(self.dev, stream) != Ok(false) {
             return StreamMark::Unknown;
         }
         let d = &*self.driver;
@@ -199,7 +199,11 @@ impl<D: Driver> DeviceCore<D> {
     /// When no event can be recorded there (or the stream cannot be named here: `None`), waits
     /// for the whole device instead, which never touches the stream's handle.
     pub(crate) fn sync_stream(&self, stream: Option<StreamId>) -> bool {
-        if self.capturing() || stream.is_some_and(|s| self.driver.stream_capturing(self.dev, s)) {
+        // Only a stream known to be capturing is refused: one the driver cannot answer for (a
+        // destroyed stream) falls through to the device synchronisation below.
+        if self.capturing()
+            || stream.is_some_and(|s| self.driver.stream_capturing(self.dev, s) == Ok(true))
+        {
             return false;
         }
         self.counters.num_stream_syncs.fetch_add(1, Relaxed);

@@ -466,12 +466,15 @@ pub trait Driver: Send + Sync + 'static {
         event: EventId,
     ) -> DriverResult<()>;
     /// Whether `stream` is capturing a CUDA graph now (`cuStreamIsCapturing`; never for the
-    /// legacy stream). A capturing stream may not wait on an event recorded outside its capture
-    /// (the driver refuses and invalidates the capture). The default is for drivers without
-    /// graphs: never. A failed query counts as capturing.
-    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+    /// legacy stream). A capturing stream may not wait on an event recorded outside its capture,
+    /// and an event recorded on it may not be queried while the capture lasts (either breaks
+    /// the capture). An error (a destroyed stream, say) is the caller's to weigh: where a
+    /// wrong "no" could break a capture it counts as capturing; where a wrong "yes" would keep
+    /// a block pending for ever, it falls through to the path that handles a stream that
+    /// cannot be used. The default is for drivers without graphs: never.
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> DriverResult<bool> {
         let _ = (dev, stream);
-        false
+        Ok(false)
     }
     /// Blocks the host until all work on device `dev` has completed.
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
@@ -601,7 +604,7 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     ) -> DriverResult<()> {
         (**self).stream_wait_event(dev, stream, event)
     }
-    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> DriverResult<bool> {
         (**self).stream_capturing(dev, stream)
     }
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {

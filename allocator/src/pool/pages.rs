@@ -527,7 +527,8 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         // A stream capturing a graph cistern was not told of (no window open): waiting there on
         // an event recorded outside the capture would fail and invalidate it.
-        if c.driver.stream_capturing(c.dev, stream) {
+        // (An error counts as capturing: the move falls back, which is always safe.)
+        if c.driver.stream_capturing(c.dev, stream) != Ok(false) {
             return false;
         }
         let ok = c.driver.stream_wait_event(c.dev, stream, ev).is_ok();

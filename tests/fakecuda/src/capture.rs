@@ -115,7 +115,8 @@ pub(crate) fn not_capturing(st: &mut State, sid: u64) -> Result<(), CUresult> {
 
 /// A query or synchronisation of an event last recorded in capture `cid`:
 /// `CUDA_ERROR_CAPTURED_EVENT`, and, while that capture is under way, it is invalidated, in
-/// every mode and from any thread (driver 580 on an H200, `scripts/gpu/capture_rules.py`; the
+/// every mode and from any thread (the query as driver 580 answered on an H200,
+/// `scripts/gpu/capture_rules.py`; the synchronisation by analogy, not yet probed there; the
 /// documentation names only the error).
 pub(crate) fn captured_event(st: &mut State, cid: u64) -> CUresult {
     if let Some(c) = st.captures.get_mut(&cid) {

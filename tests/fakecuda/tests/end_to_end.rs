@@ -1007,6 +1007,43 @@ fn child_capture_donor() {
     drain(&pool, live);
 }
 
+/// A block used by a stream destroyed before the free: the driver can say nothing of that
+/// stream (not even whether it captures), no event can be recorded there, and the free waits
+/// for the device instead; the block comes back, and nothing is left at the end.
+#[test]
+fn a_use_by_a_destroyed_stream_does_not_pin_its_block() {
+    run_child(
+        "child_destroyed_use",
+        &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of a_use_by_a_destroyed_stream_does_not_pin_its_block"]
+fn child_destroyed_use() {
+    use cudarc::driver::sys::{self, CUresult::*};
+    if !is_child("child_destroyed_use") {
+        return;
+    }
+    let d = driver();
+    let (a, gone) = (new_stream(&d, 0), new_stream(&d, 0));
+    let pool = Pool::new(d, Config::default()).unwrap();
+    let p = pool.alloc_raw(0, 8 * MIB, a).unwrap();
+    pool.record_stream(p, gone).unwrap();
+    // SAFETY: a stream the fake created, destroyed once; the pool is not told
+    // (forget_stream), as a careless caller would not.
+    assert_eq!(
+        unsafe { sys::cuStreamDestroy_v2(gone.0 as usize as sys::CUstream) },
+        CUDA_SUCCESS
+    );
+    pool.free_raw(p, a).unwrap();
+    check(&pool);
+    assert_eq!(stat(&pool, "allocated_bytes.all.current"), 0);
+    let q = pool.alloc_raw(0, 8 * MIB, a).unwrap();
+    assert_eq!(q, p, "the block stayed pending");
+    drain(&pool, vec![(q, a)]);
+}
+
 /// Found on a GPU (driver 580): the driver refuses `cuStreamGetId` of a capturing stream, in
 /// every mode, and invalidates the capture, so growth on the capturing stream (which resolves
 /// its stream) broke every `torch.cuda.graph` that allocated. Now a capturing stream is named by

@@ -58,10 +58,12 @@
 //! capturing; on one [`Driver::stream_capturing`] finds capturing it orders no move and
 //! records no event to query (its cached pages are not known to be idle, and a free it used
 //! waits for the capture's end); and it makes no device synchronisation while a graph pool's
-//! window is open. A device synchronisation while a capture cistern was not told
-//! of runs (no window open on that device) still breaks that capture: `empty_cache`, the OOM
-//! protocol, and a free whose block another thread's per-thread stream used (no event can be
-//! recorded on that stream from here, so the free waits for the whole device).
+//! window is open. Still breaking a capture cistern was not told of (no window open on that
+//! device): an event recorded on the legacy stream while a blocking stream captures (an
+//! implicit dependency; `stream_capturing` does not ask about the legacy stream), and a
+//! device synchronisation: `empty_cache`, the OOM protocol, and a free whose block another
+//! thread's per-thread stream used (no event can be recorded on that stream from here, so the
+//! free waits for the whole device).
 //!
 //! # Handles
 //!
@@ -694,24 +696,20 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> bool {
+    fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> DriverResult<bool> {
         if stream == StreamId::DEFAULT || stream == StreamId::LEGACY {
-            return false;
+            return Ok(false);
         }
         let call = DriverCall::StreamWaitEvent;
-        let Ok(st) = stream_ptr(call, stream) else {
-            return true;
-        };
-        let Ok(_bound) = self.bind(call, dev) else {
-            return true;
-        };
+        let st = stream_ptr(call, stream)?;
+        let _bound = self.bind(call, dev)?;
         let mut status: c_uint = CAPTURE_STATUS_NONE;
         // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
         // (the driver refuses one it does not know). Allowed during any capture.
-        let r = cu(call, "cuStreamIsCapturing", || unsafe {
+        cu(call, "cuStreamIsCapturing", || unsafe {
             (self.api.cuStreamIsCapturing)(st, &mut status)
-        });
-        r.is_err() || status != CAPTURE_STATUS_NONE
+        })?;
+        Ok(status != CAPTURE_STATUS_NONE)
     }
 
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
