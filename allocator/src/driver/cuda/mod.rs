@@ -32,8 +32,9 @@
 //! its device, `cuStreamGetId` an id that no other live stream of the process has. A stream
 //! that is capturing a graph (`cuStreamIsCapturing`) is not asked for its id: the driver
 //! refuses `cuStreamGetId` then and invalidates the capture, in every capture mode (measured
-//! on driver 580, `scripts/gpu/capture_rules.py`); its id is [`CAPTURING_ID`] with the
-//! handle's bits, and the pool finds the stream's arena by its handle. The special handles
+//! on driver 580, `scripts/gpu/capture_rules.py`); its id is
+//! [`CAPTURING_ID`](crate::driver::CAPTURING_ID) with the handle's bits, and the pool finds
+//! the stream's arena by its handle (`streams.rs`). The special handles
 //! `0` (the legacy default stream), `CU_STREAM_LEGACY` (`0x1`, the same stream) and
 //! `CU_STREAM_PER_THREAD` (`0x2`, a different stream on every thread) are resolved through the
 //! device's context on the calling thread, as the driver resolves them.
@@ -80,6 +81,7 @@ pub mod api;
 mod call;
 mod caps;
 mod share;
+mod streams;
 
 use std::ffi::{c_int, c_uint};
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -93,7 +95,7 @@ use parking_lot::Mutex;
 
 use super::{
     DeviceCaps, DeviceId, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
-    MemInfo, PhysHandle, StreamId, StreamInfo, CAPTURING_ID,
+    MemInfo, PhysHandle, StreamId, StreamInfo,
 };
 
 use api::Api;
@@ -111,8 +113,6 @@ const LINEAR_GRANULARITY: u64 = 2 << 20;
 
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
 const CAPTURE_MODE_RELAXED: c_uint = 2;
-/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not capturing.
-const CAPTURE_STATUS_NONE: c_uint = 0;
 
 /// The code reported when the driver library cannot be loaded at all (`CUDA_ERROR_NOT_INITIALIZED`).
 const CODE_NOT_LOADED: i32 = CUresult::CUDA_ERROR_NOT_INITIALIZED as i32;
@@ -697,19 +697,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> DriverResult<bool> {
-        if stream == StreamId::DEFAULT || stream == StreamId::LEGACY {
-            return Ok(false);
-        }
-        let call = DriverCall::StreamWaitEvent;
-        let st = stream_ptr(call, stream)?;
-        let _bound = self.bind(call, dev)?;
-        let mut status: c_uint = CAPTURE_STATUS_NONE;
-        // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
-        // (the driver refuses one it does not know). Allowed during any capture.
-        cu(call, "cuStreamIsCapturing", || unsafe {
-            (self.api.cuStreamIsCapturing)(st, &mut status)
-        })?;
-        Ok(status != CAPTURE_STATUS_NONE)
+        self.stream_is_capturing(dev, stream)
     }
 
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
@@ -724,67 +712,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_info(&self, dev: DeviceId, stream: StreamId) -> DriverResult<StreamInfo> {
-        // Errors name cuEventRecord: the pool resolves a stream to record events on it.
-        let call = DriverCall::EventRecord;
-        let api = self.api;
-        let st = stream_ptr(call, stream)?;
-        let device = if stream.is_special() {
-            dev
-        } else {
-            let mut ctx: sys::CUcontext = ptr::null_mut();
-            // SAFETY: `ctx` is a live, writable CUcontext; `st` is a stream handle of the
-            // caller's (the driver refuses one it does not know).
-            cu(call, "cuStreamGetCtx", || unsafe {
-                (api.cuStreamGetCtx)(st, &mut ctx)
-            })?;
-            self.device_of_ctx(call, ctx)?
-        };
-        // A special handle means the stream of `device`'s context on this thread.
-        let _bound = if stream.is_special() {
-            Some(self.bind(call, device)?)
-        } else {
-            None
-        };
-        // The legacy stream never captures (and asking about it while a blocking stream
-        // captures is itself an error); any other may, and then it cannot be named.
-        if stream != StreamId::DEFAULT && stream != StreamId::LEGACY {
-            let mut status: c_uint = CAPTURE_STATUS_NONE;
-            // SAFETY: `status` is a live, writable integer; `st` as below. The query is allowed
-            // during any capture and changes nothing.
-            cu(call, "cuStreamIsCapturing", || unsafe {
-                (api.cuStreamIsCapturing)(st, &mut status)
-            })?;
-            if status != CAPTURE_STATUS_NONE {
-                if stream == StreamId::PER_THREAD {
-                    return Err(DriverError::new(
-                        call,
-                        DriverErrorKind::NotSupported,
-                        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32,
-                        "this thread's per-thread default stream is capturing a graph, and \
-                         the driver cannot name it during a capture: capture on a stream \
-                         created for it (cuStreamCreate), as torch.cuda.graph does",
-                    ));
-                }
-                return Ok(StreamInfo {
-                    device,
-                    id: CAPTURING_ID | stream.0,
-                    per_thread: false,
-                    capturing: true,
-                });
-            }
-        }
-        let mut id: std::ffi::c_ulonglong = 0;
-        // SAFETY: `id` is a live, writable integer; `st` is a live stream handle or a special
-        // handle resolved through the context bound above.
-        cu(call, "cuStreamGetId", || unsafe {
-            (api.cuStreamGetId)(st, &mut id)
-        })?;
-        Ok(StreamInfo {
-            device,
-            id,
-            per_thread: stream == StreamId::PER_THREAD,
-            capturing: false,
-        })
+        self.resolve_stream(dev, stream)
     }
 
     fn current_device(&self) -> Option<DeviceId> {

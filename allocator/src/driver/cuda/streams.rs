@@ -1,0 +1,112 @@
+//! What a stream handle names, and whether it is capturing a graph (see "Streams" and "Stream
+//! capture" in the module docs). The [`Driver`](crate::driver::Driver) methods `stream_info`
+//! and `stream_capturing` of [`CudaDriver`] call these.
+
+use std::ffi::{c_uint, c_ulonglong};
+use std::ptr;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::call::{cu, stream_ptr};
+use super::CudaDriver;
+use crate::driver::{
+    DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId, StreamInfo,
+    CAPTURING_ID,
+};
+
+/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not capturing.
+const CAPTURE_STATUS_NONE: c_uint = 0;
+
+impl CudaDriver {
+    /// Whether the stream `st` (the handle `stream`) is capturing now; never asked of the
+    /// legacy stream, which cannot capture (and asking about it while a blocking stream
+    /// captures is itself an error). The caller has bound the context the handle needs.
+    fn capture_status(
+        &self,
+        call: DriverCall,
+        stream: StreamId,
+        st: sys::CUstream,
+    ) -> DriverResult<bool> {
+        if stream == StreamId::DEFAULT || stream == StreamId::LEGACY {
+            return Ok(false);
+        }
+        let mut status: c_uint = CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
+        // (the driver refuses one it does not know). Allowed during any capture; changes
+        // nothing.
+        cu(call, "cuStreamIsCapturing", || unsafe {
+            (self.api.cuStreamIsCapturing)(st, &mut status)
+        })?;
+        Ok(status != CAPTURE_STATUS_NONE)
+    }
+
+    pub(super) fn stream_is_capturing(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+    ) -> DriverResult<bool> {
+        let call = DriverCall::StreamWaitEvent;
+        let st = stream_ptr(call, stream)?;
+        let _bound = self.bind(call, dev)?;
+        self.capture_status(call, stream, st)
+    }
+
+    pub(super) fn resolve_stream(
+        &self,
+        dev: DeviceId,
+        stream: StreamId,
+    ) -> DriverResult<StreamInfo> {
+        // Errors name cuEventRecord: the pool resolves a stream to record events on it.
+        let call = DriverCall::EventRecord;
+        let api = self.api;
+        let st = stream_ptr(call, stream)?;
+        let device = if stream.is_special() {
+            dev
+        } else {
+            let mut ctx: sys::CUcontext = ptr::null_mut();
+            // SAFETY: `ctx` is a live, writable CUcontext; `st` is a stream handle of the
+            // caller's (the driver refuses one it does not know).
+            cu(call, "cuStreamGetCtx", || unsafe {
+                (api.cuStreamGetCtx)(st, &mut ctx)
+            })?;
+            self.device_of_ctx(call, ctx)?
+        };
+        // A special handle means the stream of `device`'s context on this thread.
+        let _bound = if stream.is_special() {
+            Some(self.bind(call, device)?)
+        } else {
+            None
+        };
+        // A capturing stream cannot be named: cuStreamGetId would break its capture.
+        if self.capture_status(call, stream, st)? {
+            if stream == StreamId::PER_THREAD {
+                return Err(DriverError::new(
+                    call,
+                    DriverErrorKind::NotSupported,
+                    CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32,
+                    "this thread's per-thread default stream is capturing a graph, and the \
+                     driver cannot name it during a capture: capture on a stream created for \
+                     it (cuStreamCreate), as torch.cuda.graph does",
+                ));
+            }
+            return Ok(StreamInfo {
+                device,
+                id: CAPTURING_ID | stream.0,
+                per_thread: false,
+                capturing: true,
+            });
+        }
+        let mut id: c_ulonglong = 0;
+        // SAFETY: `id` is a live, writable integer; `st` is a live stream handle or a special
+        // handle resolved through the context bound above.
+        cu(call, "cuStreamGetId", || unsafe {
+            (api.cuStreamGetId)(st, &mut id)
+        })?;
+        Ok(StreamInfo {
+            device,
+            id,
+            per_thread: stream == StreamId::PER_THREAD,
+            capturing: false,
+        })
+    }
+}
