@@ -40,12 +40,7 @@ fn cross_stream_stitching_waits_for_the_donor() {
     );
     sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
     sim.complete_all(0);
-    free(&pool, p, B);
-    for k in keep {
-        free(&pool, k, A);
-    }
-    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_no_leak(&sim, pool);
+    finish(&sim, pool, &[(p, B)], keep);
 }
 
 /// With `stream_sync:pressure` and room on the device, a busy donor's cached pages are left
@@ -75,13 +70,7 @@ fn a_busy_donor_costs_no_host_wait_while_memory_lasts() {
         waits
     );
     check(&pool);
-    free(&pool, p, B);
-    free(&pool, q, B);
-    for k in keep {
-        free(&pool, k, A);
-    }
-    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_no_leak(&sim, pool);
+    finish(&sim, pool, &[(p, B), (q, B)], keep);
 }
 
 /// With `stream_sync:pressure`, under memory pressure (the device cannot hold the request in
@@ -106,10 +95,7 @@ fn under_pressure_a_busy_donor_is_waited_for() {
         }
         check(&pool);
         sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
-        free(&pool, p, B);
-        for k in keep {
-            free(&pool, k, A);
-        }
+        free_all(&pool, &[(p, B)], keep);
         assert!(sim.hazards().is_empty(), "{mode}: {:#?}", sim.hazards());
         assert_no_leak(&sim, pool);
     }
@@ -127,6 +113,23 @@ fn busy_cheese(cap: u64, mode: &str) -> (std::sync::Arc<cistern::SimDriver>, Sim
     let keep = swiss_cheese(&pool);
     busy_donor(&sim, &pool);
     (sim, pool, keep)
+}
+
+/// Frees `live` (each block on its stream) and the cheese's `keep` blocks (on A).
+fn free_all(pool: &SimPool, live: &[(u64, u64)], keep: Vec<u64>) {
+    for &(p, s) in live {
+        free(pool, p, s);
+    }
+    for k in keep {
+        free(pool, k, A);
+    }
+}
+
+/// [`free_all`], then: no hazard was seen, and nothing is left once the pool is emptied.
+fn finish(sim: &cistern::SimDriver, pool: SimPool, live: &[(u64, u64)], keep: Vec<u64>) {
+    free_all(&pool, live, keep);
+    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
+    assert_no_leak(sim, pool);
 }
 
 /// Calls that block the host on GPU work.
@@ -181,14 +184,7 @@ fn a_busy_donor_moves_ordered_on_the_device() {
     assert!(sim.calls(DriverCall::Unmap) > unmaps);
     assert_eq!(host_waits(&sim), waits);
     check(&pool);
-    for (x, s) in [(p, B), (q, A), (r, A)] {
-        free(&pool, x, s);
-    }
-    for k in keep {
-        free(&pool, k, A);
-    }
-    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_no_leak(&sim, pool);
+    finish(&sim, pool, &[(p, B), (q, A), (r, A)], keep);
 }
 
 /// A stream's own busy pages move within its arena with no wait at all (its own work is in
@@ -209,13 +205,7 @@ fn a_busy_streams_own_pages_move_without_a_wait() {
     sim.complete_all(0);
     let q = alloc(&pool, 50 * MIB, A);
     assert!(stat(&pool, "num_deferred_unmaps") > 0);
-    free(&pool, p, A);
-    free(&pool, q, A);
-    for k in keep {
-        free(&pool, k, A);
-    }
-    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_no_leak(&sim, pool);
+    finish(&sim, pool, &[(p, A), (q, A)], keep);
 }
 
 /// A move ordered on the device whose new mapping fails parks the chunks (still mapped where
@@ -240,12 +230,7 @@ fn parked_moved_chunks_are_reused_in_order() {
     assert!(sim.calls(DriverCall::StreamWaitEvent) > ordered);
     sim.launch(0, StreamId(3), &[(c, 400 * MIB)]).unwrap();
     sim.complete_all(0);
-    free(&pool, c, 3);
-    for k in keep {
-        free(&pool, k, A);
-    }
-    assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
-    assert_no_leak(&sim, pool);
+    finish(&sim, pool, &[(c, 3)], keep);
 }
 
 /// A limit lowered while old mappings wait for their donor: the cached memory above it is
@@ -261,9 +246,7 @@ fn a_lowered_limit_waits_for_old_mappings() {
     assert!(sim.hazards().is_empty(), "{:#?}", sim.hazards());
     assert!(stat(&pool, "num_deferred_unmaps") > 0);
     assert!(stat(&pool, "reserved_bytes.all.current") as u64 <= 2 * GIB / 4 + 100 * MIB);
-    for k in keep {
-        free(&pool, k, A);
-    }
+    free_all(&pool, &[], keep);
     assert_no_leak(&sim, pool);
 }
 
@@ -274,9 +257,7 @@ fn a_window_goes_around_old_mappings() {
     let (sim, pool, keep) = busy_cheese(4 * GIB, "device");
     let p = alloc(&pool, 300 * MIB, B);
     assert!(stat(&pool, "num_ordered_moves") > 0);
-    for k in keep {
-        free(&pool, k, A);
-    }
+    free_all(&pool, &[], keep);
     assert!(sim.unfinished_on(0, StreamId(A)) > 0);
     let errors = stat(&pool, "num_driver_errors");
     let q = alloc(&pool, 300 * MIB, A);
@@ -300,10 +281,7 @@ fn a_failed_deferred_unmap_at_the_end_leaks_no_event() {
     let (sim, pool, keep) = busy_cheese(2 * GIB, "device");
     let p = alloc(&pool, 300 * MIB, B);
     assert!(stat(&pool, "num_ordered_moves") > 0);
-    free(&pool, p, B);
-    for k in keep {
-        free(&pool, k, A);
-    }
+    free_all(&pool, &[(p, B)], keep);
     sim.fail_nth(DriverCall::Unmap, 1);
     drop(pool);
     sim.clear_faults();
@@ -320,10 +298,7 @@ fn deferred_unmaps_end_with_empty_cache_and_with_the_pool() {
         let (sim, pool, keep) = busy_cheese(2 * GIB, "device");
         let p = alloc(&pool, 300 * MIB, B);
         assert!(stat(&pool, "num_ordered_moves") > 0);
-        free(&pool, p, B);
-        for k in keep {
-            free(&pool, k, A);
-        }
+        free_all(&pool, &[(p, B)], keep);
         // Nothing can be released while A's work may use the old mappings.
         assert!(sim.unfinished_work(0) > 0);
         if empty {

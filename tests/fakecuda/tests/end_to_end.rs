@@ -89,6 +89,28 @@ fn new_stream(d: &CudaDriver, dev: usize) -> StreamId {
     StreamId(s as usize as u64)
 }
 
+/// Begins a capture of stream `s` (one the fake created) in `mode`.
+fn begin_capture(s: StreamId, mode: cudarc::driver::sys::CUstreamCaptureMode) {
+    use cudarc::driver::sys;
+    // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
+    let r = unsafe { sys::cuStreamBeginCapture_v2(s.0 as usize as sys::CUstream, mode) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "beginning a capture");
+}
+
+/// Ends the capture of stream `s`, destroying the graph it made; `CUDA_SUCCESS` unless the
+/// capture was invalidated.
+fn end_capture(s: StreamId) -> cudarc::driver::sys::CUresult {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `graph` is a live, writable CUgraph; `s` a stream the fake created.
+    let r = unsafe { sys::cuStreamEndCapture(s.0 as usize as sys::CUstream, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph the capture returned, destroyed once.
+        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    }
+    r
+}
+
 fn driver() -> CudaDriver {
     CudaDriver::new().unwrap_or_else(|e| panic!("CudaDriver::new on the fake: {e}"))
 }
@@ -846,23 +868,14 @@ fn child_capture_pool() {
     let p = pool.alloc_raw(0, MIB, sa).unwrap();
     pool.record_stream(p, sb).unwrap();
     pool.free_raw(p, sa).unwrap();
-    let s = sa.0 as usize as sys::CUstream;
-    // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
-    let r = unsafe {
-        sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
-    };
-    assert_eq!(r, CUDA_SUCCESS);
+    begin_capture(sa, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL);
     // PyTorch allocates during capture, on the capturing stream.
     let q = pool.alloc_raw(0, MIB, sa);
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: `graph` is a live, writable CUgraph.
-    let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
     assert_eq!(
-        r, CUDA_SUCCESS,
+        end_capture(sa),
+        CUDA_SUCCESS,
         "the pool's calls during the capture invalidated it"
     );
-    // SAFETY: the graph the capture returned.
-    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
     drain(&pool, vec![(q.unwrap(), sa)]);
 }
 
@@ -882,7 +895,7 @@ fn a_busy_donor_during_a_capture_keeps_the_capture_valid() {
 #[test]
 #[ignore = "child process of a_busy_donor_during_a_capture_keeps_the_capture_valid"]
 fn child_capture_busy_donor() {
-    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
     if !is_child("child_capture_busy_donor") {
         return;
     }
@@ -914,20 +927,14 @@ fn child_capture_busy_donor() {
     pool.free_raw(x, a).unwrap();
     // B's first allocation (its arena made before the capture), then its capture.
     live.push((pool.alloc_raw(0, MIB, b).unwrap(), b));
-    let s = b.0 as usize as sys::CUstream;
-    // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
-    assert_eq!(
-        unsafe { sys::cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL) },
-        CUDA_SUCCESS
-    );
+    begin_capture(b, CU_STREAM_CAPTURE_MODE_GLOBAL);
     let p = pool.alloc_raw(0, 300 * MIB, b).unwrap();
     check(&pool);
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: `graph` is a live, writable CUgraph.
-    let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
-    assert_eq!(r, CUDA_SUCCESS, "the pool's calls invalidated the capture");
-    // SAFETY: the graph the capture returned.
-    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    assert_eq!(
+        end_capture(b),
+        CUDA_SUCCESS,
+        "the pool's calls invalidated the capture"
+    );
     assert_eq!(
         stat(&pool, "num_ordered_moves"),
         0,
@@ -961,7 +968,7 @@ fn growth_beside_a_capturing_stream_keeps_the_capture_valid() {
 #[test]
 #[ignore = "child process of growth_beside_a_capturing_stream_keeps_the_capture_valid"]
 fn child_capture_donor() {
-    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
     if !is_child("child_capture_donor") {
         return;
     }
@@ -971,12 +978,7 @@ fn child_capture_donor() {
     let x = pool.alloc_raw(0, 64 * MIB, s).unwrap();
     let keep = pool.alloc_raw(0, 2 * MIB, s).unwrap();
     pool.free_raw(x, s).unwrap();
-    let cs = s.0 as usize as sys::CUstream;
-    // SAFETY: `cs` is a stream the fake created; the mode is a valid enum value.
-    assert_eq!(
-        unsafe { sys::cuStreamBeginCapture_v2(cs, CU_STREAM_CAPTURE_MODE_GLOBAL) },
-        CUDA_SUCCESS
-    );
+    begin_capture(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
     // A block of T's that the capturing stream used: its event cannot be recorded on S during
     // the capture, so the block stays pending (not reused) until after it.
     let u = pool.alloc_raw(0, 4 * MIB, t).unwrap();
@@ -990,12 +992,11 @@ fn child_capture_donor() {
     // T needs more than new memory leaves: S's cached pages are the rest.
     let y = pool.alloc_raw(0, 80 * MIB, t);
     check(&pool);
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: `graph` is a live, writable CUgraph.
-    let r = unsafe { sys::cuStreamEndCapture(cs, &mut graph) };
-    assert_eq!(r, CUDA_SUCCESS, "the pool's calls invalidated the capture");
-    // SAFETY: the graph the capture returned.
-    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    assert_eq!(
+        end_capture(s),
+        CUDA_SUCCESS,
+        "the pool's calls invalidated the capture"
+    );
     let mut live = vec![(keep, s), (u2, t)];
     match y {
         Ok(y) => live.push((y, t)),
@@ -1061,7 +1062,7 @@ fn growth_on_a_capturing_stream_keeps_the_capture_valid() {
 #[test]
 #[ignore = "child process of growth_on_a_capturing_stream_keeps_the_capture_valid"]
 fn child_capture_growth() {
-    use cudarc::driver::sys::{self, CUresult::*, CUstreamCaptureMode::*};
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
     if !is_child("child_capture_growth") {
         return;
     }
@@ -1075,12 +1076,7 @@ fn child_capture_growth() {
         CU_STREAM_CAPTURE_MODE_RELAXED,
     ] {
         let sn = new_stream(pool.driver(), 0);
-        let s = sn.0 as usize as sys::CUstream;
-        // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
-        assert_eq!(
-            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
-            CUDA_SUCCESS
-        );
+        begin_capture(sn, mode);
         let a = pool.alloc_raw(0, 3 * MIB, sn).unwrap();
         let b = pool.alloc_raw(0, 40 * MIB, sn).unwrap();
         // A use by its own stream (met by handle) is none; one by a stream outside the capture
@@ -1092,15 +1088,11 @@ fn child_capture_growth() {
         let c = pool.alloc_raw(0, 3 * MIB, sn).unwrap();
         assert_eq!(c, a);
         check(&pool);
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: `graph` is a live, writable CUgraph.
-        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
         assert_eq!(
-            r, CUDA_SUCCESS,
+            end_capture(sn),
+            CUDA_SUCCESS,
             "the pool's calls invalidated the {mode:?} capture"
         );
-        // SAFETY: the graph the capture returned.
-        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
         // After the capture: the stream has its id again.
         let e = pool.alloc_raw(0, 64 * MIB, sn).unwrap();
         check(&pool);
