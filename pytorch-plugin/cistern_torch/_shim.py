@@ -21,6 +21,7 @@ unpacked torch wheel without importing torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -82,10 +83,12 @@ def _compiler() -> str:
     return cxx
 
 
+@functools.lru_cache(maxsize=None)
 def _libstdcxx(cxx: str) -> Optional[str]:
     """The shared C++ runtime to link against by path: the compiler's ``libstdc++.so`` (where it
     resolves to a file), else the ``libstdc++.so*`` this process has mapped (torch's). None when
-    neither is found (the compiler's default then)."""
+    neither is found (the compiler's default then). Asked once per compiler and process: it is
+    part of every build's cache key, so even a cached build would run the compiler for it."""
     try:
         out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
                              text=True, timeout=60).stdout.strip()

@@ -56,9 +56,9 @@
 //! event on every free (a driver call on the hot path), arenas never lend blocks across
 //! streams; whole free *pages* move instead, on the slow path, once an event recorded on the
 //! donor stream has completed, or ordered after it on the GPU (the taking stream waits for it;
-//! the old mapping stays until it completes). This keeps the hot path free of driver calls and still lets
-//! every stream's cache serve every other stream: physical fragmentation is bounded by the
-//! partially used pages at the edges of live runs.
+//! the old mapping stays until it completes). This keeps the hot path free of driver calls
+//! and still lets every stream's cache serve every other stream: physical fragmentation is
+//! bounded by the partially used pages at the edges of live runs.
 //!
 //! # Locks
 //!
