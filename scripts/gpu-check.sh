@@ -10,7 +10,8 @@
 #   driver_costs         the driver's per-call table -> $OUT/costs.json (cistern replay --costs)
 #   cuda_driver          CudaDriver's GPU tests (gpu_*) on the device; a "skipping:" is a failure
 #   capture_rules        what the driver allows while a stream captures a graph, per capture
-#                        mode and thread (scripts/gpu/capture_rules.py): the fake's rules' evidence
+#                        mode and thread (scripts/gpu/capture_rules.py): the fake's rules' evidence;
+#                        fails when an answer differs from tests/fakecuda/capture-rules-h200.json
 #   pool_vmm             the pool's cache-hit pair against the driver's cuMemAlloc+cuMemFree, cold
 #                        growth, 1 GiB moved to a second stream with its host waits (pairbench)
 #   pool_novmm           the same with CISTERN_CONF=vmm:false (the cuMemAlloc path)
@@ -298,10 +299,19 @@ run_cuda_driver() {
 
 run_capture_rules() {
   command -v "${PYTHON:-python3}" > /dev/null 2>&1 || skip "no ${PYTHON:-python3}"
-  "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/capture_rules.py" --out "$OUT/capture_rules.json" || return
-  # How many probes the driver refused, or that ended the capture.
-  echo "allowed=$(grep -c ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" || true)" >> "$STEP_KEYS"
-  echo "refused_or_invalidating=$(grep -vc ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" || true)" >> "$STEP_KEYS"
+  # Compared with the answers the fake's rules were written from: a driver that answers
+  # differently fails the step, naming the probes (update the fake, then the committed file).
+  local rc=0
+  "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/capture_rules.py" --out "$OUT/capture_rules.json" \
+    --compare "$GPU_CHECK_ROOT/tests/fakecuda/capture-rules-h200.json" || rc=$?
+  # How many probes the driver refused, or that ended the capture; how many differ.
+  local probes allowed
+  probes=$(grep -c ' -> ' "$OUT/capture_rules.out" || true)
+  allowed=$(grep -c ' -> CUDA_SUCCESS | capture active' "$OUT/capture_rules.out" || true)
+  echo "allowed=$allowed" >> "$STEP_KEYS"
+  echo "refused_or_invalidating=$((probes - allowed))" >> "$STEP_KEYS"
+  echo "differ_from_fake=$(grep -c '^differs:' "$OUT/capture_rules.out" || true)" >> "$STEP_KEYS"
+  return "$rc"
 }
 
 run_pairbench() {

@@ -10,11 +10,14 @@ records the call's result,
 whether the capture survived (cuStreamIsCapturing) and what cuStreamEndCapture said. Nothing but
 ctypes and libcuda.so.1: no compiler, no torch.
 
-    python3 scripts/gpu/capture_rules.py [--out FILE.json]
+    python3 scripts/gpu/capture_rules.py [--out FILE.json] [--compare REF.json]
 
 Prints one line per probe and mode (`mode probe thread -> call rc | capture after | end rc`),
-and writes the same as JSON with --out. Exit status 0 when every probe ran (whatever the driver
-answered), 1 when the driver could not be set up, 77 when there is no libcuda.
+and writes the same as JSON with --out. With --compare, lists the probes whose answer differs
+from a reference file's (tests/fakecuda/capture-rules-h200.json: the fake's rules' evidence;
+tests/fakecuda/tests/probe.rs runs this probe on the fake and compares). Exit status 0 when
+every probe ran (whatever the driver answered) and none differs, 4 when some differ, 1 when the
+driver could not be set up, 77 when there is no libcuda.
 """
 
 import argparse
@@ -321,11 +324,38 @@ def summarize(path: str) -> None:
         print(f"{probe}: {' '.join(cells)}")
 
 
+def compare(results: list, ref_path: str) -> int:
+    """The probes whose answer (the call's result, the capture after it, cuStreamEndCapture's
+    result) differs from the reference file's, printed one per line; probes only one side ran
+    count too. Returns how many differ."""
+    fields = ("rc", "capture_after", "end_capture", "error")
+    ref = {(r["mode"], r["probe"], r["thread"]): r for r in json.load(open(ref_path))["probes"]}
+    got = {(r["mode"], r["probe"], r["thread"]): r for r in results}
+    differ = 0
+    for key in sorted(set(ref) | set(got)):
+        a, b = ref.get(key), got.get(key)
+        if a is None or b is None:
+            print(f"differs: {' '.join(key)}: only in {'this run' if a is None else ref_path}")
+            differ += 1
+            continue
+        want = {f: a.get(f) for f in fields}
+        have = {f: b.get(f) for f in fields}
+        if want != have:
+            print(f"differs: {' '.join(key)}: {ref_path} says {want}, this run {have}")
+            differ += 1
+    print(f"{differ} of {len(set(ref) | set(got))} probes differ from {ref_path}")
+    return differ
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--summarize", metavar="FILE.json",
                     help="print a --out file's results, one line per probe, and exit")
+    ap.add_argument("--compare", metavar="REF.json",
+                    help="after probing, list the probes whose answer differs from this --out "
+                         "file's (the fake's test runs the probe on the fake against the GPU's "
+                         "answers) and exit 4 when any does")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -354,6 +384,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"driver_version": drv.value, "probes": results}, f, indent=1)
+    if args.compare and compare(results, args.compare):
+        return 4
     return 0
 
 

@@ -28,15 +28,17 @@
 //! with them during graph capture.
 //!
 //! Measured on a real driver (580, CUDA 13.0, an H200; `scripts/gpu/capture_rules.py` probes
-//! each call in each mode from the capturing thread and another), three rules go beyond the
+//! each call in each mode from the capturing thread and another), four rules go beyond the
 //! documentation and are kept here too: `cuStreamGetId` of a capturing stream is refused
 //! (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the capture in every mode;
 //! `cuCtxSynchronize` does the same to every capture of the context, from any thread and in
 //! relaxed mode too; a capturing stream may not wait on an event recorded outside a capture
-//! (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidating it); and querying an event recorded in
-//! a capture still under way invalidates that capture, whatever the mode. The probe agreed with the rules
-//! above on every other call: `cuStreamGetCtx`, `cuMemGetInfo`, event records and the VMM calls
-//! are allowed in every mode.
+//! (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidating it); and querying or synchronising an
+//! event recorded in a capture still under way invalidates that capture, whatever the mode
+//! ([`captured_event_first`]). The probe agreed with the rules above on every other call:
+//! `cuStreamGetCtx`, `cuMemGetInfo`, event records and the VMM calls are allowed in every mode.
+//! Its answers are committed as `tests/fakecuda/capture-rules-h200.json`, and `tests/probe.rs`
+//! runs the same probe on this fake and requires the same answer to every one of them.
 //!
 //! Using the legacy stream while a blocking stream of its context is capturing is
 //! `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("the operation would have resulted in an implicit
@@ -113,16 +115,24 @@ pub(crate) fn not_capturing(st: &mut State, sid: u64) -> Result<(), CUresult> {
     Ok(())
 }
 
-/// A query or synchronisation of an event last recorded in capture `cid`:
-/// `CUDA_ERROR_CAPTURED_EVENT`, and, while that capture is under way, it is invalidated, in
-/// every mode and from any thread (the query as driver 580 answered on an H200,
-/// `scripts/gpu/capture_rules.py`; the synchronisation by analogy, not yet probed there; the
-/// documentation names only the error).
-pub(crate) fn captured_event(st: &mut State, cid: u64) -> CUresult {
-    if let Some(c) = st.captures.get_mut(&cid) {
+/// The capture rules of a query or synchronisation of an event last recorded in capture
+/// `captured` (when it was), in the order driver 580 applies them (an H200,
+/// `scripts/gpu/capture_rules.py`, both calls probed): an event recorded in a capture still
+/// under way is `CUDA_ERROR_CAPTURED_EVENT` and that capture is invalidated, in every mode and
+/// from any thread, before the mode's own prohibition is looked at (a global-mode capturing
+/// thread gets `CAPTURED_EVENT`, not `STREAM_CAPTURE_UNSUPPORTED`); then the call is a
+/// potentially unsafe one ([`unsafe_call`]); then an event last recorded in a capture that has
+/// ended is still `CUDA_ERROR_CAPTURED_EVENT` (the documentation names only the error).
+pub(crate) fn captured_event_first(st: &mut State, captured: Option<u64>) -> Result<(), CUresult> {
+    if let Some(c) = captured.and_then(|cid| st.captures.get_mut(&cid)) {
         c.invalidated = true;
+        return Err(CUDA_ERROR_CAPTURED_EVENT);
     }
-    CUDA_ERROR_CAPTURED_EVENT
+    unsafe_call(st)?;
+    match captured {
+        Some(_) => Err(CUDA_ERROR_CAPTURED_EVENT),
+        None => Ok(()),
+    }
 }
 
 /// Refuses to synchronise device `dev` while any stream of it is capturing, in any mode and

@@ -34,7 +34,7 @@
 //! # Rules (the real driver's, each export's documentation says which)
 //!
 //! * **Results**: only codes of the real `CUresult` enum, each described by `cuGetErrorString`.
-//!   Every call but `cuInit` and `cuGetErrorString` is `CUDA_ERROR_NOT_INITIALIZED` before a
+//!   Every call but `cuInit`, `cuGetErrorString` and `cuGetErrorName` is `CUDA_ERROR_NOT_INITIALIZED` before a
 //!   successful `cuInit`, and `CUDA_ERROR_DEINITIALIZED` once the process has begun exiting (an
 //!   `atexit` hook registered by `cuInit`). A null output pointer is `CUDA_ERROR_INVALID_VALUE`.
 //!   No panic crosses the boundary (a caught one is `CUDA_ERROR_UNKNOWN`).
@@ -61,7 +61,7 @@
 #![allow(non_snake_case)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, Once, OnceLock};
@@ -86,7 +86,8 @@ use knobs::Knobs;
 
 /// CUDA driver functions the fake exports for its clients (tests, the CUDA runtime, PyTorch)
 /// beyond what cistern's backend resolves ([`CUDA_SYMBOLS`]). Overlaps with it are allowed.
-pub const CLIENT_SYMBOLS: [&str; 16] = [
+pub const CLIENT_SYMBOLS: [&str; 17] = [
+    "cuGetErrorName",
     "cuCtxSetCurrent",
     "cuCtxPushCurrent_v2",
     "cuCtxPopCurrent_v2",
@@ -806,6 +807,42 @@ pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_cha
     }
 }
 
+/// `cuGetErrorName`: the name of `error` as the `CUresult` enum spells it
+/// (`"CUDA_ERROR_OUT_OF_MEMORY"`), static for the process's life; an unknown code stores NULL
+/// and returns `CUDA_ERROR_INVALID_VALUE`, as `cuGetErrorString` does. Works before `cuInit`
+/// and during exit.
+///
+/// # Safety
+///
+/// `pStr` is null or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorName(error: c_uint, pStr: *mut *const c_char) -> CUresult {
+    static NAMES: OnceLock<Vec<(c_uint, CString)>> = OnceLock::new();
+    let body = || {
+        let names = NAMES.get_or_init(|| {
+            ERROR_STRINGS
+                .iter()
+                .map(|(r, _)| {
+                    let name = CString::new(format!("{r:?}")).expect("no NUL in a variant name");
+                    (*r as c_uint, name)
+                })
+                .collect()
+        });
+        let text = names
+            .iter()
+            .find(|(r, _)| *r == error)
+            .map(|(_, s)| s.as_ptr());
+        // SAFETY: `pStr` is null or writable (this function's contract); `put` refuses null.
+        unsafe { put(pStr, text.unwrap_or(std::ptr::null())) }?;
+        text.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+    };
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(r)) => r,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Devices
 // ---------------------------------------------------------------------------------------------
@@ -1184,6 +1221,29 @@ mod tests {
         assert!(text.is_null());
         // SAFETY: a null output pointer is refused, not written.
         let r = unsafe { cuGetErrorString(2, std::ptr::null_mut()) };
+        assert_eq!(r, CUDA_ERROR_INVALID_VALUE);
+    }
+
+    #[test]
+    fn error_names_are_the_enums_and_unknown_codes_are_refused() {
+        let mut text: *const c_char = std::ptr::null();
+        for (code, name) in [
+            (2, c"CUDA_ERROR_OUT_OF_MEMORY"),
+            (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+            (907, c"CUDA_ERROR_CAPTURED_EVENT"),
+        ] {
+            // SAFETY: `text` is a live, writable pointer.
+            let r = unsafe { cuGetErrorName(code, &mut text) };
+            assert_eq!(r, CUDA_SUCCESS);
+            // SAFETY: on success the pointer is one of the static names.
+            assert_eq!(unsafe { CStr::from_ptr(text) }, name);
+        }
+        // SAFETY: as above.
+        let r = unsafe { cuGetErrorName(123_456, &mut text) };
+        assert_eq!(r, CUDA_ERROR_INVALID_VALUE);
+        assert!(text.is_null());
+        // SAFETY: a null output pointer is refused, not written.
+        let r = unsafe { cuGetErrorName(2, std::ptr::null_mut()) };
         assert_eq!(r, CUDA_ERROR_INVALID_VALUE);
     }
 }

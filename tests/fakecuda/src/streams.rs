@@ -366,10 +366,7 @@ pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
         let mut st = f.state();
         let e = Fake::event(&st, hEvent)?;
         let (d, captured) = (e.dev, e.captured);
-        capture::unsafe_call(&mut st)?;
-        if let Some(cid) = captured {
-            return Err(capture::captured_event(&mut st, cid));
-        }
+        capture::captured_event_first(&mut st, captured)?;
         match f.sim.event_query(d, EventId(hEvent as usize as u64)) {
             Ok(true) => Ok(()),
             Ok(false) => Err(CUDA_ERROR_NOT_READY),
@@ -391,10 +388,7 @@ pub unsafe extern "C" fn cuEventSynchronize(hEvent: CUevent) -> CUresult {
         let mut st = f.state();
         let e = Fake::event(&st, hEvent)?;
         let (d, captured) = (e.dev, e.captured);
-        capture::unsafe_call(&mut st)?;
-        if let Some(cid) = captured {
-            return Err(capture::captured_event(&mut st, cid));
-        }
+        capture::captured_event_first(&mut st, captured)?;
         f.sim
             .event_synchronize(d, EventId(hEvent as usize as u64))
             .map_err(|e| code(&e))
