@@ -317,3 +317,92 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
         assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
     }
 }
+
+/// While a *blocking* stream captures, every use of the legacy stream (an event record, a
+/// stream wait, even `cuStreamGetId`) is an implicit dependency on the capture, refused and
+/// invalidating it (driver 580, `scripts/gpu/capture_rules.py`). The backend asks
+/// `cuStreamIsCapturing` instead, which answers without harm, and reports the legacy stream
+/// (and the null handle naming it) as capturing, named by its handle; once the capture is over
+/// it resolves as before.
+///
+/// It runs in a process of its own: during the capture every other thread's use of the legacy
+/// stream would fail too (the other tests of this file use it).
+#[test]
+fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
+    const NAME: &str = "gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing";
+    const CHILD: &str = "CISTERN_CUDA_DRIVER_TEST_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let out = std::process::Command::new(exe)
+            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .expect("the test binary runs again");
+        // Its words (a "skipping: ..." among them) reach this test's output.
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "the child process failed: {:?}",
+            out.status
+        );
+        return;
+    }
+    let Some(d) = gpu(NAME) else {
+        return;
+    };
+    d.mem_info(0).unwrap(); // retains device 0's primary context inside the driver
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: every pointer is a live local of the right type; `ctx` is the primary context the
+    // driver returned, current on this thread for the rest of the test. Flags 0: a blocking
+    // stream, which the legacy stream synchronises with.
+    unsafe {
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_SUCCESS);
+    }
+    let before = d.stream_info(0, StreamId::LEGACY).unwrap();
+    assert!(!before.capturing);
+    for mode in [
+        CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CU_STREAM_CAPTURE_MODE_RELAXED,
+    ] {
+        // SAFETY: `s` is the stream created above; the mode is a valid enum value.
+        assert_eq!(
+            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
+            CUDA_SUCCESS
+        );
+        for legacy in [StreamId::LEGACY, StreamId::DEFAULT] {
+            assert_eq!(
+                d.stream_capturing(0, legacy),
+                Ok(true),
+                "{mode:?} {legacy:?}"
+            );
+            let during = d.stream_info(0, legacy).unwrap();
+            assert!(during.capturing, "{mode:?} {legacy:?}");
+            assert_eq!(during.id, cistern::driver::CAPTURING_ID | legacy.0);
+        }
+        // The per-thread stream does not synchronise with other blocking streams.
+        assert_eq!(d.stream_capturing(0, StreamId::PER_THREAD), Ok(false));
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `graph` is a live, writable CUgraph.
+        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+        assert_eq!(
+            r, CUDA_SUCCESS,
+            "asking about the legacy stream invalidated the {mode:?} capture"
+        );
+        // SAFETY: the graph the capture returned.
+        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+        assert_eq!(d.stream_info(0, StreamId::LEGACY).unwrap(), before);
+        assert_eq!(d.stream_capturing(0, StreamId::LEGACY), Ok(false));
+    }
+    // SAFETY: the stream and context of this test, no longer used.
+    unsafe {
+        assert_eq!(sys::cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+    }
+}

@@ -2,7 +2,8 @@
 """What the real CUDA driver allows while a stream captures a graph: the evidence for the rules
 cistern's fake libcuda (tests/fakecuda) enforces, and for what cistern may call during a capture.
 
-Each probe begins a capture on a fresh non-blocking stream S (in each capture mode: global,
+Each probe begins a capture on a fresh non-blocking stream S (a blocking one where the probe's
+name says so; in each capture mode: global,
 thread_local, relaxed), makes one driver call the pool makes (on S, on another stream T, on the
 legacy and per-thread handles, from this thread or another one, each also with the thread's
 capture mode exchanged to relaxed for the call, as cistern's backend makes its calls), then
@@ -38,6 +39,7 @@ MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
 STATUS = {0: "none", 1: "active", 2: "invalidated"}
 LEGACY = c_void_p(1)  # CU_STREAM_LEGACY
 PER_THREAD = c_void_p(2)  # CU_STREAM_PER_THREAD
+BLOCKING = "blocking"  # a probe's fifth element: its capturing stream S is a blocking one
 
 
 class MemLocation(ctypes.Structure):
@@ -94,9 +96,10 @@ class Gpu:
     def bind(self) -> None:
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
-    def stream(self) -> c_void_p:
+    def stream(self, blocking: bool = False) -> c_void_p:
         s = c_void_p()
-        check(cu.cuStreamCreate(byref(s), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        # CU_STREAM_DEFAULT (0): synchronises with the legacy stream; CU_STREAM_NON_BLOCKING (1)
+        check(cu.cuStreamCreate(byref(s), 0 if blocking else 1), "cuStreamCreate")
         return s
 
     def event(self) -> c_void_p:
@@ -117,6 +120,10 @@ def probes(gpu: Gpu):
         env["e"] = gpu.event()
         check(cu.cuEventRecord(env["e"], env["t"]), "cuEventRecord")
 
+    def recorded_on_legacy(env):
+        env["e"] = gpu.event()
+        check(cu.cuEventRecord(env["e"], LEGACY), "cuEventRecord")
+
     def event_only(env):
         env["e"] = gpu.event()
 
@@ -133,6 +140,12 @@ def probes(gpu: Gpu):
         def call(env):
             out = c_void_p()
             return cu.cuStreamGetCtx(which(env), byref(out))
+        return call
+
+    def is_capturing(which):
+        def call(env):
+            out = c_int(-1)
+            return cu.cuStreamIsCapturing(which(env), byref(out))
         return call
 
     def reserve(env):
@@ -241,12 +254,33 @@ def probes(gpu: Gpu):
         ("mem_set_access", mapped, access, free_all),
         ("mem_unmap", mapped, lambda e: cu.cuMemUnmap(e["va"], c_size_t(g)), free_all),
         ("mem_release", lambda e: handle(e), lambda e: cu.cuMemRelease(e.pop("h")), free_all),
+        ("stream_is_capturing(S)", nothing, is_capturing(lambda e: e["s"]), nothing),
+        ("stream_is_capturing(legacy)", nothing, is_capturing(lambda e: LEGACY), nothing),
+        # S created blocking (CU_STREAM_DEFAULT): the legacy stream synchronises with it, so
+        # using the legacy stream during its capture would be an implicit dependency.
+        ("blocking S: stream_is_capturing(legacy)", nothing, is_capturing(lambda e: LEGACY),
+         nothing, BLOCKING),
+        ("blocking S: stream_is_capturing(NULL)", nothing, is_capturing(lambda e: c_void_p(0)),
+         nothing, BLOCKING),
+        ("blocking S: stream_is_capturing(per_thread)", nothing,
+         is_capturing(lambda e: PER_THREAD), nothing, BLOCKING),
+        ("blocking S: event_record(legacy)", event_only,
+         lambda e: cu.cuEventRecord(e["e"], LEGACY), drop_event, BLOCKING),
+        ("blocking S: event_record(T)", event_only, lambda e: cu.cuEventRecord(e["e"], e["t"]),
+         drop_event, BLOCKING),
+        ("blocking S: stream_get_id(legacy)", nothing, stream_id(lambda e: LEGACY), nothing,
+         BLOCKING),
+        ("blocking S: stream_wait_event(legacy, recorded on T before)", recorded_on_t,
+         lambda e: cu.cuStreamWaitEvent(LEGACY, e["e"], c_uint(0)), drop_event, BLOCKING),
+        ("blocking S: event_query(recorded on legacy before)", recorded_on_legacy,
+         lambda e: cu.cuEventQuery(e["e"]), drop_event, BLOCKING),
     ]
 
 
 def run_probe(gpu: Gpu, mode: str, probe, other_thread: bool, relaxed: bool = False) -> dict:
-    pname, setup, call, teardown = probe
-    env = {"s": gpu.stream(), "t": gpu.stream()}
+    pname, setup, call, teardown = probe[:4]
+    blocking = len(probe) > 4 and probe[4] is BLOCKING
+    env = {"s": gpu.stream(blocking), "t": gpu.stream()}
     try:
         setup(env)
         check(cu.cuStreamBeginCapture_v2(env["s"], MODES[mode]), "cuStreamBeginCapture")

@@ -42,7 +42,11 @@
 //!
 //! Using the legacy stream while a blocking stream of its context is capturing is
 //! `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("the operation would have resulted in an implicit
-//! dependency on a capturing stream, as with the legacy stream") and invalidates that capture.
+//! dependency on a capturing stream, as with the legacy stream") and invalidates that capture:
+//! an event record, a `cuStreamWaitEvent`, and, measured on driver 580, `cuStreamGetId` of the
+//! legacy stream (the null handle too). `cuStreamIsCapturing` of it answers the same error
+//! without invalidating (the documentation's case, measured too): how cistern's backend learns
+//! that the legacy stream may not be used.
 //! Work queued on a capturing stream is recorded into the graph, not run: an event recorded
 //! there is a captured event (`CUDA_ERROR_CAPTURED_EVENT` for `cuEventQuery` and
 //! `cuEventSynchronize` until it is recorded again outside a capture).

@@ -250,9 +250,11 @@ pub unsafe extern "C" fn cuStreamGetId(hStream: CUstream, streamId: *mut c_ulong
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut st = f.state();
-        let sid = f.resolve(&mut st, hStream)?;
         // Refused on a capturing stream, whatever the capture mode or thread, and the capture
-        // is invalidated (driver 580 on an H200: `scripts/gpu/capture_rules.py`).
+        // is invalidated; on the legacy stream while a blocking stream of its context
+        // captures, `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, invalidating that capture as using
+        // the stream would (driver 580 on an H200: `scripts/gpu/capture_rules.py`).
+        let sid = f.use_stream(&mut st, hStream)?;
         capture::not_capturing(&mut st, sid)?;
         // SAFETY: `streamId` is non-null and writable (contract).
         unsafe { put(streamId, sid) }

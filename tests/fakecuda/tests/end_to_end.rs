@@ -1008,6 +1008,76 @@ fn child_capture_donor() {
     drain(&pool, live);
 }
 
+/// The legacy stream while a blocking stream captures a graph: naming it (`cuStreamGetId`),
+/// recording an event on it or ordering it after another would each be an implicit dependency
+/// on the capture, which the driver refuses and which breaks the capture (driver 580,
+/// `capture_rules.py`). cistern asks `cuStreamIsCapturing` of it, which answers without harm,
+/// and treats it as a capturing stream: allocations on it are served, its frees wait until
+/// after the capture, its cached pages are not known to be idle; the capture stays valid.
+#[test]
+fn the_legacy_stream_beside_a_blocking_capture_keeps_the_capture_valid() {
+    run_child(
+        "child_legacy_beside_capture",
+        &[("CISTERN_FAKECUDA_CAPACITY", "160MiB")],
+    );
+}
+
+#[test]
+#[ignore = "child process of the_legacy_stream_beside_a_blocking_capture_keeps_the_capture_valid"]
+fn child_legacy_beside_capture() {
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
+    if !is_child("child_legacy_beside_capture") {
+        return;
+    }
+    for (mode, legacy) in [
+        (CU_STREAM_CAPTURE_MODE_GLOBAL, StreamId::LEGACY),
+        (CU_STREAM_CAPTURE_MODE_RELAXED, StreamId::DEFAULT),
+    ] {
+        let d = driver();
+        // Both created blocking (flags 0): the legacy stream synchronises with them.
+        let (s, t) = (new_stream(&d, 0), new_stream(&d, 0));
+        let pool = Pool::new(d, Config::default()).unwrap();
+        // Cached on the legacy stream: a small block (for its allocations during the capture,
+        // which leave the large one whole) and a large one (for T's growth to look at).
+        let small = pool.alloc_raw(0, MIB / 2, legacy).unwrap();
+        let keep = pool.alloc_raw(0, 2 * MIB, legacy).unwrap();
+        let x = pool.alloc_raw(0, 64 * MIB, legacy).unwrap();
+        pool.free_raw(small, legacy).unwrap();
+        pool.free_raw(x, legacy).unwrap();
+        let used = pool.alloc_raw(0, 4 * MIB, t).unwrap();
+        pool.record_stream(used, legacy).unwrap();
+        begin_capture(s, mode);
+        // Allocations on the legacy stream, a free there, and reuse.
+        let a = pool.alloc_raw(0, MIB / 2, legacy).unwrap();
+        pool.free_raw(a, legacy).unwrap();
+        let a2 = pool.alloc_raw(0, MIB / 2, legacy).unwrap();
+        // A block of T's that the legacy stream used: no event can be recorded there now.
+        pool.free_raw(used, t).unwrap();
+        let u2 = pool.alloc_raw(0, 4 * MIB, t).unwrap();
+        assert_ne!(
+            u2, used,
+            "a block the legacy stream used was reused while its use could not be ordered"
+        );
+        // T needs more than new memory leaves: the legacy stream's cached pages are the rest.
+        let y = pool.alloc_raw(0, 80 * MIB, t);
+        check(&pool);
+        assert_eq!(
+            end_capture(s),
+            CUDA_SUCCESS,
+            "the pool's calls on the legacy stream invalidated the capture ({mode:?}, {legacy:?})"
+        );
+        let mut live = vec![(keep, legacy), (a2, legacy), (u2, t)];
+        match y {
+            Ok(y) => live.push((y, t)),
+            Err(e) => assert!(e.is_oom(), "{e}"),
+        }
+        // After the capture the legacy stream's pages can be seen idle and taken.
+        let z = pool.alloc_raw(0, 80 * MIB, t).unwrap();
+        live.push((z, t));
+        drain(&pool, live);
+    }
+}
+
 /// A block used by a stream destroyed before the free: the driver can say nothing of that
 /// stream (not even whether it captures), no event can be recorded there, and the free waits
 /// for the device instead; the block comes back, and nothing is left at the end.

@@ -37,7 +37,11 @@
 //! the stream's arena by its handle (`streams.rs`). The special handles
 //! `0` (the legacy default stream), `CU_STREAM_LEGACY` (`0x1`, the same stream) and
 //! `CU_STREAM_PER_THREAD` (`0x2`, a different stream on every thread) are resolved through the
-//! device's context on the calling thread, as the driver resolves them.
+//! device's context on the calling thread, as the driver resolves them. While a blocking stream
+//! of the context captures, every use of the legacy stream, `cuStreamGetId` included, is an
+//! implicit dependency on that capture, refused and invalidating it; `cuStreamIsCapturing` of
+//! the legacy stream then answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` without harm (measured
+//! there too), and the legacy stream is reported as capturing, named by its handle.
 //!
 //! # Stream capture
 //!
@@ -56,13 +60,12 @@
 //! `cuStreamQuery` of the capturing stream, `cuStreamWaitEvent` of the capturing stream on an
 //! event recorded outside it, and a query of an event recorded inside the capture. The pool
 //! never calls `cuStreamQuery`; it asks no id of a stream [`Driver::stream_info`] finds
-//! capturing; on one [`Driver::stream_capturing`] finds capturing it orders no move and
+//! capturing; on one [`Driver::stream_capturing`] finds capturing (the legacy stream among
+//! them while a blocking stream captures) it orders no move and
 //! records no event to query (its cached pages are not known to be idle, and a free it used
 //! waits for the capture's end); and it makes no device synchronisation while a graph pool's
 //! window is open. Still breaking a capture cistern was not told of (no window open on that
-//! device): an event recorded on the legacy stream while a blocking stream captures (an
-//! implicit dependency; `stream_capturing` does not ask about the legacy stream), and a
-//! device synchronisation: `empty_cache`, the OOM protocol, and a free whose block another
+//! device): a device synchronisation: `empty_cache`, the OOM protocol, and a free whose block another
 //! thread's per-thread stream used (no event can be recorded on that stream from here, so the
 //! free waits for the whole device).
 //!

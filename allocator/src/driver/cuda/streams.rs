@@ -18,26 +18,29 @@ use crate::driver::{
 const CAPTURE_STATUS_NONE: c_uint = 0;
 
 impl CudaDriver {
-    /// Whether the stream `st` (the handle `stream`) is capturing now; never asked of the
-    /// legacy stream, which cannot capture (and asking about it while a blocking stream
-    /// captures is itself an error). The caller has bound the context the handle needs.
-    fn capture_status(
-        &self,
-        call: DriverCall,
-        stream: StreamId,
-        st: sys::CUstream,
-    ) -> DriverResult<bool> {
-        if stream == StreamId::DEFAULT || stream == StreamId::LEGACY {
-            return Ok(false);
-        }
+    /// Whether the stream `st` (the handle `stream`) is capturing now, or may not be used
+    /// because of a capture. The caller has bound the context the handle needs.
+    ///
+    /// The legacy stream (`StreamId::LEGACY`, and the null handle, which names it for the
+    /// driver API cistern calls) cannot capture, but while a blocking stream of its context is
+    /// capturing every use of it is an implicit dependency on that capture, which the driver
+    /// refuses and which invalidates the capture: an event record, `cuStreamWaitEvent`, even
+    /// `cuStreamGetId` (driver 580, `scripts/gpu/capture_rules.py`). `cuStreamIsCapturing` of
+    /// it answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then, without harm (documented, and
+    /// measured there): reported as capturing, so the pool neither names the stream nor
+    /// records an event on it until the capture ends.
+    fn capture_status(&self, call: DriverCall, st: sys::CUstream) -> DriverResult<bool> {
         let mut status: c_uint = CAPTURE_STATUS_NONE;
         // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
-        // (the driver refuses one it does not know). Allowed during any capture; changes
-        // nothing.
-        cu(call, "cuStreamIsCapturing", || unsafe {
+        // (the driver refuses one it does not know) or a special one. Allowed during any
+        // capture; changes nothing.
+        match cu(call, "cuStreamIsCapturing", || unsafe {
             (self.api.cuStreamIsCapturing)(st, &mut status)
-        })?;
-        Ok(status != CAPTURE_STATUS_NONE)
+        }) {
+            Ok(()) => Ok(status != CAPTURE_STATUS_NONE),
+            Err(e) if e.code == CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as i32 => Ok(true),
+            Err(e) => Err(e),
+        }
     }
 
     pub(super) fn stream_is_capturing(
@@ -48,7 +51,7 @@ impl CudaDriver {
         let call = DriverCall::StreamWaitEvent;
         let st = stream_ptr(call, stream)?;
         let _bound = self.bind(call, dev)?;
-        self.capture_status(call, stream, st)
+        self.capture_status(call, st)
     }
 
     pub(super) fn resolve_stream(
@@ -78,7 +81,7 @@ impl CudaDriver {
             None
         };
         // A capturing stream cannot be named: cuStreamGetId would break its capture.
-        if self.capture_status(call, stream, st)? {
+        if self.capture_status(call, st)? {
             if stream == StreamId::PER_THREAD {
                 return Err(DriverError::new(
                     call,
