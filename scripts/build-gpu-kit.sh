@@ -10,6 +10,8 @@
 #   gpu-kit/libcistern.so     the C ABI (cistern-ffi, release): pairbench's and PyTorch's
 #   gpu-kit/pairbench         scripts/gpu/pairbench.c, compiled here when gcc is here (else
 #                             gpu-check.sh compiles it on the device, or skips that step)
+#   gpu-kit/holder            cli/tests/c/holder.c (gcc here too): holds tagged memory through
+#                             libcistern.so for the nvml_ps step
 #   gpu-kit/pytorch-plugin/   the cistern_torch package's sources (CISTERN_LIB names the .so)
 #   gpu-kit/costs/            the published cost table; gpu-kit/traces/ the PyTorch snapshots
 #                             of $CISTERN_TRACES_DIR (default ../shared/traces) when there
@@ -45,8 +47,11 @@ strip --strip-debug "$KIT/driver_costs" "$KIT/cistern" "$KIT/libcistern.so" "$KI
 
 if command -v gcc > /dev/null; then
   gcc -O2 -Wall -Wextra -o "$KIT/pairbench" scripts/gpu/pairbench.c -ldl
+  # Linked to the kit's libcistern.so, found there at run time (LD_LIBRARY_PATH).
+  gcc -O2 -std=c11 -D_POSIX_C_SOURCE=200809L -o "$KIT/holder" cli/tests/c/holder.c \
+    -I ffi/include -L "$KIT" -lcistern
 else
-  echo "no gcc here: gpu-check.sh compiles pairbench on the device if it can" >&2
+  echo "no gcc here: gpu-check.sh compiles pairbench on the device if it can; no holder" >&2
 fi
 
 mkdir -p "$KIT/pytorch-plugin"

@@ -15,6 +15,9 @@
 #   pool_vmm             the pool's cache-hit pair against the driver's cuMemAlloc+cuMemFree, cold
 #                        growth, 1 GiB moved to a second stream with its host waits (pairbench)
 #   pool_novmm           the same with CISTERN_CONF=vmm:false (the cuMemAlloc path)
+#   nvml_ps              cistern ps / leaks / doctor against the real NVML: a process holding
+#                        1 GiB through libcistern.so, joined with NVML's entry for it, then
+#                        killed and accounted for (scripts/gpu/nvml_check.py)
 #   cudarc_kernel        the cudarc example: pooled buffers as kernel arguments on two streams
 #   torch_train_native   PyTorch, its own allocator: a small training loop's losses, twice
 #   torch_shim           builds cistern_torch's OOM shim once (C++, cached); when that fails the
@@ -314,6 +317,18 @@ run_capture_rules() {
   return "$rc"
 }
 
+run_nvml_ps() {
+  need_file "$KIT/holder"
+  need_file "$KIT/cistern"
+  command -v "${PYTHON:-python3}" > /dev/null 2>&1 || skip "no ${PYTHON:-python3}"
+  local rc=0
+  "${PYTHON:-python3}" "$GPU_CHECK_ROOT/scripts/gpu/nvml_check.py" --holder "$KIT/holder" \
+    --lib-dir "$KIT" --cistern "$KIT/cistern" --mib 1024 --out "$OUT/nvml_ps.json" || rc=$?
+  # Its key=value lines are the step's key numbers.
+  grep -E '^[a-z_]+=' "$OUT/nvml_ps.out" >> "$STEP_KEYS" || true
+  return "$rc"
+}
+
 run_pairbench() {
   need_file "$CISTERN_LIB"
   if [ ! -x "$KIT/pairbench" ]; then
@@ -420,6 +435,7 @@ main() {
   step capture_rules 60 run_capture_rules
   step pool_vmm 60 run_pairbench
   CISTERN_CONF=registry:off,vmm:false step pool_novmm 45 run_pairbench
+  step nvml_ps 60 run_nvml_ps
   step cudarc_kernel 30 run_cudarc_kernel
   step torch_train_native 90 run_torch train --mode native
   step torch_shim 120 run_torch shim

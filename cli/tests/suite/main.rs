@@ -15,6 +15,7 @@ mod export;
 mod fresh_clone;
 mod hostile;
 mod leaks;
+mod nvml_check;
 mod ps;
 mod replay;
 mod whatif;
