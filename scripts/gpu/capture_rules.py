@@ -148,6 +148,58 @@ def probes(gpu: Gpu):
             return cu.cuStreamIsCapturing(which(env), byref(out))
         return call
 
+    def event_create(env):
+        e = c_void_p()
+        rc = cu.cuEventCreate(byref(e), 2)
+        if rc == 0:
+            env["e"] = e
+        return rc
+
+    def drop_event_if_any(env):
+        if "e" in env:
+            cu.cuEventDestroy_v2(env.pop("e"))
+
+    def reserved(env):
+        reserve(env)
+
+    def address_free(env):
+        return cu.cuMemAddressFree(env.pop("va"), c_size_t(g))
+
+    def push_pop(env):
+        rc = cu.cuCtxPushCurrent_v2(gpu.ctx)
+        if rc != 0:
+            return rc
+        out = c_void_p()
+        return cu.cuCtxPopCurrent_v2(byref(out))
+
+    def ctx_get_current(env):
+        out = c_void_p()
+        return cu.cuCtxGetCurrent(byref(out))
+
+    def ctx_get_device(env):
+        out = c_int()
+        return cu.cuCtxGetDevice(byref(out))
+
+    def device_attribute(env):
+        out = c_int()
+        # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102)
+        return cu.cuDeviceGetAttribute(byref(out), 102, gpu.dev)
+
+    def granularity(env):
+        out = c_size_t()
+        return cu.cuMemGetAllocationGranularity(byref(out), byref(gpu.prop), 0)
+
+    def primary_retain_release(env):
+        ctx = c_void_p()
+        rc = cu.cuDevicePrimaryCtxRetain(byref(ctx), gpu.dev)
+        if rc != 0:
+            return rc
+        return cu.cuDevicePrimaryCtxRelease_v2(gpu.dev)
+
+    def ipc_handle(env):
+        buf = (ctypes.c_char * 64)()
+        return cu.cuIpcGetMemHandle(buf, env["dptr"])
+
     def reserve(env):
         p = c_ulonglong()
         check(cu.cuMemAddressReserve(byref(p), c_size_t(g), c_size_t(0), c_ulonglong(0),
@@ -268,6 +320,17 @@ def probes(gpu: Gpu):
          lambda e: cu.cuEventRecord(e["e"], LEGACY), drop_event, BLOCKING),
         ("blocking S: event_record(T)", event_only, lambda e: cu.cuEventRecord(e["e"], e["t"]),
          drop_event, BLOCKING),
+        ("event_create", nothing, event_create, drop_event_if_any),
+        ("event_destroy(recorded on T before)", recorded_on_t,
+         lambda e: cu.cuEventDestroy_v2(e.pop("e")), drop_event_if_any),
+        ("mem_address_free", reserved, address_free, free_all),
+        ("ctx_push_pop", nothing, push_pop, nothing),
+        ("ctx_get_current", nothing, ctx_get_current, nothing),
+        ("ctx_get_device", nothing, ctx_get_device, nothing),
+        ("device_get_attribute", nothing, device_attribute, nothing),
+        ("mem_get_allocation_granularity", nothing, granularity, nothing),
+        ("primary_ctx_retain_release", nothing, primary_retain_release, nothing),
+        ("ipc_get_mem_handle", allocated, ipc_handle, free_dptr),
         ("blocking S: stream_get_id(legacy)", nothing, stream_id(lambda e: LEGACY), nothing,
          BLOCKING),
         ("blocking S: stream_wait_event(legacy, recorded on T before)", recorded_on_t,

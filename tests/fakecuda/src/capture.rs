@@ -36,7 +36,10 @@
 //! (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidating it); and querying or synchronising an
 //! event recorded in a capture still under way invalidates that capture, whatever the mode
 //! ([`captured_event_first`]). The probe agreed with the rules above on every other call:
-//! `cuStreamGetCtx`, `cuMemGetInfo`, event records and the VMM calls are allowed in every mode.
+//! `cuStreamGetCtx`, `cuStreamIsCapturing`, `cuMemGetInfo`, event creation, records and
+//! destruction, the VMM calls (`cuMemAddressFree` too), context pushes and pops, primary
+//! context retains, attribute and granularity queries and `cuIpcGetMemHandle` are allowed in
+//! every mode.
 //! Its answers are committed as `tests/fakecuda/capture-rules-h200.json`, and `tests/probe.rs`
 //! runs the same probe on this fake and requires the same answer to every one of them.
 //!
