@@ -158,7 +158,9 @@ pub struct OomReport {
     pub top_tags: Vec<Attribution>,
     /// Live bytes by call site, largest first (empty until sampling is on).
     pub top_sites: Vec<Attribution>,
-    /// Other processes on the device, when known.
+    /// Other processes holding memory on the device, when known: those using cistern, from
+    /// their registry records (filled once the device lock is released; empty on the simulated
+    /// GPU and with `registry:off`). `cistern ps` also names the others, from NVML.
     pub other_processes: Vec<OtherProcess>,
     /// Why the request failed, in words.
     pub reason: String,
@@ -196,6 +198,19 @@ impl fmt::Display for OomReport {
             mib(self.cached),
             mib(self.largest_free)
         )?;
+        // What the device's free memory leaves unexplained by this process.
+        let outside = self
+            .device_total
+            .saturating_sub(self.device_free)
+            .saturating_sub(self.reserved);
+        if outside > 0 {
+            writeln!(
+                f,
+                "  held outside this process: {} (other processes and the driver; `cistern ps` \
+                 names them)",
+                mib(outside)
+            )?;
+        }
         for (title, list) in [("tags", &self.top_tags), ("call sites", &self.top_sites)] {
             if !list.is_empty() {
                 writeln!(f, "  top {title} by live bytes:")?;
@@ -255,5 +270,50 @@ mod tests {
             cuda,
             "invalid device 3: 2 device(s) visible (check CUDA_VISIBLE_DEVICES)"
         );
+    }
+
+    /// An OOM report says how much of the device is held outside the process (what its free
+    /// memory leaves unexplained), and names the other processes it knows of.
+    #[test]
+    fn an_oom_report_says_what_is_held_outside_the_process() {
+        const GIB: u64 = 1 << 30;
+        let mut r = OomReport {
+            device: 0,
+            stream: 0,
+            requested: 8 * GIB,
+            rounded: 8 * GIB,
+            limit: 80 * GIB,
+            device_free: 2 * GIB,
+            device_total: 80 * GIB,
+            reserved: 10 * GIB,
+            live: 9 * GIB,
+            pending: 0,
+            cached: GIB,
+            largest_free: GIB,
+            top_tags: vec![],
+            top_sites: vec![],
+            other_processes: vec![OtherProcess {
+                pid: 4242,
+                bytes: 60 * GIB,
+                command: "python train.py".into(),
+            }],
+            reason: "the device has too little free memory for it".into(),
+        };
+        let text = r.to_string();
+        assert!(
+            text.contains("  held outside this process: 68.0 GiB (other processes and the driver"),
+            "{text}"
+        );
+        assert!(
+            text.contains("other processes on this device:\n    pid    4242"),
+            "{text}"
+        );
+        assert!(text.contains("python train.py"), "{text}");
+        // Nothing held outside: no such line.
+        r.device_free = 70 * GIB;
+        r.other_processes.clear();
+        let text = r.to_string();
+        assert!(!text.contains("held outside"), "{text}");
+        assert!(!text.contains("other processes"), "{text}");
     }
 }

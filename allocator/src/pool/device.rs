@@ -556,7 +556,7 @@ impl<D: Driver> DevicePool<D> {
                         .find_map(|a| self.fast_alloc(a, kind, rounded, size, o.as_ref()));
                     match from_pool {
                         Some(p) => break p,
-                        None => return Err(e),
+                        None => return Err(self.name_other_processes(e)),
                     }
                 }
                 r => r?,

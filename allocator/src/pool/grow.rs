@@ -298,6 +298,33 @@ impl<D: Driver> DevicePool<D> {
     }
 }
 
+impl<D: Driver> DevicePool<D> {
+    /// Names, in an out-of-memory error of the device (not of a limit), the other processes
+    /// that hold memory on it, as their registry records say (`publish::other_processes_on`):
+    /// in the error and in the device's last OOM report. Called once the device lock is
+    /// released: it reads the registry's files.
+    #[cold]
+    pub(super) fn name_other_processes(&self, e: Error) -> Error {
+        let Error::OutOfMemory(mut r) = e else {
+            return e;
+        };
+        let c = &*self.core;
+        let others =
+            super::publish::other_processes_on(&c.config, c.driver.name(), c.caps.uuid.as_deref());
+        if others.is_empty() {
+            return Error::OutOfMemory(r);
+        }
+        if let Some(last) = self.state.lock().last_oom.as_deref_mut() {
+            // Unless another thread's OOM has replaced it meanwhile.
+            if last.requested == r.requested && last.stream == r.stream {
+                last.other_processes = others.clone();
+            }
+        }
+        r.other_processes = others;
+        Error::OutOfMemory(r)
+    }
+}
+
 /// How many tags and sites an OOM report lists.
 const TOP_N: usize = 8;
 

@@ -282,3 +282,235 @@ impl<D: Driver> RecordSource for Pool<D> {
         out
     }
 }
+
+/// How many other processes an OOM report names.
+const OTHER_PROCESSES: usize = 8;
+
+/// The other processes holding memory on the GPU `uuid`, as their registry records say
+/// ([`crate::registry`]): the live processes of this boot (pid and start time checked against
+/// `/proc`) that use cistern on the same driver (`cuda`; a simulated GPU holds no device
+/// memory, so there are none on it) with bytes reserved there, largest first, at most
+/// [`OTHER_PROCESSES`]. What an OOM report names (see [`DevicePool::name_other_processes`]);
+/// processes that do not use cistern, or whose records another user's directory holds, are
+/// not here: `cistern ps` reconciles those with NVML, and the report's "held outside this
+/// process" line counts them. Empty when the registry is off, the directory cannot be read,
+/// or the GPU has no UUID.
+///
+/// [`DevicePool::name_other_processes`]: crate::DevicePool
+pub(super) fn other_processes_on(
+    config: &crate::Config,
+    driver: &str,
+    uuid: Option<&str>,
+) -> Vec<crate::error::OtherProcess> {
+    let (Some(dir), Some(uuid)) = (registry::dir_for(config), uuid) else {
+        return Vec::new();
+    };
+    if driver != "cuda" {
+        return Vec::new();
+    }
+    let Ok(files) = registry::read_all(&dir) else {
+        return Vec::new();
+    };
+    let me = std::process::id();
+    let boot = registry::boot_id().ok();
+    let mut out: Vec<crate::error::OtherProcess> = files
+        .into_iter()
+        .filter_map(|(_, r)| r.ok())
+        .filter(|r| r.pid != me && r.state == registry::State::Running)
+        .filter(|r| r.driver.as_deref().is_none_or(|d| d == "cuda"))
+        .filter(|r| boot.as_deref().is_none_or(|b| b == r.boot_id))
+        .filter(|r| registry::is_alive(r.pid, r.start_time) == registry::Liveness::Alive)
+        .filter_map(|r| {
+            let bytes: u64 = r
+                .devices
+                .iter()
+                .filter(|d| d.uuid.as_deref() == Some(uuid))
+                .map(|d| d.reserved)
+                .sum();
+            (bytes > 0).then(|| crate::error::OtherProcess {
+                pid: r.pid,
+                bytes,
+                command: r.cmdline.join(" "),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+    out.truncate(OTHER_PROCESSES);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Child, Command};
+
+    use super::other_processes_on;
+    use crate::registry::{self, DeviceRecord, Identity, ProcessSnapshot, Registry, State};
+
+    const GPU: &str = "GPU-11111111-2222-3333-4444-555555555555";
+    const GIB: u64 = 1 << 30;
+
+    /// A process that stays alive until dropped.
+    struct Sleeper(Child);
+
+    impl Sleeper {
+        fn new() -> Sleeper {
+            Sleeper(
+                Command::new("sleep")
+                    .arg("60")
+                    .spawn()
+                    .expect("spawn sleep"),
+            )
+        }
+        fn identity(&self, command: &str) -> Identity {
+            let pid = self.0.id();
+            Identity {
+                pid,
+                start_time: registry::process_start_time(pid).expect("its start time"),
+                boot_id: registry::boot_id().unwrap(),
+                uid: registry::euid(),
+                cmdline: command.split(' ').map(str::to_owned).collect(),
+                cmdline_truncated: false,
+                placement: Default::default(),
+            }
+        }
+    }
+
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn device(uuid: &str, reserved: u64) -> DeviceRecord {
+        DeviceRecord {
+            index: 0,
+            uuid: Some(uuid.into()),
+            name: "GPU".into(),
+            total_memory: 80 * GIB,
+            limit: 80 * GIB,
+            reserved,
+            live: reserved,
+            cached: 0,
+            pending: 0,
+            peak_reserved: reserved,
+            peak_live: reserved,
+            top_tags: vec![],
+            top_sites: vec![],
+            allocations: 0,
+            ooms: 0,
+            imported: vec![],
+            imported_other: 0,
+        }
+    }
+
+    fn publish(dir: &std::path::Path, id: Identity, dev: DeviceRecord, driver: &str, state: State) {
+        let snap = ProcessSnapshot {
+            devices: vec![dev],
+            last_oom: None,
+            marks: vec![],
+            driver: Some(driver.into()),
+        };
+        Registry::with_identity(dir, id)
+            .unwrap()
+            .publish(&snap, state, vec![])
+            .unwrap();
+    }
+
+    /// An OOM names the live processes of this boot that hold memory on the same GPU through
+    /// cistern on the real driver, largest first; not the dead, the exited, those on another
+    /// GPU or on the simulator, nor this process.
+    #[test]
+    fn an_oom_names_the_live_processes_on_the_same_gpu() {
+        let dir = std::env::temp_dir().join(format!("cistern-oom-others-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = crate::Config {
+            registry_dir: Some(dir.clone()),
+            ..Default::default()
+        };
+        let (big, small, sim, other_gpu, exited) = (
+            Sleeper::new(),
+            Sleeper::new(),
+            Sleeper::new(),
+            Sleeper::new(),
+            Sleeper::new(),
+        );
+        publish(
+            &dir,
+            big.identity("python train.py --big"),
+            device(GPU, 30 * GIB),
+            "cuda",
+            State::Running,
+        );
+        publish(
+            &dir,
+            small.identity("python serve.py"),
+            device(GPU, 2 * GIB),
+            "cuda",
+            State::Running,
+        );
+        publish(
+            &dir,
+            sim.identity("sim"),
+            device(GPU, 50 * GIB),
+            "sim",
+            State::Running,
+        );
+        publish(
+            &dir,
+            other_gpu.identity("elsewhere"),
+            device("GPU-other", 50 * GIB),
+            "cuda",
+            State::Running,
+        );
+        publish(
+            &dir,
+            exited.identity("done"),
+            device(GPU, 50 * GIB),
+            "cuda",
+            State::Exited,
+        );
+        // A killed process's last record, and this process's own.
+        let dead = {
+            let mut c = Command::new("true").spawn().unwrap();
+            let pid = c.id();
+            let start = registry::process_start_time(pid).unwrap_or(1);
+            c.wait().unwrap();
+            Identity {
+                pid,
+                start_time: start,
+                ..big.identity("dead")
+            }
+        };
+        publish(&dir, dead, device(GPU, 50 * GIB), "cuda", State::Running);
+        publish(
+            &dir,
+            Identity::current().unwrap(),
+            device(GPU, 50 * GIB),
+            "cuda",
+            State::Running,
+        );
+
+        let named = other_processes_on(&config, "cuda", Some(GPU));
+        let got: Vec<(u32, u64, &str)> = named
+            .iter()
+            .map(|p| (p.pid, p.bytes, p.command.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (big.0.id(), 30 * GIB, "python train.py --big"),
+                (small.0.id(), 2 * GIB, "python serve.py"),
+            ]
+        );
+        // On the simulator, or for a GPU without a UUID, or with the registry off: nobody.
+        assert!(other_processes_on(&config, "sim", Some(GPU)).is_empty());
+        assert!(other_processes_on(&config, "cuda", None).is_empty());
+        let off = crate::Config {
+            registry: false,
+            ..config.clone()
+        };
+        assert!(other_processes_on(&off, "cuda", Some(GPU)).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

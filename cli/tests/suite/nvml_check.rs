@@ -39,6 +39,7 @@ fn the_gpu_checks_nvml_script_passes_over_the_fakes() {
     );
     for key in [
         "nvml_joined=1",
+        "oom_names_holder=1",
         "live_mib=64",
         "dead_state=dead-record-only",
         "leaked_mib=64",
