@@ -17,8 +17,9 @@ Checks, in order (the first that fails ends the run, exit status 1):
      the join cannot be checked: said so (`nvml_joined=unknown`), not failed; where NVML lists
      one holding the memory that ps did not join with the holder (another pid namespace not
      resolved), that is a failure;
-  2b. another process asking for nearly the whole GPU fails as out of memory, and its error
-     names the holder (pid, bytes, command line: from the holder's record);
+  2b. another process asking for more than is free (but less than would be free without the
+     holder) fails as out of memory, and its error names the holder (pid, bytes, command
+     line: from the holder's record);
   3. `doctor --json` while it runs: not an error (exit 0 or 1);
   4. after SIGKILL: the row turns dead, and once the driver has reclaimed the memory NVML no
      longer lists it (`dead-record-only`; `dead-but-memory-held` while it still does);
@@ -200,9 +201,10 @@ def main() -> int:
             raise Failed(f"the GPU's cistern_reserved is below the holder's reserved bytes: "
                          f"{json.dumps(g0)}")
 
-        # 2b. Another process asks for nearly the whole GPU (it would fit were the holder not
-        # there): its OOM error names the holder, from the holder's record.
-        ask = max(g0["total"] // MIB - 512, 2 * args.mib)
+        # 2b. Another process asks for more than is free, but less than would be free were the
+        # holder not there: its OOM error names the holder, from the holder's record.
+        free_mib = (g0.get("free") or 0) // MIB
+        ask = max(free_mib + args.mib // 4, 2 * args.mib)
         greedy = subprocess.run([args.holder, "greedy", str(ask), "exit"], env=r.env,
                                 capture_output=True, text=True, timeout=120)
         r.docs["greedy"] = {"rc": greedy.returncode, "stderr": greedy.stderr[-4000:]}
