@@ -257,10 +257,14 @@ fn command_cell(p: &ProcRow) -> String {
     format!("{prefix}{}", p.command).chars().take(72).collect()
 }
 
+/// How many of an OOM report's other processes its line names.
+const OOM_OTHERS: usize = 3;
+
 /// One OOM report in a line: what was asked, what the process held (live + cached + pending),
-/// what the device had, and why it failed.
+/// what the device had, why it failed, and the other processes using cistern that held memory
+/// on the GPU then (the largest [`OOM_OTHERS`], from their records at the time).
 pub fn oom_line(o: &OomRecord) -> String {
-    format!(
+    let mut line = format!(
         "device {} stream {}: requested {} (rounded {}) holding {} reserved = {} live + {} \
          cached + {} pending, largest free range {}; device {} free of {}, limit {}: {}",
         o.device,
@@ -276,7 +280,24 @@ pub fn oom_line(o: &OomRecord) -> String {
         format_bytes(o.device_total),
         format_bytes(o.limit),
         printable(&o.reason)
-    )
+    );
+    if !o.other_processes.is_empty() {
+        let named: Vec<String> = o
+            .other_processes
+            .iter()
+            .take(OOM_OTHERS)
+            .map(|p| {
+                let command: String = printable(&p.command).chars().take(40).collect();
+                format!("pid {} {} ({command})", p.pid, format_bytes(p.bytes))
+            })
+            .collect();
+        line.push_str(&format!("; other processes then: {}", named.join(", ")));
+        let more = o.other_processes.len().saturating_sub(OOM_OTHERS);
+        if more > 0 {
+            line.push_str(&format!(" and {more} more"));
+        }
+    }
+    line
 }
 
 fn ago(s: Option<f64>) -> String {

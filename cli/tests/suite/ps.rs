@@ -438,7 +438,16 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
         identity(me, start, "python train.py"),
         ProcessSnapshot {
             devices: vec![d],
-            last_oom: Some(oom(2 * GIB)),
+            last_oom: Some(registry::OomRecord {
+                other_processes: (0..5)
+                    .map(|i| registry::OtherProcessRecord {
+                        pid: 4242 + i,
+                        bytes: (60 - i as u64) * GIB,
+                        command: format!("python train.py --rank {i}"),
+                    })
+                    .collect(),
+                ..oom(2 * GIB)
+            }),
             ..ProcessSnapshot::default()
         },
         State::Running,
@@ -509,6 +518,15 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
         "{text}"
     );
     assert!(text.contains("the device is full"), "{text}");
+    // The other processes the report named, the largest three of five.
+    assert!(
+        text.contains(
+            "the device is full; other processes then: pid 4242 60.0 GiB (python train.py \
+             --rank 0), pid 4243 59.0 GiB (python train.py --rank 1), pid 4244 58.0 GiB \
+             (python train.py --rank 2) and 2 more"
+        ),
+        "{text}"
+    );
 }
 
 /// Kills and reaps a child on drop.
