@@ -198,16 +198,17 @@ impl fmt::Display for OomReport {
             mib(self.cached),
             mib(self.largest_free)
         )?;
-        // What the device's free memory leaves unexplained by this process.
+        // What the device's free memory leaves unexplained by this process's pools (unknown
+        // when the driver could not say what is free: 0 then).
         let outside = self
             .device_total
             .saturating_sub(self.device_free)
             .saturating_sub(self.reserved);
-        if outside > 0 {
+        if outside > 0 && self.device_free > 0 {
             writeln!(
                 f,
-                "  held outside this process: {} (other processes and the driver; `cistern ps` \
-                 names them)",
+                "  held outside this process's pools: {} (other processes, CUDA contexts and \
+                 the driver; `cistern ps` names them)",
                 mib(outside)
             )?;
         }
@@ -301,7 +302,7 @@ mod tests {
         };
         let text = r.to_string();
         assert!(
-            text.contains("  held outside this process: 68.0 GiB (other processes and the driver"),
+            text.contains("  held outside this process's pools: 68.0 GiB (other processes, CUDA"),
             "{text}"
         );
         assert!(
@@ -309,6 +310,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("python train.py"), "{text}");
+        // Free memory unknown (the driver did not say): no such line.
+        r.device_free = 0;
+        assert!(!r.to_string().contains("held outside"));
         // Nothing held outside: no such line.
         r.device_free = 70 * GIB;
         r.other_processes.clear();

@@ -124,6 +124,25 @@ def probes(gpu: Gpu):
         env["e"] = gpu.event()
         check(cu.cuEventRecord(env["e"], LEGACY), "cuEventRecord")
 
+    def recorded_in_an_ended_capture(env):
+        # Recorded on stream U during a capture of U (relaxed, so as not to disturb anything)
+        # that has ended since: the event is still a captured one.
+        env["e"] = gpu.event()
+        u = gpu.stream()
+        env["u"] = u
+        check(cu.cuStreamBeginCapture_v2(u, MODES["relaxed"]), "cuStreamBeginCapture(U)")
+        rc = cu.cuEventRecord(env["e"], u)
+        graph = c_void_p()
+        end = cu.cuStreamEndCapture(u, byref(graph))
+        if graph.value:
+            cu.cuGraphDestroy(graph)
+        check(rc, "cuEventRecord(U, in its capture)")
+        check(end, "cuStreamEndCapture(U)")
+
+    def drop_event_and_u(env):
+        drop_event(env)
+        cu.cuStreamDestroy_v2(env.pop("u"))
+
     def event_only(env):
         env["e"] = gpu.event()
 
@@ -331,7 +350,11 @@ def probes(gpu: Gpu):
         ("mem_get_allocation_granularity", nothing, granularity, nothing),
         ("primary_ctx_retain_release", nothing, primary_retain_release, nothing),
         ("ipc_get_mem_handle", allocated, ipc_handle, free_dptr),
+        ("event_query(recorded in an ended capture)", recorded_in_an_ended_capture,
+         lambda e: cu.cuEventQuery(e["e"]), drop_event_and_u),
         ("blocking S: stream_get_id(legacy)", nothing, stream_id(lambda e: LEGACY), nothing,
+         BLOCKING),
+        ("blocking S: stream_get_id(NULL)", nothing, stream_id(lambda e: c_void_p(0)), nothing,
          BLOCKING),
         ("blocking S: stream_wait_event(legacy, recorded on T before)", recorded_on_t,
          lambda e: cu.cuStreamWaitEvent(LEGACY, e["e"], c_uint(0)), drop_event, BLOCKING),

@@ -50,7 +50,7 @@ impl StreamRef {
         self.dev == other.dev
             && (self.id == other.id
                 || ((self.id | other.id) & crate::driver::CAPTURING_ID != 0
-                    && self.handle == other.handle
+                    && self.handle.canonical() == other.handle.canonical()
                     && self.thread.is_none()
                     && other.thread.is_none()))
     }

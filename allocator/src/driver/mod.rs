@@ -80,6 +80,17 @@ impl StreamId {
     pub fn is_special(self) -> bool {
         self.0 <= 2
     }
+
+    /// The handle with the null handle spelled as `CU_STREAM_LEGACY`: the two name one stream
+    /// (the driver API cistern calls is not the per-thread-default one). Where streams are
+    /// matched by handle (while capturing, when the driver gives no id), compare these.
+    pub fn canonical(self) -> StreamId {
+        if self == StreamId::DEFAULT {
+            StreamId::LEGACY
+        } else {
+            self
+        }
+    }
 }
 
 /// What identifies a stream, as [`Driver::stream_info`] resolves a handle.

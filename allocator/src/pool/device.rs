@@ -203,6 +203,10 @@ pub struct DevicePool<D: Driver> {
     pub(super) state: Mutex<DeviceState>,
     /// The graph pools and the allocation windows open into them (`graphs.rs`); a leaf lock.
     pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
+    /// The other processes an OOM report last named, and when they were read from the registry
+    /// (`grow.rs`, `name_other_processes`): read again at most once a second, so that a
+    /// program that catches OOMs in a loop does not read the registry on each. A leaf lock.
+    pub(super) others: Mutex<Option<(std::time::Instant, Vec<crate::error::OtherProcess>)>>,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -274,6 +278,7 @@ impl<D: Driver> DevicePool<D> {
                 deferred: Vec::new(),
             }),
             graphs: Mutex::new(super::graphs::GraphPools::default()),
+            others: Mutex::new(None),
         })
     }
 
@@ -768,8 +773,11 @@ impl<D: Driver> Drop for DevicePool<D> {
 /// thread caches. And a stream first met inside a capture keeps a handle-keyed arena: outside
 /// the capture its real id makes a new one, and the old one retires (a device stream's: its
 /// free pages serve others after a device synchronisation) or stays beside it (a graph pool's:
-/// two arenas of one stream split that pool's cached memory until it is released). Re-keying
-/// it would be the cheaper move but is not safe where the handle has meanwhile been reused.
+/// two arenas of one stream split that pool's cached memory until it is released; and the
+/// legacy stream's, whose handle is never reused: later captures find it again, and other
+/// streams' growth takes its cached pages). Re-keying it would be the cheaper move but is not
+/// safe where the handle has meanwhile been reused. Handles are compared as
+/// [`StreamId::canonical`]: the null handle and `CU_STREAM_LEGACY` are one stream.
 ///
 /// [`Pool::forget_stream`]: super::Pool::forget_stream
 pub(super) fn arena_key<D: Driver>(
@@ -778,9 +786,13 @@ pub(super) fn arena_key<D: Driver>(
     info: &StreamInfo,
 ) -> u64 {
     if info.capturing {
+        // The stream's own arena (a driver id) before one made during an earlier capture.
         if let Some((&id, _)) = map
             .iter()
-            .find(|(_, a)| a.stream == stream && a.sref.dev == info.device)
+            .filter(|(_, a)| {
+                a.stream.canonical() == stream.canonical() && a.sref.dev == info.device
+            })
+            .min_by_key(|(&id, _)| (id & crate::driver::CAPTURING_ID != 0, id))
         {
             return id;
         }

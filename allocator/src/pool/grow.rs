@@ -301,22 +301,37 @@ impl<D: Driver> DevicePool<D> {
 impl<D: Driver> DevicePool<D> {
     /// Names, in an out-of-memory error of the device (not of a limit), the other processes
     /// that hold memory on it, as their registry records say (`publish::other_processes_on`):
-    /// in the error and in the device's last OOM report. Called once the device lock is
-    /// released: it reads the registry's files.
+    /// in the error and in the device's last OOM report, when that is still this error's.
+    /// Called once the device lock is released: it reads the registry's files, at most once a
+    /// second (the answer is kept that long: `DevicePool::others`).
     #[cold]
     pub(super) fn name_other_processes(&self, e: Error) -> Error {
         let Error::OutOfMemory(mut r) = e else {
             return e;
         };
         let c = &*self.core;
-        let others =
-            super::publish::other_processes_on(&c.config, c.driver.name(), c.caps.uuid.as_deref());
+        let others = {
+            let mut cached = self.others.lock();
+            match &*cached {
+                Some((at, v)) if at.elapsed() < OTHERS_FRESH => v.clone(),
+                _ => {
+                    let v = super::publish::other_processes_on(
+                        &c.config,
+                        c.driver.name(),
+                        c.caps.uuid.as_deref(),
+                    );
+                    *cached = Some((std::time::Instant::now(), v.clone()));
+                    v
+                }
+            }
+        };
         if others.is_empty() {
             return Error::OutOfMemory(r);
         }
         if let Some(last) = self.state.lock().last_oom.as_deref_mut() {
-            // Unless another thread's OOM has replaced it meanwhile.
-            if last.requested == r.requested && last.stream == r.stream {
+            // The same report (every field: none named yet on either), unless another
+            // thread's has replaced it meanwhile.
+            if *last == *r {
                 last.other_processes = others.clone();
             }
         }
@@ -324,6 +339,9 @@ impl<D: Driver> DevicePool<D> {
         Error::OutOfMemory(r)
     }
 }
+
+/// How long the other processes read for an OOM report are reused for the next.
+const OTHERS_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How many tags and sites an OOM report lists.
 const TOP_N: usize = 8;

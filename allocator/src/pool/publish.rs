@@ -327,10 +327,17 @@ pub(super) fn other_processes_on(
                 .filter(|d| d.uuid.as_deref() == Some(uuid))
                 .map(|d| d.reserved)
                 .sum();
-            (bytes > 0).then(|| crate::error::OtherProcess {
+            // Another process's words, printed in this one's error: no control characters.
+            let command: String = r
+                .cmdline
+                .join(" ")
+                .chars()
+                .map(|c| if c.is_control() { '?' } else { c })
+                .collect();
+            (bytes > 0).then_some(crate::error::OtherProcess {
                 pid: r.pid,
                 bytes,
-                command: r.cmdline.join(" "),
+                command,
             })
         })
         .collect();
@@ -444,7 +451,7 @@ mod tests {
         );
         publish(
             &dir,
-            small.identity("python serve.py"),
+            small.identity("python serve.py\x1b[2J"),
             device(GPU, 2 * GIB),
             "cuda",
             State::Running,
@@ -500,7 +507,8 @@ mod tests {
             got,
             [
                 (big.0.id(), 30 * GIB, "python train.py --big"),
-                (small.0.id(), 2 * GIB, "python serve.py"),
+                // Another process's words reach this one's error without control characters.
+                (small.0.id(), 2 * GIB, "python serve.py?[2J"),
             ]
         );
         // On the simulator, or for a GPU without a UUID, or with the registry off: nobody.

@@ -52,7 +52,8 @@
 //! that the legacy stream may not be used.
 //! Work queued on a capturing stream is recorded into the graph, not run: an event recorded
 //! there is a captured event (`CUDA_ERROR_CAPTURED_EVENT` for `cuEventQuery` and
-//! `cuEventSynchronize` until it is recorded again outside a capture).
+//! `cuEventSynchronize` while the capture is under way, `CUDA_ERROR_INVALID_VALUE` once it has
+//! ended, as driver 580 answers, until it is recorded again outside a capture).
 
 use std::cell::Cell;
 use std::ffi::{c_uint, c_ulonglong};
@@ -124,22 +125,24 @@ pub(crate) fn not_capturing(st: &mut State, sid: u64) -> Result<(), CUresult> {
 
 /// The capture rules of a query or synchronisation of an event last recorded in capture
 /// `captured` (when it was), in the order driver 580 applies them (an H200,
-/// `scripts/gpu/capture_rules.py`, both calls probed): an event recorded in a capture still
-/// under way is `CUDA_ERROR_CAPTURED_EVENT` and that capture is invalidated, in every mode and
-/// from any thread, before the mode's own prohibition is looked at (a global-mode capturing
-/// thread gets `CAPTURED_EVENT`, not `STREAM_CAPTURE_UNSUPPORTED`); then the call is a
-/// potentially unsafe one ([`unsafe_call`]); then an event last recorded in a capture that has
-/// ended is still `CUDA_ERROR_CAPTURED_EVENT` (the documentation names only the error).
+/// `scripts/gpu/capture_rules.py`): an event recorded in a capture still under way is
+/// `CUDA_ERROR_CAPTURED_EVENT` and that capture is invalidated, in every mode and from any
+/// thread, before the mode's own prohibition is looked at (a global-mode capturing thread gets
+/// `CAPTURED_EVENT`, not `STREAM_CAPTURE_UNSUPPORTED`); one recorded in a capture that has
+/// ended is `CUDA_ERROR_INVALID_VALUE`, also before the prohibition and breaking nothing (the
+/// query measured; the synchronisation taken to agree); then the call is a potentially unsafe
+/// one ([`unsafe_call`]).
 pub(crate) fn captured_event_first(st: &mut State, captured: Option<u64>) -> Result<(), CUresult> {
-    if let Some(c) = captured.and_then(|cid| st.captures.get_mut(&cid)) {
-        c.invalidated = true;
-        return Err(CUDA_ERROR_CAPTURED_EVENT);
+    if let Some(cid) = captured {
+        return Err(match st.captures.get_mut(&cid) {
+            Some(c) => {
+                c.invalidated = true;
+                CUDA_ERROR_CAPTURED_EVENT
+            }
+            None => CUDA_ERROR_INVALID_VALUE,
+        });
     }
-    unsafe_call(st)?;
-    match captured {
-        Some(_) => Err(CUDA_ERROR_CAPTURED_EVENT),
-        None => Ok(()),
-    }
+    unsafe_call(st)
 }
 
 /// Refuses to synchronise device `dev` while any stream of it is capturing, in any mode and

@@ -1047,10 +1047,22 @@ fn child_legacy_beside_capture() {
         let used = pool.alloc_raw(0, 4 * MIB, t).unwrap();
         pool.record_stream(used, legacy).unwrap();
         begin_capture(s, mode);
-        // Allocations on the legacy stream, a free there, and reuse.
+        // Allocations on the legacy stream, a free there, and reuse, also through its other
+        // handle (the null handle and CU_STREAM_LEGACY are one stream, with one arena).
         let a = pool.alloc_raw(0, MIB / 2, legacy).unwrap();
+        let reserved = stat(&pool, "reserved_bytes.all.current");
         pool.free_raw(a, legacy).unwrap();
-        let a2 = pool.alloc_raw(0, MIB / 2, legacy).unwrap();
+        let other = if legacy == StreamId::LEGACY {
+            StreamId::DEFAULT
+        } else {
+            StreamId::LEGACY
+        };
+        let a2 = pool.alloc_raw(0, MIB / 2, other).unwrap();
+        assert_eq!(
+            a2, a,
+            "the legacy stream's other handle did not reuse its block"
+        );
+        assert_eq!(stat(&pool, "reserved_bytes.all.current"), reserved);
         // A block of T's that the legacy stream used: no event can be recorded there now.
         pool.free_raw(used, t).unwrap();
         let u2 = pool.alloc_raw(0, 4 * MIB, t).unwrap();

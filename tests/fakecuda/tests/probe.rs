@@ -1,5 +1,5 @@
 //! The fake answers the capture probe as the real driver did: `scripts/gpu/capture_rules.py`
-//! (576 probes: each call the pool makes during a capture, in each capture mode, from the
+//! (600 probes: each call the pool makes during a capture, in each capture mode, from the
 //! capturing thread and another, with and without the thread's mode exchanged to relaxed) runs
 //! on the fake, and every answer (the call's result, whether the capture survived, what
 //! `cuStreamEndCapture` said) must equal the one driver 580 gave on an H200, committed as
@@ -44,7 +44,7 @@ fn the_fake_answers_the_capture_probe_as_the_h200_did() {
     );
     let summary = stdout.lines().last().expect("the probe prints a summary");
     assert!(
-        summary.starts_with("0 of 576 probes differ"),
+        summary.starts_with("0 of 600 probes differ"),
         "every probe ran and was compared: {summary}"
     );
 }

@@ -3,11 +3,12 @@
 //! and `stream_capturing` of [`CudaDriver`] call these.
 
 use std::ffi::{c_uint, c_ulonglong};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::call::{cu, stream_ptr};
+use super::call::{cu, cuda_error, stream_ptr, unavailable};
 use super::CudaDriver;
 use crate::driver::{
     DeviceId, DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId, StreamInfo,
@@ -30,16 +31,21 @@ impl CudaDriver {
     /// measured there): reported as capturing, so the pool neither names the stream nor
     /// records an event on it until the capture ends.
     fn capture_status(&self, call: DriverCall, st: sys::CUstream) -> DriverResult<bool> {
+        const FUNC: &str = "cuStreamIsCapturing";
         let mut status: c_uint = CAPTURE_STATUS_NONE;
         // SAFETY: `status` is a live, writable integer; `st` is a stream handle of the caller's
         // (the driver refuses one it does not know) or a special one. Allowed during any
         // capture; changes nothing.
-        match cu(call, "cuStreamIsCapturing", || unsafe {
+        let r = catch_unwind(AssertUnwindSafe(|| unsafe {
             (self.api.cuStreamIsCapturing)(st, &mut status)
-        }) {
-            Ok(()) => Ok(status != CAPTURE_STATUS_NONE),
-            Err(e) if e.code == CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as i32 => Ok(true),
-            Err(e) => Err(e),
+        }))
+        .map_err(|_| unavailable(call, FUNC))?;
+        // IMPLICIT is an answer here, asked on every growth during such a capture: matched
+        // before an error (and its text) is made.
+        match r {
+            CUresult::CUDA_SUCCESS => Ok(status != CAPTURE_STATUS_NONE),
+            CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            r => Err(cuda_error(call, FUNC, r)),
         }
     }
 
@@ -94,7 +100,8 @@ impl CudaDriver {
             }
             return Ok(StreamInfo {
                 device,
-                id: CAPTURING_ID | stream.0,
+                // The null handle and CU_STREAM_LEGACY are one stream: one id.
+                id: CAPTURING_ID | stream.canonical().0,
                 per_thread: false,
                 capturing: true,
             });
