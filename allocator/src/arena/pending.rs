@@ -167,17 +167,32 @@ impl ArenaState {
                 let (s, ev) = p.events[k];
                 let ev_dev = s.0;
                 let ok = if wait {
+                    // An event the driver cannot wait for: the whole device is waited for.
                     driver.event_synchronize(ev_dev, ev).is_ok()
+                        || driver.device_synchronize(ev_dev).is_ok()
                 } else if blocked.contains(&s) {
                     false
                 } else {
-                    // A failed query is treated as "not yet": the block stays pending rather
-                    // than risk reuse while another stream writes it.
-                    let ok = driver.event_query(ev_dev, ev).unwrap_or(false);
-                    if !ok {
-                        blocked.push(s);
+                    match driver.event_query(ev_dev, ev) {
+                        Ok(true) => true,
+                        Ok(false) => {
+                            blocked.push(s);
+                            false
+                        }
+                        // A failed query is not "done": the block stays pending rather than
+                        // risk reuse while another stream writes it. It may never answer
+                        // (driver 580 refuses, for as long as it is not recorded again, an
+                        // event recorded in a capture that has ended), so the block waits for
+                        // a device synchronisation, which a blocking poll makes, and holds
+                        // back no later free on the stream.
+                        Err(_) => {
+                            if !p.needs_device_sync {
+                                p.needs_device_sync = true;
+                                p.sync_dev = ev_dev;
+                            }
+                            false
+                        }
                     }
-                    ok
                 };
                 if ok {
                     if ev_dev == dev {

@@ -105,3 +105,31 @@ fn teardown_keeps_pages_of_blocks_still_pending() {
         "the pending block's pages stay mapped"
     );
 }
+
+/// A pending block whose event the driver can no longer answer for (driver 580 answers
+/// `CUDA_ERROR_INVALID_VALUE` for an event recorded in a capture that has ended, for as long as
+/// it is not recorded again) used to stay pending for good: polls took the error for "not
+/// yet", held back every later free on that stream, and the OOM protocol gave up on it. Such a
+/// block now waits for a device synchronisation, which the OOM protocol makes; later frees on
+/// the stream are still polled.
+#[test]
+fn a_pending_block_whose_event_cannot_be_asked_is_recovered() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default().capacity(64 * MIB)));
+    let pool = Pool::new(sim.clone(), Config::default()).unwrap();
+    let (a, b) = (StreamId(1), StreamId(2));
+    let p = pool.alloc_raw(0, 40 * MIB, a).unwrap();
+    sim.launch(0, b, &[(p, 40 * MIB)]).unwrap();
+    pool.record_stream(p, b).unwrap();
+    pool.free_raw(p, a).unwrap();
+    // Every later question about an event fails; the work itself finishes.
+    sim.fail_from(DriverCall::EventQuery, 1);
+    sim.fail_from(DriverCall::EventSynchronize, 1);
+    sim.complete_stream(0, b);
+    // The block's 40 MiB are needed: the OOM protocol synchronises the device for it.
+    let q = pool
+        .alloc_raw(0, 40 * MIB, a)
+        .expect("the pending block was not recovered");
+    pool.check_invariants().unwrap();
+    assert!(sim.hazards().is_empty(), "{:?}", sim.hazards());
+    pool.free_raw(q, a).unwrap();
+}
