@@ -38,3 +38,12 @@ pub fn watch() -> bool {
 pub fn is_fork_child() -> bool {
     CHILD.load(Relaxed)
 }
+
+/// Refuses pool work in a `fork()` child: before any lock, one relaxed load.
+#[inline]
+pub(crate) fn check() -> crate::error::Result<()> {
+    if is_fork_child() {
+        return Err(crate::error::Error::InvalidArgument(CHILD_ERROR.to_owned()));
+    }
+    Ok(())
+}

@@ -19,6 +19,7 @@ use crate::arena::{
 use crate::config::Config;
 use crate::driver::{DeviceCaps, DeviceId, Driver, EventId, StreamId, StreamInfo};
 use crate::error::{Error, OomReport, Result};
+use crate::fork::check as fork_check;
 use crate::heap::ALIGN;
 use crate::provenance::{Mode, Origin};
 use crate::stats::{ExactGauge, SharedGauges};
@@ -203,9 +204,8 @@ pub struct DevicePool<D: Driver> {
     pub(super) state: Mutex<DeviceState>,
     /// The graph pools and the allocation windows open into them (`graphs.rs`); a leaf lock.
     pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
-    /// The other processes an OOM report last named, and when they were read from the registry
-    /// (`grow.rs`, `name_other_processes`): read again at most once a second, so that a
-    /// program that catches OOMs in a loop does not read the registry on each. A leaf lock.
+    /// The other processes an OOM report last named, and when (`grow.rs`): the registry is
+    /// read at most once a second, however often OOMs are caught. A leaf lock.
     pub(super) others: Mutex<Option<(std::time::Instant, Vec<crate::error::OtherProcess>)>>,
 }
 
@@ -774,10 +774,9 @@ impl<D: Driver> Drop for DevicePool<D> {
 /// the capture its real id makes a new one, and the old one retires (a device stream's: its
 /// free pages serve others after a device synchronisation) or stays beside it (a graph pool's:
 /// two arenas of one stream split that pool's cached memory until it is released; and the
-/// legacy stream's, whose handle is never reused: later captures find it again, and other
-/// streams' growth takes its cached pages). Re-keying it would be the cheaper move but is not
-/// safe where the handle has meanwhile been reused. Handles are compared as
-/// [`StreamId::canonical`]: the null handle and `CU_STREAM_LEGACY` are one stream.
+/// legacy stream's: later captures find it again, other streams' growth takes its pages).
+/// Re-keying would be cheaper but unsafe where the handle has meanwhile been reused. Handles
+/// compare as [`StreamId::canonical`]: the null handle and `CU_STREAM_LEGACY` are one stream.
 ///
 /// [`Pool::forget_stream`]: super::Pool::forget_stream
 pub(super) fn arena_key<D: Driver>(
@@ -798,14 +797,4 @@ pub(super) fn arena_key<D: Driver>(
         }
     }
     info.id
-}
-
-/// Refuses pool work in a `fork()` child (see [`crate::fork`]): before any lock, one relaxed
-/// load.
-#[inline]
-pub(super) fn fork_check() -> Result<()> {
-    if crate::fork::is_fork_child() {
-        return Err(Error::InvalidArgument(crate::fork::CHILD_ERROR.to_owned()));
-    }
-    Ok(())
 }

@@ -65,11 +65,11 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
-use super::device::fork_check;
 use super::DevicePool;
 use crate::arena::{Arena, HeapKind, StreamRef};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, Result};
+use crate::fork::check as fork_check;
 
 /// A graph pool's id: PyTorch's `MempoolId_t`, a pair of integers (`(0, n)` for pools made by
 /// `torch.cuda.graph_pool_handle()` or `MemPool`, `(n, 0)` for a graph's own).

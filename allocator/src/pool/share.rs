@@ -52,11 +52,11 @@ use std::sync::atomic::Ordering::Relaxed;
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::device::fork_check;
 use super::device::DevicePool;
 use crate::arena::{Backing, DeviceCore};
 use crate::driver::{Driver, DriverResult, PhysHandle};
 use crate::error::{Error, Result};
+use crate::fork::check as fork_check;
 use crate::ipc::{Share, Shared};
 
 /// What a device's pool has exported and opened. `exported` is a leaf lock. `opened` is taken
