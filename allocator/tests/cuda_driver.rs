@@ -259,6 +259,48 @@ fn gpu_calls_from_many_threads() {
     }
 }
 
+/// A stream of device 0 created with `flags` for the capture tests, with the device's primary
+/// context (retained by `d` first) pushed and left current on this thread until
+/// [`drop_capture_stream`].
+fn capture_stream(d: &CudaDriver, flags: u32) -> cudarc::driver::sys::CUstream {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    d.mem_info(0).unwrap(); // retains device 0's primary context inside the driver
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: every pointer is a live local of the right type; `ctx` is the primary context the
+    // driver returned, current on this thread until `drop_capture_stream`.
+    unsafe {
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, flags), CUDA_SUCCESS);
+    }
+    s
+}
+
+/// Destroys a [`capture_stream`] and pops and releases its context.
+fn drop_capture_stream(s: cudarc::driver::sys::CUstream) {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    // SAFETY: the stream and context `capture_stream` made, no longer used.
+    unsafe {
+        assert_eq!(sys::cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
+    }
+}
+
+/// Ends the capture of `s`, destroying the graph it made; what `cuStreamEndCapture` said.
+fn end_capture(s: cudarc::driver::sys::CUstream) -> cudarc::driver::sys::CUresult {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `graph` is a live, writable CUgraph; `s` a stream of the caller's.
+    let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph the capture returned, destroyed once.
+        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
+    }
+    r
+}
+
 /// While a stream captures a graph, resolving it must not break the capture: the driver
 /// refuses `cuStreamGetId` of a capturing stream and invalidates the capture (driver 580,
 /// `scripts/gpu/capture_rules.py`), so the backend names it by its handle, and says it is
@@ -269,16 +311,7 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
     let Some(d) = gpu("gpu_a_capturing_stream_is_resolved_without_breaking_the_capture") else {
         return;
     };
-    d.mem_info(0).unwrap(); // retains device 0's primary context inside the driver
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    let mut s: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: every pointer is a live local of the right type; `ctx` is the primary context the
-    // driver returned, current on this thread for the rest of the test.
-    unsafe {
-        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
-        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
-        assert_eq!(sys::cuStreamCreate(&mut s, 1), CUDA_SUCCESS);
-    }
+    let s = capture_stream(&d, 1);
     let stream = StreamId(s as usize as u64);
     let before = d.stream_info(0, stream).unwrap();
     assert!(!before.capturing);
@@ -299,23 +332,14 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
         assert_eq!(during.device, 0);
         assert_eq!(d.stream_capturing(0, stream), Ok(true));
         assert_eq!(d.stream_capturing(0, StreamId::DEFAULT), Ok(false));
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: `graph` is a live, writable CUgraph.
-        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
         assert_eq!(
-            r, CUDA_SUCCESS,
+            end_capture(s),
+            CUDA_SUCCESS,
             "resolving the stream invalidated the {mode:?} capture"
         );
-        // SAFETY: the graph the capture returned.
-        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
         assert_eq!(d.stream_info(0, stream).unwrap(), before);
     }
-    // SAFETY: the stream and context of this test, no longer used.
-    unsafe {
-        assert_eq!(sys::cuStreamDestroy_v2(s), CUDA_SUCCESS);
-        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
-        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
-    }
+    drop_capture_stream(s);
 }
 
 /// While a *blocking* stream captures, every use of the legacy stream (an event record, a
@@ -352,17 +376,8 @@ fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
     let Some(d) = gpu(NAME) else {
         return;
     };
-    d.mem_info(0).unwrap(); // retains device 0's primary context inside the driver
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    let mut s: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: every pointer is a live local of the right type; `ctx` is the primary context the
-    // driver returned, current on this thread for the rest of the test. Flags 0: a blocking
-    // stream, which the legacy stream synchronises with.
-    unsafe {
-        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), CUDA_SUCCESS);
-        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
-        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_SUCCESS);
-    }
+    // Flags 0: a blocking stream, which the legacy stream synchronises with.
+    let s = capture_stream(&d, 0);
     let before = d.stream_info(0, StreamId::LEGACY).unwrap();
     assert!(!before.capturing);
     for mode in [
@@ -391,22 +406,13 @@ fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
         }
         // The per-thread stream does not synchronise with other blocking streams.
         assert_eq!(d.stream_capturing(0, StreamId::PER_THREAD), Ok(false));
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: `graph` is a live, writable CUgraph.
-        let r = unsafe { sys::cuStreamEndCapture(s, &mut graph) };
         assert_eq!(
-            r, CUDA_SUCCESS,
+            end_capture(s),
+            CUDA_SUCCESS,
             "asking about the legacy stream invalidated the {mode:?} capture"
         );
-        // SAFETY: the graph the capture returned.
-        assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUDA_SUCCESS);
         assert_eq!(d.stream_info(0, StreamId::LEGACY).unwrap(), before);
         assert_eq!(d.stream_capturing(0, StreamId::LEGACY), Ok(false));
     }
-    // SAFETY: the stream and context of this test, no longer used.
-    unsafe {
-        assert_eq!(sys::cuStreamDestroy_v2(s), CUDA_SUCCESS);
-        assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
-        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(0), CUDA_SUCCESS);
-    }
+    drop_capture_stream(s);
 }

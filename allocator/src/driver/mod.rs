@@ -476,10 +476,11 @@ pub trait Driver: Send + Sync + 'static {
         stream: StreamId,
         event: EventId,
     ) -> DriverResult<()>;
-    /// Whether `stream` is capturing a CUDA graph now (`cuStreamIsCapturing`; never for the
-    /// legacy stream). A capturing stream may not wait on an event recorded outside its capture,
-    /// and an event recorded on it may not be queried while the capture lasts (either breaks
-    /// the capture). An error (a destroyed stream, say) is the caller's to weigh: where a
+    /// Whether `stream` is capturing a CUDA graph now (`cuStreamIsCapturing`), or, for the
+    /// legacy stream, may not be used because a blocking stream of its context is capturing
+    /// (an implicit dependency). A capturing stream may not wait on an event recorded outside
+    /// its capture, and an event recorded on it may not be queried while the capture lasts
+    /// (either breaks the capture). An error (a destroyed stream, say) is the caller's to weigh: where a
     /// wrong "no" could break a capture it counts as capturing; where a wrong "yes" would keep
     /// a block pending for ever, it falls through to the path that handles a stream that
     /// cannot be used. The default is for drivers without graphs: never.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::holders::{build_libraries, profile_dir};
+use crate::common::holders::{build_libraries, profile_dir, HolderKit};
 
 const MIB: u64 = 1 << 20;
 
@@ -228,43 +228,20 @@ fn three_processes_one_killed_one_exited() {
 /// bytes and command line.
 #[test]
 fn an_oom_names_the_other_processes_on_the_gpu() {
-    if Command::new("cc").arg("--version").output().is_err() {
-        eprintln!("skipping: no C compiler (cc) to build the holder program");
-        return;
-    }
-    build_libraries();
     let work = tmpdir("oom-work");
+    let Some(kit) = HolderKit::new(&work) else {
+        return;
+    };
     let registry = tmpdir("oom-registry");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let fake = work.join("fake");
-    std::fs::create_dir_all(&fake).unwrap();
-    std::fs::copy(
-        profile_dir().join("libcistern_fakecuda.so"),
-        fake.join("libcuda.so"),
-    )
-    .unwrap();
-    std::os::unix::fs::symlink("libcuda.so", fake.join("libcuda.so.1")).unwrap();
-    let libs = format!("{}:{}", fake.display(), profile_dir().display());
-    let Some(exe) = compile_holder(&work, &profile_dir()) else {
-        eprintln!("skipping: cc could not run");
-        return;
-    };
-    let mut weights = spawn(&exe, &libs, &registry, "weights", 40, "wait");
+    let weights = kit.spawn(&registry, "weights", 40, "wait");
     wait_for(&registry, |ps| {
-        process(ps, weights.pid).is_some_and(|p| p["reserved"].as_u64().unwrap_or(0) >= 40 * MIB)
+        process(ps, weights.pid()).is_some_and(|p| p["reserved"].as_u64().unwrap_or(0) >= 40 * MIB)
     });
     // More than the fake device's 4 GiB.
-    let out = Command::new(&exe)
-        .args(["greedy", "8192", "exit"])
-        .env("LD_LIBRARY_PATH", &libs)
-        .env("CISTERN_FAKECUDA", "1")
-        .env("CISTERN_FAKECUDA_CAPACITY", "4GiB")
-        .env("CISTERN_DRIVER", "cuda")
-        .env(
-            "CISTERN_CONF",
-            format!("registry_dir:{}", registry.display()),
-        )
+    let out = kit
+        .command(&registry, "greedy", 8192, "exit")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -276,10 +253,8 @@ fn an_oom_names_the_other_processes_on_the_gpu() {
     assert!(err.contains("out of memory"), "{err}");
     let line = err
         .lines()
-        .find(|l| l.contains(&format!("pid {:>7}", weights.pid)))
-        .unwrap_or_else(|| panic!("the holder {} is not named:\n{err}", weights.pid));
+        .find(|l| l.contains(&format!("pid {:>7}", weights.pid())))
+        .unwrap_or_else(|| panic!("the holder {} is not named:\n{err}", weights.pid()));
     assert!(line.contains("holder weights 40 wait"), "{line}");
     assert!(err.contains("other processes on this device:"), "{err}");
-    weights.child.kill().unwrap();
-    weights.child.wait().unwrap();
 }

@@ -791,19 +791,14 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
 /// `pStr` is null or valid for writing a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_char) -> CUresult {
-    let body = || {
-        let text = ERROR_STRINGS
-            .iter()
-            .find(|(r, _)| *r as c_uint == error)
-            .map(|(_, s)| s.as_ptr());
-        // SAFETY: `pStr` is null or writable (this function's contract); `put` refuses null.
-        unsafe { put(pStr, text.unwrap_or(std::ptr::null())) }?;
-        text.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
-    };
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => CUDA_SUCCESS,
-        Ok(Err(r)) => r,
-        Err(_) => CUDA_ERROR_UNKNOWN,
+    // SAFETY: the caller's contract on `pStr` is this function's.
+    unsafe {
+        static_text(pStr, || {
+            ERROR_STRINGS
+                .iter()
+                .find(|(r, _)| *r as c_uint == error)
+                .map(|(_, s)| s.as_ptr())
+        })
     }
 }
 
@@ -818,20 +813,40 @@ pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_cha
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(error: c_uint, pStr: *mut *const c_char) -> CUresult {
     static NAMES: OnceLock<Vec<(c_uint, CString)>> = OnceLock::new();
-    let body = || {
-        let names = NAMES.get_or_init(|| {
-            ERROR_STRINGS
-                .iter()
-                .map(|(r, _)| {
-                    let name = CString::new(format!("{r:?}")).expect("no NUL in a variant name");
-                    (*r as c_uint, name)
+    // SAFETY: the caller's contract on `pStr` is this function's.
+    unsafe {
+        static_text(pStr, || {
+            NAMES
+                .get_or_init(|| {
+                    ERROR_STRINGS
+                        .iter()
+                        .map(|(r, _)| {
+                            let name =
+                                CString::new(format!("{r:?}")).expect("no NUL in a variant name");
+                            (*r as c_uint, name)
+                        })
+                        .collect()
                 })
-                .collect()
-        });
-        let text = names
-            .iter()
-            .find(|(r, _)| *r == error)
-            .map(|(_, s)| s.as_ptr());
+                .iter()
+                .find(|(r, _)| *r == error)
+                .map(|(_, s)| s.as_ptr())
+        })
+    }
+}
+
+/// What `cuGetErrorString` and `cuGetErrorName` share: stores the static text `lookup` finds
+/// (NULL when none, then `CUDA_ERROR_INVALID_VALUE`) at `pStr`; never panics across the
+/// boundary (`CUDA_ERROR_UNKNOWN`).
+///
+/// # Safety
+///
+/// `pStr` is null or valid for writing a pointer.
+unsafe fn static_text(
+    pStr: *mut *const c_char,
+    lookup: impl FnOnce() -> Option<*const c_char>,
+) -> CUresult {
+    let body = || {
+        let text = lookup();
         // SAFETY: `pStr` is null or writable (this function's contract); `put` refuses null.
         unsafe { put(pStr, text.unwrap_or(std::ptr::null())) }?;
         text.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)

@@ -997,15 +997,25 @@ fn child_capture_donor() {
         CUDA_SUCCESS,
         "the pool's calls invalidated the capture"
     );
-    let mut live = vec![(keep, s), (u2, t)];
+    after_capture(&pool, vec![(keep, s), (u2, t)], y, t);
+}
+
+/// The tail of the tests whose growth on `t` looked at a capturing stream's cached pages:
+/// that growth (`y`) may have run out of memory during the capture; after it, another 80 MiB
+/// on `t` is served (those pages are now seen idle and taken), and everything is drained.
+fn after_capture(
+    pool: &Pool<CudaDriver>,
+    mut live: Vec<(u64, StreamId)>,
+    y: cistern::Result<u64>,
+    t: StreamId,
+) {
     match y {
         Ok(y) => live.push((y, t)),
         Err(e) => assert!(e.is_oom(), "{e}"),
     }
-    // After the capture, S's pages can be seen idle and taken.
     let z = pool.alloc_raw(0, 80 * MIB, t).unwrap();
     live.push((z, t));
-    drain(&pool, live);
+    drain(pool, live);
 }
 
 /// The legacy stream while a blocking stream captures a graph: naming it (`cuStreamGetId`),
@@ -1078,15 +1088,7 @@ fn child_legacy_beside_capture() {
             CUDA_SUCCESS,
             "the pool's calls on the legacy stream invalidated the capture ({mode:?}, {legacy:?})"
         );
-        let mut live = vec![(keep, legacy), (a2, legacy), (u2, t)];
-        match y {
-            Ok(y) => live.push((y, t)),
-            Err(e) => assert!(e.is_oom(), "{e}"),
-        }
-        // After the capture the legacy stream's pages can be seen idle and taken.
-        let z = pool.alloc_raw(0, 80 * MIB, t).unwrap();
-        live.push((z, t));
-        drain(&pool, live);
+        after_capture(&pool, vec![(keep, legacy), (a2, legacy), (u2, t)], y, t);
     }
 }
 

@@ -94,11 +94,11 @@ impl HolderKit {
         })
     }
 
-    /// Starts a holder of `mib` MiB under `tag` (`mode`: `exit` or `wait`), publishing in
-    /// `registry`; returns once it has allocated.
-    pub fn spawn(&self, registry: &Path, tag: &str, mib: u64, mode: &str) -> Killed {
-        let mut child = Command::new(&self.exe)
-            .args([tag, &mib.to_string(), mode])
+    /// The holder of `mib` MiB under `tag` (`mode`: `exit` or `wait`), publishing in
+    /// `registry`, on the fake driver (a 4 GiB device), not started.
+    pub fn command(&self, registry: &Path, tag: &str, mib: u64, mode: &str) -> Command {
+        let mut cmd = Command::new(&self.exe);
+        cmd.args([tag, &mib.to_string(), mode])
             .env("LD_LIBRARY_PATH", &self.libs)
             .env("CISTERN_FAKECUDA", "1")
             .env("CISTERN_FAKECUDA_CAPACITY", "4GiB")
@@ -106,7 +106,14 @@ impl HolderKit {
             .env(
                 "CISTERN_CONF",
                 format!("registry_dir:{}", registry.display()),
-            )
+            );
+        cmd
+    }
+
+    /// Starts [`Self::command`]; returns once it has allocated.
+    pub fn spawn(&self, registry: &Path, tag: &str, mib: u64, mode: &str) -> Killed {
+        let mut child = self
+            .command(registry, tag, mib, mode)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
