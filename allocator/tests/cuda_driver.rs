@@ -342,6 +342,80 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
     drop_capture_stream(s);
 }
 
+/// Whether this is the child process that runs the test `name` alone: if not, runs it there
+/// (this test binary again, filtered to it), checks it passed, and returns false. For tests
+/// whose capture would break, or be broken by, other tests' use of the legacy stream and the
+/// device.
+fn in_child(name: &str) -> bool {
+    const CHILD: &str = "CISTERN_CUDA_DRIVER_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("the test binary runs again");
+    // Its words (a "skipping: ..." among them) reach this test's output.
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "the child process failed: {:?}",
+        out.status
+    );
+    false
+}
+
+/// A device synchronisation (`cuCtxSynchronize`) invalidates a capture under way in every
+/// mode, from any thread (driver 580, `scripts/gpu/capture_rules.py`). The backend refuses it
+/// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) while it can see a capture: a blocking stream's,
+/// which the legacy stream reveals, or that of a stream it found capturing before; the capture
+/// stays valid, and after it the device synchronises again. In a process of its own: the
+/// capture would refuse the other tests' synchronisations.
+#[test]
+fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
+    const NAME: &str = "gpu_a_device_synchronisation_is_refused_during_a_capture";
+    if !in_child(NAME) {
+        return;
+    }
+    let Some(d) = gpu(NAME) else {
+        return;
+    };
+    for flags in [0, 1] {
+        let s = capture_stream(&d, flags);
+        let id = StreamId(s as usize as u64);
+        for mode in [
+            CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CU_STREAM_CAPTURE_MODE_RELAXED,
+        ] {
+            // SAFETY: `s` is the stream created above; the mode is a valid enum value.
+            let r = unsafe { cudarc::driver::sys::cuStreamBeginCapture_v2(s, mode) };
+            assert_eq!(r, CUDA_SUCCESS);
+            if flags == 1 {
+                // A non-blocking stream's capture: seen once the backend has met it.
+                assert_eq!(d.stream_capturing(0, id), Ok(true));
+            }
+            let e = d.device_synchronize(0).unwrap_err();
+            assert_eq!(
+                e.code, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32,
+                "flags {flags} {mode:?}: {e}"
+            );
+            assert!(e.message.contains("capturing a CUDA graph"), "{e}");
+            assert_eq!(
+                end_capture(s),
+                CUDA_SUCCESS,
+                "the refused synchronisation invalidated the {mode:?} capture (flags {flags})"
+            );
+            d.device_synchronize(0).unwrap();
+        }
+        drop_capture_stream(s);
+    }
+}
+
 /// While a *blocking* stream captures, every use of the legacy stream (an event record, a
 /// stream wait, even `cuStreamGetId`) is an implicit dependency on the capture, refused and
 /// invalidating it (driver 580, `scripts/gpu/capture_rules.py`). The backend asks
@@ -355,22 +429,7 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
 fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
     use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
     const NAME: &str = "gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing";
-    const CHILD: &str = "CISTERN_CUDA_DRIVER_TEST_CHILD";
-    if std::env::var_os(CHILD).is_none() {
-        let exe = std::env::current_exe().expect("the test binary's path");
-        let out = std::process::Command::new(exe)
-            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .expect("the test binary runs again");
-        // Its words (a "skipping: ..." among them) reach this test's output.
-        print!("{}", String::from_utf8_lossy(&out.stdout));
-        eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        assert!(
-            out.status.success(),
-            "the child process failed: {:?}",
-            out.status
-        );
+    if !in_child(NAME) {
         return;
     }
     let Some(d) = gpu(NAME) else {

@@ -488,7 +488,15 @@ pub trait Driver: Send + Sync + 'static {
         let _ = (dev, stream);
         Ok(false)
     }
-    /// Blocks the host until all work on device `dev` has completed.
+    /// Says that `stream` is about to be destroyed (or just was): the driver never asks of the
+    /// handle again (the CUDA backend asks streams it found capturing whether they still are
+    /// before a device synchronisation). The default keeps nothing: nothing to do.
+    fn forget_stream(&self, stream: StreamId) {
+        let _ = stream;
+    }
+    /// Blocks the host until all work on device `dev` has completed. A driver may refuse while
+    /// a graph capture it can see is under way, which the call would break (the CUDA backend:
+    /// "Stream capture" in its module docs); callers treat that as any failed synchronisation.
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()>;
     /// Blocks the host until all work queued on `stream` so far has completed
     /// (`cuStreamSynchronize`). The default records a fresh event there and waits for it.
@@ -618,6 +626,9 @@ impl<D: Driver + ?Sized> Driver for Arc<D> {
     }
     fn stream_capturing(&self, dev: DeviceId, stream: StreamId) -> DriverResult<bool> {
         (**self).stream_capturing(dev, stream)
+    }
+    fn forget_stream(&self, stream: StreamId) {
+        (**self).forget_stream(stream)
     }
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         (**self).device_synchronize(dev)

@@ -69,6 +69,19 @@ fn is_child(name: &str) -> bool {
 /// A new stream of device `dev`'s primary context (the strict fake refuses made-up stream
 /// values), made with the context pushed and popped so the caller's current context is kept.
 fn new_stream(d: &CudaDriver, dev: usize) -> StreamId {
+    new_stream_flags(d, dev, 0)
+}
+
+/// Destroys a stream `new_stream` made.
+fn destroy_stream(s: StreamId) {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    // SAFETY: a stream the fake created, destroyed once.
+    let r = unsafe { sys::cuStreamDestroy_v2(s.0 as usize as sys::CUstream) };
+    assert_eq!(r, CUDA_SUCCESS, "destroying stream {s}");
+}
+
+/// As [`new_stream`], with `cuStreamCreate`'s `flags` (1: `CU_STREAM_NON_BLOCKING`).
+fn new_stream_flags(d: &CudaDriver, dev: usize, flags: u32) -> StreamId {
     use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
     // Retains the primary context inside CudaDriver, so the fake has one to push.
     d.mem_info(dev).unwrap();
@@ -82,7 +95,7 @@ fn new_stream(d: &CudaDriver, dev: usize) -> StreamId {
             CUDA_SUCCESS
         );
         assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
-        assert_eq!(sys::cuStreamCreate(&mut s, 0), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut s, flags), CUDA_SUCCESS);
         assert_eq!(sys::cuCtxPopCurrent_v2(std::ptr::null_mut()), CUDA_SUCCESS);
         assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev as i32), CUDA_SUCCESS);
     }
@@ -95,6 +108,16 @@ fn begin_capture(s: StreamId, mode: cudarc::driver::sys::CUstreamCaptureMode) {
     // SAFETY: `s` is a stream the fake created; the mode is a valid enum value.
     let r = unsafe { sys::cuStreamBeginCapture_v2(s.0 as usize as sys::CUstream, mode) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "beginning a capture");
+}
+
+/// `cuStreamIsCapturing` of stream `s`: 0 none, 1 active, 2 invalidated.
+fn capture_status(s: StreamId) -> u32 {
+    use cudarc::driver::sys;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `status` is a live, writable status; `s` a stream the fake created.
+    let r = unsafe { sys::cuStreamIsCapturing(s.0 as usize as sys::CUstream, &mut status) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuStreamIsCapturing");
+    status as u32
 }
 
 /// Ends the capture of stream `s`, destroying the graph it made; `CUDA_SUCCESS` unless the
@@ -1089,6 +1112,79 @@ fn child_legacy_beside_capture() {
             "the pool's calls on the legacy stream invalidated the capture ({mode:?}, {legacy:?})"
         );
         after_capture(&pool, vec![(keep, legacy), (a2, legacy), (u2, t)], y, t);
+    }
+}
+
+/// A synchronisation of the device while a graph capture is under way invalidates it, in
+/// every capture mode (`cuCtxSynchronize`, driver 580). A free whose block a destroyed stream
+/// used needs one (no event can be recorded there), and so does `empty_cache` for it: while a
+/// capture is seen under way the backend refuses them, the block stays pending, the capture
+/// stays valid, and the block comes back with the first synchronisation after it. Two
+/// captures: a blocking stream's that cistern never met (the legacy stream reveals it), in
+/// global mode, and a non-blocking stream's that cistern met by allocating on it, in relaxed
+/// mode (where the synchronisation is as fatal).
+#[test]
+fn a_device_synchronisation_waits_for_a_capture_to_end() {
+    let stderr = run_child(
+        "child_sync_beside_capture",
+        &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")],
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+#[ignore = "child process of a_device_synchronisation_waits_for_a_capture_to_end"]
+fn child_sync_beside_capture() {
+    use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
+    if !is_child("child_sync_beside_capture") {
+        return;
+    }
+    for (flags, mode) in [
+        (0, CU_STREAM_CAPTURE_MODE_GLOBAL),
+        (1, CU_STREAM_CAPTURE_MODE_RELAXED),
+    ] {
+        let d = driver();
+        let (a, gone, s) = (
+            new_stream(&d, 0),
+            new_stream(&d, 0),
+            new_stream_flags(&d, 0, flags),
+        );
+        let pool = Pool::new(d, Config::default()).unwrap();
+        let p = pool.alloc_raw(0, 8 * MIB, a).unwrap();
+        pool.record_stream(p, gone).unwrap();
+        destroy_stream(gone);
+        begin_capture(s, mode);
+        let mut live = Vec::new();
+        if flags == 1 {
+            // cistern meets the capture: a first allocation on the capturing stream.
+            live.push((pool.alloc_raw(0, MIB, s).unwrap(), s));
+        }
+        pool.free_raw(p, a).unwrap();
+        pool.empty_cache();
+        check(&pool);
+        assert_eq!(
+            capture_status(s),
+            1,
+            "the pool's calls invalidated the capture ({mode:?}, flags {flags})"
+        );
+        assert_eq!(
+            pool.driver().device_synchronize(0).map_err(|e| e.code),
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32),
+            "a device synchronisation was not refused during the capture (flags {flags})"
+        );
+        assert_eq!(
+            end_capture(s),
+            CUDA_SUCCESS,
+            "a device synchronisation invalidated the capture ({mode:?}, flags {flags})"
+        );
+        // After the capture: synchronised at last, the block is free again and serves A.
+        pool.empty_cache();
+        check(&pool);
+        let q = pool.alloc_raw(0, 8 * MIB, a).unwrap();
+        live.push((q, a));
+        drain(&pool, live);
+        destroy_stream(s);
+        destroy_stream(a);
     }
 }
 

@@ -64,10 +64,15 @@
 //! them while a blocking stream captures) it orders no move and
 //! records no event to query (its cached pages are not known to be idle, and a free it used
 //! waits for the capture's end); and it makes no device synchronisation while a graph pool's
-//! window is open. Still breaking a capture cistern was not told of (no window open on that
-//! device): a device synchronisation: `empty_cache`, the OOM protocol, and a free whose block another
-//! thread's per-thread stream used (no event can be recorded on that stream from here, so the
-//! free waits for the whole device).
+//! window is open. A device synchronisation (`empty_cache`, the OOM protocol, a free whose
+//! block a stream used on which no event can be recorded) is refused here, as the call would
+//! invalidate it, while a capture is seen under way on the device: a blocking stream's (the
+//! legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then), or one of a stream this
+//! backend has found capturing before and that still is (asked again each time; forgotten once
+//! it is not, or with [`Driver::forget_stream`]). The pool treats the refusal as any failed
+//! synchronisation: the blocks waiting for it stay pending until a later one succeeds. Still
+//! breaking a capture cistern was not told of: a device synchronisation while a non-blocking
+//! stream cistern never saw capturing, or another thread's per-thread stream, captures.
 //!
 //! # Handles
 //!
@@ -135,6 +140,9 @@ struct Device {
     /// and no creation has refused them yet (containers and WSL may refuse the type a device
     /// reports; creation then goes on without it, and export says why it cannot).
     exportable: AtomicBool,
+    /// Streams (`CUstream` addresses) of this device found capturing a graph, asked again
+    /// before a device synchronisation (`streams.rs`, "Stream capture" above).
+    captures: Mutex<Vec<usize>>,
 }
 
 /// The CUDA driver API on each device's primary context. See the [module documentation](self).
@@ -206,6 +214,7 @@ impl CudaDriver {
                 retain: Mutex::new(()),
                 caps: OnceLock::new(),
                 exportable: AtomicBool::new(false),
+                captures: Mutex::new(Vec::new()),
             });
         }
         Ok(CudaDriver { api, devices })
@@ -703,9 +712,15 @@ impl Driver for CudaDriver {
         self.stream_is_capturing(dev, stream)
     }
 
+    fn forget_stream(&self, stream: StreamId) {
+        self.forget_capture(stream);
+    }
+
     fn device_synchronize(&self, dev: DeviceId) -> DriverResult<()> {
         let call = DriverCall::DeviceSynchronize;
         let _bound = self.bind(call, dev)?;
+        // cuCtxSynchronize invalidates every capture of the context, in any mode.
+        self.refuse_during_capture(call, dev)?;
         self.relaxed(|| {
             // SAFETY: no arguments; dev's primary context is current, so this waits for its work.
             cu(call, "cuCtxSynchronize", || unsafe {

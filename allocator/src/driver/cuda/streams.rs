@@ -57,7 +57,73 @@ impl CudaDriver {
         let call = DriverCall::StreamWaitEvent;
         let st = stream_ptr(call, stream)?;
         let _bound = self.bind(call, dev)?;
-        self.capture_status(call, st)
+        let capturing = self.capture_status(call, st)?;
+        if capturing && !stream.is_special() {
+            self.note_capture(call, dev, st);
+        }
+        Ok(capturing)
+    }
+
+    /// Remembers that the stream `st` of device `dev` was found capturing, for
+    /// [`Self::refuse_during_capture`] to ask again.
+    fn note_capture(&self, call: DriverCall, dev: DeviceId, st: sys::CUstream) {
+        if let Ok(d) = self.device(call, dev) {
+            let mut seen = d.captures.lock();
+            if !seen.contains(&(st as usize)) {
+                seen.push(st as usize);
+            }
+        }
+    }
+
+    /// `Err` (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, saying which stream) while a capture is
+    /// seen under way on device `dev`, whose context the caller has bound: a synchronisation of
+    /// the device now would invalidate it in any capture mode (driver 580,
+    /// `capture_rules.py`). Seen: a blocking stream of the context captures (the legacy stream
+    /// answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), or a stream found capturing before still
+    /// is. Streams that no longer capture, or that the driver no longer knows, are forgotten.
+    pub(super) fn refuse_during_capture(
+        &self,
+        call: DriverCall,
+        dev: DeviceId,
+    ) -> DriverResult<()> {
+        let d = self.device(call, dev)?;
+        let refuse = |which: String| {
+            Err(DriverError::new(
+                call,
+                DriverErrorKind::NotSupported,
+                CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED as i32,
+                format!(
+                    "not synchronising device {dev}: {which} is capturing a CUDA graph, and \
+                     cuCtxSynchronize would invalidate the capture (in every capture mode); \
+                     synchronise after the capture ends"
+                ),
+            ))
+        };
+        let legacy = stream_ptr(call, StreamId::LEGACY)?;
+        if self.capture_status(call, legacy) == Ok(true) {
+            return refuse("a blocking stream of its context".to_string());
+        }
+        let mut seen = d.captures.lock();
+        let mut capturing: Option<usize> = None;
+        seen.retain(|&st| {
+            let yes = self.capture_status(call, st as sys::CUstream) == Ok(true);
+            if yes {
+                capturing.get_or_insert(st);
+            }
+            yes
+        });
+        match capturing {
+            Some(st) => refuse(format!("stream {st:#x}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets the stream `stream` ([`Driver::forget_stream`](crate::driver::Driver)): it is
+    /// never asked of again.
+    pub(super) fn forget_capture(&self, stream: StreamId) {
+        for d in &self.devices {
+            d.captures.lock().retain(|&st| st as u64 != stream.0);
+        }
     }
 
     pub(super) fn resolve_stream(
@@ -88,6 +154,9 @@ impl CudaDriver {
         };
         // A capturing stream cannot be named: cuStreamGetId would break its capture.
         if self.capture_status(call, st)? {
+            if !stream.is_special() {
+                self.note_capture(call, device, st);
+            }
             if stream == StreamId::PER_THREAD {
                 return Err(DriverError::new(
                     call,
