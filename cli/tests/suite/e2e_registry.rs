@@ -3,12 +3,12 @@
 //! one is killed with SIGKILL, one exits cleanly leaving a block it never freed. `cistern ps`,
 //! `leaks` and `doctor` must account for all three from the registry alone (no NVML here).
 
-use std::io::{BufRead, BufReader};
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::holders::{build_libraries, profile_dir, HolderKit};
+use crate::common::holders::HolderKit;
 
 const MIB: u64 = 1 << 20;
 
@@ -17,60 +17,6 @@ fn tmpdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// Compiles the holder program against cistern.h; `None` when there is no C compiler.
-fn compile_holder(dir: &Path, lib_dir: &Path) -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let exe = dir.join("holder");
-    let out = Command::new("cc")
-        .arg("-std=c11")
-        .arg("-D_POSIX_C_SOURCE=200809L")
-        .arg("-o")
-        .arg(&exe)
-        .arg(root.join("cli/tests/c/holder.c"))
-        .arg("-I")
-        .arg(root.join("ffi/include"))
-        .arg("-L")
-        .arg(lib_dir)
-        .arg("-lcistern")
-        .output()
-        .ok()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(exe)
-}
-
-struct Holder {
-    child: Child,
-    pid: u32,
-}
-
-fn spawn(exe: &Path, libs: &str, registry: &Path, tag: &str, mib: u64, mode: &str) -> Holder {
-    let mut child = Command::new(exe)
-        .args([tag, &mib.to_string(), mode])
-        .env("LD_LIBRARY_PATH", libs)
-        .env("CISTERN_FAKECUDA", "1")
-        .env("CISTERN_FAKECUDA_CAPACITY", "4GiB")
-        .env("CISTERN_DRIVER", "cuda")
-        .env(
-            "CISTERN_CONF",
-            format!("registry_dir:{}", registry.display()),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn holder");
-    let pid = child.id();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "ready", "holder {tag} did not start");
-    Holder { child, pid }
 }
 
 fn cistern(registry: &Path, args: &[&str]) -> (i32, serde_json::Value, String) {
@@ -115,49 +61,33 @@ fn wait_for(registry: &Path, ok: impl Fn(&serde_json::Value) -> bool) -> serde_j
 
 #[test]
 fn three_processes_one_killed_one_exited() {
-    if Command::new("cc").arg("--version").output().is_err() {
-        eprintln!("skipping: no C compiler (cc) to build the holder program");
-        return;
-    }
-    build_libraries();
     let work = tmpdir("work");
+    let Some(kit) = HolderKit::new(&work) else {
+        return;
+    };
     let registry = tmpdir("registry");
     // Registry directories must be private.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).unwrap();
-    // The fake driver under libcuda's names, in a private directory (never in target/).
-    let fake = work.join("fake");
-    std::fs::create_dir_all(&fake).unwrap();
-    std::fs::copy(
-        profile_dir().join("libcistern_fakecuda.so"),
-        fake.join("libcuda.so"),
-    )
-    .unwrap();
-    std::os::unix::fs::symlink("libcuda.so", fake.join("libcuda.so.1")).unwrap();
-    let libs = format!("{}:{}", fake.display(), profile_dir().display());
-    let Some(exe) = compile_holder(&work, &profile_dir()) else {
-        eprintln!("skipping: cc could not run");
-        return;
-    };
 
-    let mut weights = spawn(&exe, &libs, &registry, "weights", 40, "wait");
-    let mut acts = spawn(&exe, &libs, &registry, "activations", 24, "wait");
-    let exited = spawn(&exe, &libs, &registry, "loader", 8, "exit");
-    let exited_pid = exited.pid;
-    let status = exited.child.wait_with_output().unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    let mut weights = kit.spawn(&registry, "weights", 40, "wait");
+    let acts = kit.spawn(&registry, "activations", 24, "wait");
+    let mut exited = kit.spawn(&registry, "loader", 8, "exit");
+    let exited_pid = exited.pid();
+    let status = exited.0.wait().unwrap();
+    let mut err = String::new();
+    if let Some(mut e) = exited.0.stderr.take() {
+        e.read_to_string(&mut err).unwrap();
+    }
+    assert!(status.success(), "{err}");
 
     // All three appear, with their tags' live bytes.
     let ps = wait_for(&registry, |ps| {
-        [weights.pid, acts.pid, exited_pid]
+        [weights.pid(), acts.pid(), exited_pid]
             .iter()
             .all(|&p| process(ps, p).is_some_and(|p| p["live"].as_u64().unwrap_or(0) > 0))
     });
-    let w = process(&ps, weights.pid).unwrap();
+    let w = process(&ps, weights.pid()).unwrap();
     assert_eq!(w["state"], "running", "{w}");
     assert!(w["live"].as_u64().unwrap() >= 40 * MIB, "{w}");
     assert!(w.to_string().contains("weights"), "{w}");
@@ -170,12 +100,12 @@ fn three_processes_one_killed_one_exited() {
     }
 
     // SIGKILL one: it stays listed, as dead, with its last state.
-    weights.child.kill().unwrap();
-    weights.child.wait().unwrap();
+    weights.0.kill().unwrap();
+    weights.0.wait().unwrap();
     let ps = wait_for(&registry, |ps| {
-        process(ps, weights.pid).is_some_and(|p| p["state"] != "running")
+        process(ps, weights.pid()).is_some_and(|p| p["state"] != "running")
     });
-    let w = process(&ps, weights.pid).unwrap();
+    let w = process(&ps, weights.pid()).unwrap();
     assert!(
         w["state"].as_str().unwrap().starts_with("dead"),
         "killed process not shown as dead: {w}"
@@ -185,13 +115,13 @@ fn three_processes_one_killed_one_exited() {
         "last state lost: {w}"
     );
     assert_eq!(
-        process(&ps, acts.pid).unwrap()["state"],
+        process(&ps, acts.pid()).unwrap()["state"],
         "running",
         "the other holder is still alive"
     );
 
     // leaks of the dead process: its live bytes by tag, summing to what it held.
-    let (code, leaks, err) = cistern(&registry, &["leaks", &weights.pid.to_string(), "--json"]);
+    let (code, leaks, err) = cistern(&registry, &["leaks", &weights.pid().to_string(), "--json"]);
     assert_eq!(code, 0, "{err}");
     let total = leaks["total_bytes"].as_u64().unwrap();
     assert_eq!(
@@ -216,8 +146,7 @@ fn three_processes_one_killed_one_exited() {
         "doctor should flag the killed process's record: {err}"
     );
 
-    acts.child.kill().unwrap();
-    acts.child.wait().unwrap();
+    drop(acts);
     let _ = std::fs::remove_dir_all(&work);
     let _ = std::fs::remove_dir_all(&registry);
 }
