@@ -121,10 +121,15 @@ pub struct Attribution {
 pub struct OtherProcess {
     /// Process id.
     pub pid: u32,
-    /// Bytes it holds on the device.
+    /// Bytes it holds on the device: what its pools reserve (a cistern process, from its
+    /// record), or what NVML counts for it (`nvml_only`; 0 when NVML cannot say).
     pub bytes: u64,
     /// Its command line, when known.
     pub command: String,
+    /// Known from NVML only: a process without a cistern record this process can read (one
+    /// not using cistern, most often).
+    #[serde(default)]
+    pub nvml_only: bool,
 }
 
 /// What the pool knew when a request failed: enough to tell who holds the memory.
@@ -158,10 +163,15 @@ pub struct OomReport {
     pub top_tags: Vec<Attribution>,
     /// Live bytes by call site, largest first (empty until sampling is on).
     pub top_sites: Vec<Attribution>,
-    /// Other processes holding memory on the device, when known: those using cistern, from
-    /// their registry records (filled once the device lock is released; empty on the simulated
-    /// GPU and with `registry:off`). `cistern ps` also names the others, from NVML.
+    /// Other processes holding memory on the device, when known (filled once the device lock
+    /// is released; empty on the simulated GPU): those using cistern, from their registry
+    /// records (not with `registry:off`), and the others NVML lists, when NVML is at hand and
+    /// sees this process's pids (not from inside most containers). At most 8, largest first.
     pub other_processes: Vec<OtherProcess>,
+    /// What NVML counts for this process on the device (its pools, its CUDA context and any
+    /// other allocator's memory), when known, as for `other_processes`.
+    #[serde(default)]
+    pub process_nvml_bytes: Option<u64>,
     /// Why the request failed, in words.
     pub reason: String,
 }
@@ -226,16 +236,33 @@ impl fmt::Display for OomReport {
                 }
             }
         }
+        if let Some(b) = self.process_nvml_bytes {
+            writeln!(
+                f,
+                "  this process, as NVML counts it: {} (its pools, its CUDA context and any other \
+                 allocator's memory)",
+                mib(b)
+            )?;
+        }
         if !self.other_processes.is_empty() {
             writeln!(f, "  other processes on this device:")?;
             for p in &self.other_processes {
-                writeln!(
-                    f,
-                    "    pid {:>7}  {:>12}  {}",
-                    p.pid,
-                    mib(p.bytes),
-                    p.command
-                )?;
+                let bytes = if p.nvml_only && p.bytes == 0 {
+                    "?".to_string()
+                } else {
+                    mib(p.bytes)
+                };
+                let command = if p.command.is_empty() {
+                    "(command line not visible here)"
+                } else {
+                    &p.command
+                };
+                let note = if p.nvml_only {
+                    "  [NVML; no cistern record]"
+                } else {
+                    ""
+                };
+                writeln!(f, "    pid {:>7}  {bytes:>12}  {command}{note}", p.pid)?;
             }
         }
         Ok(())
@@ -293,11 +320,27 @@ mod tests {
             largest_free: GIB,
             top_tags: vec![],
             top_sites: vec![],
-            other_processes: vec![OtherProcess {
-                pid: 4242,
-                bytes: 60 * GIB,
-                command: "python train.py".into(),
-            }],
+            other_processes: vec![
+                OtherProcess {
+                    pid: 4242,
+                    bytes: 60 * GIB,
+                    command: "python train.py".into(),
+                    nvml_only: false,
+                },
+                OtherProcess {
+                    pid: 77,
+                    bytes: 3 * GIB,
+                    command: "./solver --big".into(),
+                    nvml_only: true,
+                },
+                OtherProcess {
+                    pid: 78,
+                    bytes: 0,
+                    command: String::new(),
+                    nvml_only: true,
+                },
+            ],
+            process_nvml_bytes: Some(10 * GIB + 500 * (1 << 20)),
             reason: "the device has too little free memory for it".into(),
         };
         let text = r.to_string();
@@ -309,15 +352,35 @@ mod tests {
             text.contains("other processes on this device:\n    pid    4242"),
             "{text}"
         );
-        assert!(text.contains("python train.py"), "{text}");
+        assert!(text.contains("python train.py\n"), "{text}");
+        // Processes NVML alone knows of are marked so, and what it cannot say is not made up.
+        assert!(
+            text.contains(
+                "    pid      77       3.0 GiB  ./solver --big  [NVML; no cistern record]"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "    pid      78             ?  (command line not visible here)  [NVML; no \
+                 cistern record]"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("  this process, as NVML counts it: 10.5 GiB (its pools, its CUDA"),
+            "{text}"
+        );
         // Free memory unknown (the driver did not say): no such line.
         r.device_free = 0;
         assert!(!r.to_string().contains("held outside"));
         // Nothing held outside: no such line.
         r.device_free = 70 * GIB;
         r.other_processes.clear();
+        r.process_nvml_bytes = None;
         let text = r.to_string();
         assert!(!text.contains("held outside"), "{text}");
         assert!(!text.contains("other processes"), "{text}");
+        assert!(!text.contains("NVML"), "{text}");
     }
 }

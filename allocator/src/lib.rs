@@ -29,6 +29,7 @@ pub mod interop;
 pub mod ipc;
 #[doc(hidden)]
 pub mod log;
+pub(crate) mod nvml;
 pub mod open;
 pub mod provenance;
 pub mod registry;

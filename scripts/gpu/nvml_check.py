@@ -19,7 +19,10 @@ Checks, in order (the first that fails ends the run, exit status 1):
      resolved), that is a failure;
   2b. another process asking for more than is free (but less than would be free without the
      holder) fails as out of memory, and its error names the holder (pid, bytes, command
-     line: from the holder's record);
+     line: from the holder's record); on a real NVML also a process holding memory without
+     cistern (a plain cuMemAlloc through ctypes), from NVML, marked as such, and says what
+     NVML counts for the failing process itself, unless NVML lists none of these processes
+     (another pid namespace: `oom_names_plain=unknown`);
   3. `doctor --json` while it runs: not an error (exit 0 or 1);
   4. after SIGKILL: the row turns dead, and once the driver has reclaimed the memory NVML no
      longer lists it (`dead-record-only`; `dead-but-memory-held` while it still does);
@@ -41,6 +44,23 @@ import time
 
 MIB = 1 << 20
 TAG = "nvml-check"
+# A process holding device memory without cistern: the driver API through ctypes.
+PLAIN = '''import ctypes, sys, time
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(r, what):
+    if r != 0:
+        print(f"{what} failed: {r}", flush=True)
+        sys.exit(3)
+ok(cu.cuInit(0), "cuInit")
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+ok(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[1]) << 20)), "cuMemAlloc")
+print("ready", flush=True)
+time.sleep(600)
+'''
+PLAIN_MIB = 256
 
 
 class Failed(Exception):
@@ -134,6 +154,7 @@ def main() -> int:
             return 2
     r = Runner(args)
     holder = None
+    plain = None
 
     def terminated(signum, frame):
         # The step's time limit (timeout sends SIGTERM): fail with what was learnt so far,
@@ -209,7 +230,26 @@ def main() -> int:
                          f"{json.dumps(g0)}")
 
         # 2b. Another process asks for more than is free, but less than would be free were the
-        # holder not there: its OOM error names the holder, from the holder's record.
+        # holder not there: its OOM error names the holder, from the holder's record; and on a
+        # real NVML, a process holding memory without cistern, from NVML.
+        if not r.fake:
+            # Beside the registry directory, not in it (whose files are records).
+            script = r.registry + ".plain_holder.py"
+            with open(script, "w") as f:
+                f.write(PLAIN)
+            plain = subprocess.Popen([sys.executable, script, str(PLAIN_MIB)], env=r.env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            line = plain.stdout.readline().strip()
+            if line != "ready":
+                raise Failed(f"the plain CUDA holder did not start ({line!r})")
+            # NVML lists it once its context and memory are made (at once, but polled).
+            for _ in range(20):
+                _, d, _ = r.run("ps_plain", ["ps", "--json"])
+                g = next((g for g in (d or {}).get("gpus") or [] if g.get("uuid") == uuid), {})
+                if (g.get("free") or 0) // MIB + PLAIN_MIB <= (g0.get("free") or 0) // MIB:
+                    g0 = g
+                    break
+                time.sleep(0.2)
         free_mib = (g0.get("free") or 0) // MIB
         ask = max(free_mib + args.mib // 4, 2 * args.mib)
         greedy = subprocess.run([args.holder, "greedy", str(ask), "exit"], env=r.env,
@@ -223,6 +263,21 @@ def main() -> int:
         if not named:
             raise Failed(f"the OOM error of a request beside the holder does not name it (pid "
                          f"{pid}): {greedy.stderr[-2000:]}")
+        if plain is not None:
+            plain_named = (f"pid {plain.pid:>7}" in greedy.stderr
+                           and "[NVML; no cistern record]" in greedy.stderr)
+            self_counted = "this process, as NVML counts it:" in greedy.stderr
+            if plain_named and self_counted:
+                r.keys["oom_names_plain"] = 1
+            elif r.keys.get("nvml_joined") == "unknown":
+                # NVML's pids are not this namespace's: the library rightly names none.
+                r.keys["oom_names_plain"] = "unknown"
+            else:
+                raise Failed(f"the OOM error does not name the process holding memory without "
+                             f"cistern (pid {plain.pid}) from NVML, or does not say what NVML "
+                             f"counts for the failing process: {greedy.stderr[-2000:]}")
+            plain.kill()
+            plain.wait()
 
         # 3. doctor while it runs.
         rc, _, err = r.run("doctor_running", ["doctor", "--json"])
@@ -272,15 +327,16 @@ def main() -> int:
         print(f"nvml_check: FAIL: {e}", file=sys.stderr)
         ok = False
     finally:
-        if holder is not None and holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        for p in (holder, plain):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
         for k, v in r.keys.items():
             print(f"{k}={v}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"keys": r.keys, "commands": r.docs}, f, indent=1)
-        subprocess.run(["rm", "-rf", r.registry])
+        subprocess.run(["rm", "-rf", r.registry, r.registry + ".plain_holder.py"])
         if r.fake:
             for f in (r.fake, r.fake + ".tmp"):
                 if os.path.exists(f):

@@ -206,7 +206,7 @@ pub struct DevicePool<D: Driver> {
     pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
     /// The other processes an OOM report last named, and when (`grow.rs`): the registry is
     /// read at most once a second, however often OOMs are caught. A leaf lock.
-    pub(super) others: Mutex<Option<(std::time::Instant, Vec<crate::error::OtherProcess>)>>,
+    pub(super) others: Mutex<Option<(std::time::Instant, super::publish::Others)>>,
 }
 
 impl<D: Driver> DevicePool<D> {

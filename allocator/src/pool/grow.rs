@@ -287,6 +287,7 @@ impl<D: Driver> DevicePool<D> {
             }),
             top_sites: top_attributions(by_site, crate::provenance::site_label),
             other_processes: Vec::new(),
+            process_nvml_bytes: None,
             reason: why.to_string(),
         };
         dev.last_oom = Some(Box::new(report.clone()));
@@ -300,22 +301,23 @@ impl<D: Driver> DevicePool<D> {
 
 impl<D: Driver> DevicePool<D> {
     /// Names, in an out-of-memory error of the device (not of a limit), the other processes
-    /// that hold memory on it, as their registry records say (`publish::other_processes_on`):
-    /// in the error and in the device's last OOM report, when that is still this error's.
-    /// Called once the device lock is released: it reads the registry's files, at most once a
-    /// second (the answer is kept that long: `DevicePool::others`).
+    /// that hold memory on it, as their registry records and NVML say, and what NVML counts
+    /// for this process (`publish::others_on`): in the error and in the device's last OOM
+    /// report, when that is still this error's. Called once the device lock is released: it
+    /// reads the registry's files and asks NVML, at most once a second (the answer is kept
+    /// that long: `DevicePool::others`).
     #[cold]
     pub(super) fn name_other_processes(&self, e: Error) -> Error {
         let Error::OutOfMemory(mut r) = e else {
             return e;
         };
         let c = &*self.core;
-        let others = {
+        let (others, mine) = {
             let mut cached = self.others.lock();
             match &*cached {
                 Some((at, v)) if at.elapsed() < OTHERS_FRESH => v.clone(),
                 _ => {
-                    let v = super::publish::other_processes_on(
+                    let v = super::publish::others_on(
                         &c.config,
                         c.driver.name(),
                         c.caps.uuid.as_deref(),
@@ -325,7 +327,7 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         };
-        if others.is_empty() {
+        if others.is_empty() && mine.is_none() {
             return Error::OutOfMemory(r);
         }
         if let Some(last) = self.state.lock().last_oom.as_deref_mut() {
@@ -333,9 +335,11 @@ impl<D: Driver> DevicePool<D> {
             // thread's has replaced it meanwhile.
             if *last == *r {
                 last.other_processes = others.clone();
+                last.process_nvml_bytes = mine;
             }
         }
         r.other_processes = others;
+        r.process_nvml_bytes = mine;
         Error::OutOfMemory(r)
     }
 }

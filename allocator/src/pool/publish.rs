@@ -87,6 +87,7 @@ impl From<&OomReport> for OomRecord {
             top_tags,
             top_sites,
             other_processes,
+            process_nvml_bytes,
             reason,
         } = r;
         OomRecord {
@@ -108,6 +109,7 @@ impl From<&OomReport> for OomRecord {
                 .iter()
                 .map(OtherProcessRecord::from)
                 .collect(),
+            process_nvml_bytes: *process_nvml_bytes,
             reason: reason.clone(),
         }
     }
@@ -134,11 +136,13 @@ impl From<&OtherProcess> for OtherProcessRecord {
             pid,
             bytes,
             command,
+            nvml_only,
         } = p;
         OtherProcessRecord {
             pid: *pid,
             bytes: *bytes,
             command: command.clone(),
+            nvml_only: *nvml_only,
         }
     }
 }
@@ -327,17 +331,11 @@ pub(super) fn other_processes_on(
                 .filter(|d| d.uuid.as_deref() == Some(uuid))
                 .map(|d| d.reserved)
                 .sum();
-            // Another process's words, printed in this one's error: no control characters.
-            let command: String = r
-                .cmdline
-                .join(" ")
-                .chars()
-                .map(|c| if c.is_control() { '?' } else { c })
-                .collect();
             (bytes > 0).then_some(crate::error::OtherProcess {
                 pid: r.pid,
                 bytes,
-                command,
+                command: printable(r.cmdline.iter().map(String::as_str)),
+                nvml_only: false,
             })
         })
         .collect();
@@ -346,11 +344,76 @@ pub(super) fn other_processes_on(
     out
 }
 
+/// Another process's command line, printed in this one's error: its words joined by spaces,
+/// without control characters.
+fn printable<'a>(words: impl Iterator<Item = &'a str>) -> String {
+    words
+        .collect::<Vec<_>>()
+        .join(" ")
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
+/// Other processes on a GPU, and what NVML counts for this one ([`others_on`]).
+pub(super) type Others = (Vec<crate::error::OtherProcess>, Option<u64>);
+
+/// Who else holds memory on the GPU `uuid`, for an OOM report: the processes using cistern
+/// there ([`other_processes_on`]) and the others NVML lists ([`with_nvml`]); and what NVML
+/// counts for this process. Nothing on the simulator.
+pub(super) fn others_on(config: &crate::Config, driver: &str, uuid: Option<&str>) -> Others {
+    let (Some(uuid), "cuda") = (uuid, driver) else {
+        return (Vec::new(), None);
+    };
+    let cistern = other_processes_on(config, driver, Some(uuid));
+    let nvml = crate::nvml::processes_on(uuid);
+    with_nvml(cistern, nvml.as_deref(), std::process::id(), |pid| {
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let text = String::from_utf8_lossy(&raw);
+        Some(printable(text.split('\0').filter(|w| !w.is_empty())))
+    })
+}
+
+/// Adds to the processes using cistern (`cistern`, from their records) those NVML lists on the
+/// GPU (`nvml`) without one, with the memory NVML counts for them and their command line
+/// (`command`, from `/proc`); returns them, largest first, at most [`OTHER_PROCESSES`], and
+/// what NVML counts for this process (`me`). Only when NVML lists `me`: otherwise its pids are
+/// another pid namespace's (this process in a container, most often), which this process
+/// cannot tell from its own, and nothing of NVML's is used. A process with a record keeps
+/// its record's bytes (what its pools reserve, not its CUDA context).
+pub(super) fn with_nvml(
+    mut others: Vec<crate::error::OtherProcess>,
+    nvml: Option<&[crate::nvml::GpuProcess]>,
+    me: u32,
+    command: impl Fn(u32) -> Option<String>,
+) -> Others {
+    let Some(list) = nvml.filter(|l| l.iter().any(|p| p.pid == me)) else {
+        return (others, None);
+    };
+    let mine = list.iter().find(|p| p.pid == me).and_then(|p| p.used);
+    for p in list {
+        if p.pid == me || others.iter().any(|o| o.pid == p.pid) {
+            continue;
+        }
+        others.push(crate::error::OtherProcess {
+            pid: p.pid,
+            bytes: p.used.unwrap_or(0),
+            command: command(p.pid).unwrap_or_default(),
+            nvml_only: true,
+        });
+    }
+    others.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+    others.truncate(OTHER_PROCESSES);
+    (others, mine)
+}
+
 #[cfg(test)]
 mod tests {
     use std::process::{Child, Command};
 
-    use super::other_processes_on;
+    use super::{other_processes_on, with_nvml};
+    use crate::error::OtherProcess;
+    use crate::nvml::GpuProcess;
     use crate::registry::{self, DeviceRecord, Identity, ProcessSnapshot, Registry, State};
 
     const GPU: &str = "GPU-11111111-2222-3333-4444-555555555555";
@@ -520,5 +583,67 @@ mod tests {
         };
         assert!(other_processes_on(&off, "cuda", Some(GPU)).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn cistern(pid: u32, bytes: u64) -> OtherProcess {
+        OtherProcess {
+            pid,
+            bytes,
+            command: format!("cistern user {pid}"),
+            nvml_only: false,
+        }
+    }
+
+    fn nvml(pid: u32, used: Option<u64>) -> GpuProcess {
+        GpuProcess { pid, used }
+    }
+
+    /// NVML's processes join the records': those without one are added with NVML's bytes and
+    /// their command line, marked; one with a record keeps its record's bytes; this process is
+    /// not among them, and what NVML counts for it is returned; largest first, at most eight.
+    #[test]
+    fn nvml_names_the_processes_without_a_record() {
+        const ME: u32 = 100;
+        let command = |pid: u32| (pid != 5).then(|| format!("prog{pid} --flag"));
+        let list = [
+            nvml(3, Some(4 * GIB)),
+            nvml(ME, Some(6 * GIB)),
+            nvml(1, Some(9 * GIB)),
+            nvml(5, None),
+            // Listed twice (as NVML may, once per MIG instance): named once.
+            nvml(3, Some(4 * GIB)),
+        ];
+        let (others, mine) = with_nvml(vec![cistern(1, 8 * GIB)], Some(&list), ME, command);
+        assert_eq!(mine, Some(6 * GIB));
+        let got: Vec<(u32, u64, &str, bool)> = others
+            .iter()
+            .map(|p| (p.pid, p.bytes, p.command.as_str(), p.nvml_only))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, 8 * GIB, "cistern user 1", false),
+                (3, 4 * GIB, "prog3 --flag", true),
+                (5, 0, "", true),
+            ]
+        );
+
+        // NVML does not list this process: its pids are another namespace's, and unused.
+        let elsewhere = [nvml(3, Some(4 * GIB)), nvml(7, Some(GIB))];
+        let (others, mine) = with_nvml(vec![cistern(1, GIB)], Some(&elsewhere), ME, command);
+        assert_eq!((others, mine), (vec![cistern(1, GIB)], None));
+        // No NVML: the records alone.
+        let (others, mine) = with_nvml(vec![cistern(1, GIB)], None, ME, command);
+        assert_eq!((others, mine), (vec![cistern(1, GIB)], None));
+
+        // Many processes: the eight largest.
+        let many: Vec<GpuProcess> = (1..=12)
+            .map(|p| nvml(p, Some(u64::from(p) * GIB)))
+            .chain([nvml(ME, None)])
+            .collect();
+        let (others, mine) = with_nvml(Vec::new(), Some(&many), ME, command);
+        assert_eq!(mine, None);
+        let pids: Vec<u32> = others.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [12, 11, 10, 9, 8, 7, 6, 5]);
     }
 }

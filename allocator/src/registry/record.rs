@@ -136,6 +136,9 @@ pub struct OtherProcessRecord {
     pub bytes: u64,
     /// Its command line, when known.
     pub command: String,
+    /// Known from NVML only ([`crate::error::OtherProcess::nvml_only`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nvml_only: bool,
 }
 
 /// A process's last out-of-memory report ([`crate::OomReport`]), as published: what the
@@ -172,6 +175,9 @@ pub struct OomRecord {
     pub top_sites: Vec<AttributionRecord>,
     /// Other processes on the device, when known.
     pub other_processes: Vec<OtherProcessRecord>,
+    /// What NVML counted for the process on the device, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_nvml_bytes: Option<u64>,
     /// Why the request failed, in words.
     pub reason: String,
 }

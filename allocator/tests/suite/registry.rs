@@ -123,6 +123,7 @@ fn oom() -> OomRecord {
         top_tags: vec![attribution("kv_cache", 70 << 30)],
         top_sites: vec![],
         other_processes: vec![],
+        process_nvml_bytes: None,
         reason: "the device is full".into(),
     }
 }

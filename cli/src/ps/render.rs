@@ -288,7 +288,12 @@ pub fn oom_line(o: &OomRecord) -> String {
             .take(OOM_OTHERS)
             .map(|p| {
                 let command: String = printable(&p.command).chars().take(40).collect();
-                format!("pid {} {} ({command})", p.pid, format_bytes(p.bytes))
+                let note = if p.nvml_only {
+                    "; NVML, no cistern record"
+                } else {
+                    ""
+                };
+                format!("pid {} {} ({command}{note})", p.pid, format_bytes(p.bytes))
             })
             .collect();
         line.push_str(&format!("; other processes then: {}", named.join(", ")));

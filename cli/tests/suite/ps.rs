@@ -444,6 +444,8 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
                         pid: 4242 + i,
                         bytes: (60 - i as u64) * GIB,
                         command: format!("python train.py --rank {i}"),
+                        // One without a cistern record, named from NVML.
+                        nvml_only: i == 1,
                     })
                     .collect(),
                 ..oom(2 * GIB)
@@ -522,8 +524,8 @@ fn ps_shows_pending_simulated_processes_and_the_last_oom() {
     assert!(
         text.contains(
             "the device is full; other processes then: pid 4242 60.0 GiB (python train.py \
-             --rank 0), pid 4243 59.0 GiB (python train.py --rank 1), pid 4244 58.0 GiB \
-             (python train.py --rank 2) and 2 more"
+             --rank 0), pid 4243 59.0 GiB (python train.py --rank 1; NVML, no cistern record), \
+             pid 4244 58.0 GiB (python train.py --rank 2) and 2 more"
         ),
         "{text}"
     );

@@ -1188,6 +1188,100 @@ fn child_sync_beside_capture() {
     }
 }
 
+/// An out-of-memory error names, beside the processes using cistern, those NVML lists on the
+/// GPU without a cistern record (a process that does not use cistern: here `sleep`), with the
+/// memory NVML counts for them and their command line, and says what NVML counts for this
+/// process, as PyTorch's OOM message does. Not when NVML does not list this process: its pids
+/// are then another pid namespace's (a container's view), which cannot be told from ours.
+#[test]
+fn an_oom_names_the_processes_nvml_lists() {
+    run_child("child_oom_nvml", &[("CISTERN_FAKECUDA_CAPACITY", "1GiB")]);
+}
+
+#[test]
+#[ignore = "child process of an_oom_names_the_processes_nvml_lists"]
+fn child_oom_nvml() {
+    if !is_child("child_oom_nvml") {
+        return;
+    }
+    struct Sleeper(std::process::Child);
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let other = Sleeper(Command::new("sleep").arg("60").spawn().unwrap());
+    let (me, pid) = (std::process::id(), other.0.id());
+    // Until its exec is complete its command line reads empty (`spawn` may return before).
+    let started = std::time::Instant::now();
+    while std::fs::read(format!("/proc/{pid}/cmdline")).map_or(true, |c| c.is_empty()) {
+        assert!(started.elapsed().as_secs() < 10, "sleep did not start");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let dir = std::env::temp_dir().join(format!("cistern-oom-nvml-{me}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let nvml = dir.join("nvml.json");
+    // The fake driver's GPU, as NVML would list it.
+    let uuid = "GPU-5157a1d0-0000-4000-8000-000000000000";
+    let write = |processes: &str| {
+        let doc = format!(r#"{{"gpus": [{{"uuid": "{uuid}", "processes": [{processes}]}}]}}"#);
+        std::fs::write(&nvml, doc).unwrap();
+    };
+    write(&format!(
+        r#"{{"pid": {me}, "used_bytes": {}}}, {{"pid": {pid}, "used_bytes": {}}}"#,
+        300 * MIB,
+        512 * MIB
+    ));
+    std::env::set_var("CISTERN_FAKE_NVML", &nvml);
+    let config = Config::parse("registry:off").unwrap();
+    let oom = |pool: &Pool<CudaDriver>, s: StreamId| {
+        let e = pool.alloc_raw(0, 2 * GIB, s).unwrap_err();
+        assert!(e.is_oom(), "{e}");
+        e.to_string()
+    };
+
+    let d = driver();
+    let s = new_stream(&d, 0);
+    let pool = Pool::new(d, config.clone()).unwrap();
+    let text = oom(&pool, s);
+    assert!(
+        text.contains(&format!(
+            "    pid {pid:>7}     512.0 MiB  sleep 60  [NVML; no cistern record]"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("  this process, as NVML counts it: 300.0 MiB"),
+        "{text}"
+    );
+    let last = pool
+        .device(0)
+        .unwrap()
+        .last_oom()
+        .expect("a last OOM report");
+    assert_eq!(last.process_nvml_bytes, Some(300 * MIB));
+    assert_eq!(
+        last.other_processes
+            .iter()
+            .map(|p| (p.pid, p.nvml_only))
+            .collect::<Vec<_>>(),
+        [(pid, true)]
+    );
+    drop(pool);
+
+    // NVML's list without this process: nothing of it is used.
+    write(&format!(r#"{{"pid": {pid}, "used_bytes": {}}}"#, 512 * MIB));
+    let d = driver();
+    let s = new_stream(&d, 0);
+    let pool = Pool::new(d, config).unwrap();
+    let text = oom(&pool, s);
+    assert!(!text.contains("NVML"), "{text}");
+    assert!(!text.contains("other processes on this device"), "{text}");
+    drop(pool);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A block used by a stream destroyed before the free: the driver can say nothing of that
 /// stream (not even whether it captures), no event can be recorded there, and the free waits
 /// for the device instead; the block comes back, and nothing is left at the end.

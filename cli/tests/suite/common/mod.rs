@@ -174,6 +174,7 @@ pub fn oom(requested: u64) -> registry::OomRecord {
         top_tags: vec![],
         top_sites: vec![],
         other_processes: vec![],
+        process_nvml_bytes: None,
         reason: "the device is full".into(),
     }
 }
