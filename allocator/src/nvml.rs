@@ -8,7 +8,9 @@
 //! with `libloading`: no link-time dependency, nothing loaded in a process that never runs
 //! out of memory) and kept for the life of the process. Every failure (no NVML, a GPU it
 //! does not know, a query it refuses) is an answer of "nothing known": an OOM report never
-//! fails for want of NVML.
+//! fails for want of NVML. Where NVML's list does not show this process (its pids are the
+//! host's, seen from a container; under MPS it lists the server, not its clients) nothing of
+//! it is used: `with_nvml` in `pool/publish.rs`.
 //!
 //! # Test hook
 //!

@@ -372,8 +372,9 @@ fn in_child(name: &str) -> bool {
 /// mode, from any thread (driver 580, `scripts/gpu/capture_rules.py`). The backend refuses it
 /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) while it can see a capture: a blocking stream's,
 /// which the legacy stream reveals, or that of a stream it found capturing before; the capture
-/// stays valid, and after it the device synchronises again. In a process of its own: the
-/// capture would refuse the other tests' synchronisations.
+/// stays valid, and after it the device synchronises again. A stream it was told is gone
+/// (`forget_stream`) is not asked of. In a process of its own: the captures would refuse the
+/// other tests' synchronisations.
 #[test]
 fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
     use cudarc::driver::sys::{CUresult::*, CUstreamCaptureMode::*};
@@ -411,6 +412,20 @@ fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
                 "the refused synchronisation invalidated the {mode:?} capture (flags {flags})"
             );
             d.device_synchronize(0).unwrap();
+        }
+        if flags == 1 {
+            // A stream the backend was told is gone is not asked of: the backend does not
+            // refuse the synchronisation; the driver does, and the capture is broken.
+            // SAFETY: `s` is the stream created above; the mode is a valid enum value.
+            let r = unsafe {
+                cudarc::driver::sys::cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_RELAXED)
+            };
+            assert_eq!(r, CUDA_SUCCESS);
+            assert_eq!(d.stream_capturing(0, id), Ok(true));
+            d.forget_stream(id);
+            let e = d.device_synchronize(0).unwrap_err();
+            assert!(e.message.starts_with("cuCtxSynchronize"), "{e}");
+            assert_eq!(end_capture(s), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
         }
         drop_capture_stream(s);
     }

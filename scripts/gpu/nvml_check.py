@@ -36,6 +36,7 @@ failed, 2 on bad arguments.
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,13 +242,18 @@ def main() -> int:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             line = plain.stdout.readline().strip()
             if line != "ready":
-                raise Failed(f"the plain CUDA holder did not start ({line!r})")
-            # NVML lists it once its context and memory are made (at once, but polled).
+                plain.kill()
+                raise Failed(f"the plain CUDA holder did not start ({line!r}): "
+                             f"{plain.stderr.read()[-2000:]}")
+            # NVML shows its memory once its context and allocation are made (at once, but
+            # polled): the free memory the request below is sized from.
+            r.keys["plain_seen"] = 0
             for _ in range(20):
                 _, d, _ = r.run("ps_plain", ["ps", "--json"])
                 g = next((g for g in (d or {}).get("gpus") or [] if g.get("uuid") == uuid), {})
                 if (g.get("free") or 0) // MIB + PLAIN_MIB <= (g0.get("free") or 0) // MIB:
                     g0 = g
+                    r.keys["plain_seen"] = 1
                     break
                 time.sleep(0.2)
         free_mib = (g0.get("free") or 0) // MIB
@@ -264,8 +270,9 @@ def main() -> int:
             raise Failed(f"the OOM error of a request beside the holder does not name it (pid "
                          f"{pid}): {greedy.stderr[-2000:]}")
         if plain is not None:
-            plain_named = (f"pid {plain.pid:>7}" in greedy.stderr
-                           and "[NVML; no cistern record]" in greedy.stderr)
+            # The plain holder's own line: its pid, NVML's bytes, its command, the mark.
+            plain_named = re.search(rf"^ +pid +{plain.pid} .*plain_holder\.py.*\[NVML; no "
+                                    rf"cistern record\]$", greedy.stderr, re.M) is not None
             self_counted = "this process, as NVML counts it:" in greedy.stderr
             if plain_named and self_counted:
                 r.keys["oom_names_plain"] = 1

@@ -488,8 +488,9 @@ pub trait Driver: Send + Sync + 'static {
         let _ = (dev, stream);
         Ok(false)
     }
-    /// Says that `stream` is about to be destroyed (or just was): the driver never asks of the
-    /// handle again (the CUDA backend asks streams it found capturing whether they still are
+    /// Says that `stream` is about to be destroyed (or just was), or that its handle now names
+    /// another stream: the driver forgets what it knew of it and does not ask of the handle
+    /// unprompted (the CUDA backend asks streams it found capturing whether they still are
     /// before a device synchronisation). The default keeps nothing: nothing to do.
     fn forget_stream(&self, stream: StreamId) {
         let _ = stream;

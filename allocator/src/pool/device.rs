@@ -204,8 +204,9 @@ pub struct DevicePool<D: Driver> {
     pub(super) state: Mutex<DeviceState>,
     /// The graph pools and the allocation windows open into them (`graphs.rs`); a leaf lock.
     pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
-    /// The other processes an OOM report last named, and when (`grow.rs`): the registry is
-    /// read at most once a second, however often OOMs are caught. A leaf lock.
+    /// The other processes an OOM report last named, with what NVML counted for this one, and
+    /// when (`grow.rs`): the registry is read and NVML asked at most once a second, however
+    /// often OOMs are caught. A leaf lock.
     pub(super) others: Mutex<Option<(std::time::Instant, super::publish::Others)>>,
 }
 
@@ -405,6 +406,8 @@ impl<D: Driver> DevicePool<D> {
                 self.retire(old);
             }
         }
+        // The driver forgets the gone stream too (what it remembers of captures).
+        self.core.driver.forget_stream(stream);
         !gone.is_empty()
     }
 

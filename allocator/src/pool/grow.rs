@@ -321,6 +321,7 @@ impl<D: Driver> DevicePool<D> {
                         &c.config,
                         c.driver.name(),
                         c.caps.uuid.as_deref(),
+                        r.reserved,
                     );
                     *cached = Some((std::time::Instant::now(), v.clone()));
                     v

@@ -361,7 +361,6 @@ impl<D: Driver> Pool<D> {
         for d in self.devices() {
             d.forget_stream(stream);
         }
-        self.driver().forget_stream(stream);
         Ok(())
     }
 

@@ -290,58 +290,68 @@ impl<D: Driver> RecordSource for Pool<D> {
 /// How many other processes an OOM report names.
 const OTHER_PROCESSES: usize = 8;
 
-/// The other processes holding memory on the GPU `uuid`, as their registry records say
-/// ([`crate::registry`]): the live processes of this boot (pid and start time checked against
-/// `/proc`) that use cistern on the same driver (`cuda`; a simulated GPU holds no device
-/// memory, so there are none on it) with bytes reserved there, largest first, at most
-/// [`OTHER_PROCESSES`]. What an OOM report names (see [`DevicePool::name_other_processes`]);
-/// processes that do not use cistern, or whose records another user's directory holds, are
-/// not here: `cistern ps` reconciles those with NVML, and the report's "held outside this
-/// process" line counts them. Empty when the registry is off, the directory cannot be read,
-/// or the GPU has no UUID.
+/// The other processes using cistern, as their registry records say ([`crate::registry`]):
+/// the live processes of this boot (pid and start time checked against `/proc`) on the same
+/// driver (`cuda`; a simulated GPU holds no device memory, so there are none on it).
+#[derive(Debug, Default)]
+pub(super) struct Recorded {
+    /// Those with bytes reserved on the GPU asked for, largest first (all of them).
+    pub on_gpu: Vec<crate::error::OtherProcess>,
+    /// The pids of all of them, on any GPU or none: processes NVML lists with one of these
+    /// pids have a record, whatever they hold on this GPU.
+    pub pids: Vec<u32>,
+}
+
+/// The other processes using cistern on the GPU `uuid` ([`Recorded`]). What an OOM report
+/// names (see [`DevicePool::name_other_processes`]), with NVML's others ([`with_nvml`]).
+/// Empty when the registry is off, the directory cannot be read, or the GPU has no UUID.
 ///
 /// [`DevicePool::name_other_processes`]: crate::DevicePool
 pub(super) fn other_processes_on(
     config: &crate::Config,
     driver: &str,
     uuid: Option<&str>,
-) -> Vec<crate::error::OtherProcess> {
+) -> Recorded {
     let (Some(dir), Some(uuid)) = (registry::dir_for(config), uuid) else {
-        return Vec::new();
+        return Recorded::default();
     };
     if driver != "cuda" {
-        return Vec::new();
+        return Recorded::default();
     }
     let Ok(files) = registry::read_all(&dir) else {
-        return Vec::new();
+        return Recorded::default();
     };
     let me = std::process::id();
     let boot = registry::boot_id().ok();
-    let mut out: Vec<crate::error::OtherProcess> = files
+    let mut found = Recorded::default();
+    for r in files
         .into_iter()
         .filter_map(|(_, r)| r.ok())
         .filter(|r| r.pid != me && r.state == registry::State::Running)
         .filter(|r| r.driver.as_deref().is_none_or(|d| d == "cuda"))
         .filter(|r| boot.as_deref().is_none_or(|b| b == r.boot_id))
         .filter(|r| registry::is_alive(r.pid, r.start_time) == registry::Liveness::Alive)
-        .filter_map(|r| {
-            let bytes: u64 = r
-                .devices
-                .iter()
-                .filter(|d| d.uuid.as_deref() == Some(uuid))
-                .map(|d| d.reserved)
-                .sum();
-            (bytes > 0).then_some(crate::error::OtherProcess {
+    {
+        found.pids.push(r.pid);
+        let bytes: u64 = r
+            .devices
+            .iter()
+            .filter(|d| d.uuid.as_deref() == Some(uuid))
+            .map(|d| d.reserved)
+            .sum();
+        if bytes > 0 {
+            found.on_gpu.push(crate::error::OtherProcess {
                 pid: r.pid,
                 bytes,
                 command: printable(r.cmdline.iter().map(String::as_str)),
                 nvml_only: false,
-            })
-        })
-        .collect();
-    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
-    out.truncate(OTHER_PROCESSES);
-    out
+            });
+        }
+    }
+    found
+        .on_gpu
+        .sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+    found
 }
 
 /// Another process's command line, printed in this one's error: its words joined by spaces,
@@ -360,39 +370,66 @@ pub(super) type Others = (Vec<crate::error::OtherProcess>, Option<u64>);
 
 /// Who else holds memory on the GPU `uuid`, for an OOM report: the processes using cistern
 /// there ([`other_processes_on`]) and the others NVML lists ([`with_nvml`]); and what NVML
-/// counts for this process. Nothing on the simulator.
-pub(super) fn others_on(config: &crate::Config, driver: &str, uuid: Option<&str>) -> Others {
+/// counts for this process, which holds `reserved` bytes there in its pools. Nothing on the
+/// simulator.
+pub(super) fn others_on(
+    config: &crate::Config,
+    driver: &str,
+    uuid: Option<&str>,
+    reserved: u64,
+) -> Others {
     let (Some(uuid), "cuda") = (uuid, driver) else {
         return (Vec::new(), None);
     };
-    let cistern = other_processes_on(config, driver, Some(uuid));
+    let recorded = other_processes_on(config, driver, Some(uuid));
     let nvml = crate::nvml::processes_on(uuid);
-    with_nvml(cistern, nvml.as_deref(), std::process::id(), |pid| {
+    let me = Me {
+        pid: std::process::id(),
+        reserved,
+    };
+    with_nvml(recorded, nvml.as_deref(), me, |pid| {
         let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let text = String::from_utf8_lossy(&raw);
-        Some(printable(text.split('\0').filter(|w| !w.is_empty())))
+        let (words, _) = registry::split_cmdline(&raw, registry::MAX_CMDLINE_BYTES);
+        Some(printable(words.iter().map(String::as_str)))
     })
 }
 
-/// Adds to the processes using cistern (`cistern`, from their records) those NVML lists on the
-/// GPU (`nvml`) without one, with the memory NVML counts for them and their command line
-/// (`command`, from `/proc`); returns them, largest first, at most [`OTHER_PROCESSES`], and
-/// what NVML counts for this process (`me`). Only when NVML lists `me`: otherwise its pids are
-/// another pid namespace's (this process in a container, most often), which this process
-/// cannot tell from its own, and nothing of NVML's is used. A process with a record keeps
-/// its record's bytes (what its pools reserve, not its CUDA context).
+/// This process, as [`with_nvml`] looks for it in NVML's list.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Me {
+    /// Its pid.
+    pub pid: u32,
+    /// The bytes its pools hold on the GPU: NVML, which counts its CUDA context too, cannot
+    /// count less for it.
+    pub reserved: u64,
+}
+
+/// Adds to the processes using cistern (`recorded`) those NVML lists on the GPU (`nvml`)
+/// without a record, with the memory NVML counts for them and their command line (`command`,
+/// from `/proc`); returns them, largest first, at most [`OTHER_PROCESSES`], and what NVML
+/// counts for this process (`me`). Only when NVML lists `me`, with at least its pools' bytes
+/// where it can say: otherwise its pids are another pid namespace's (this process in a
+/// container, most often; or under MPS, where NVML lists the server), which this process
+/// cannot tell from its own, and nothing of NVML's is used. A process with a record keeps its
+/// record's bytes (what its pools reserve, not its CUDA context), and one with a record but
+/// nothing reserved on this GPU is not named.
 pub(super) fn with_nvml(
-    mut others: Vec<crate::error::OtherProcess>,
+    recorded: Recorded,
     nvml: Option<&[crate::nvml::GpuProcess]>,
-    me: u32,
+    me: Me,
     command: impl Fn(u32) -> Option<String>,
 ) -> Others {
-    let Some(list) = nvml.filter(|l| l.iter().any(|p| p.pid == me)) else {
-        return (others, None);
+    let Recorded {
+        on_gpu: mut others,
+        pids,
+    } = recorded;
+    let mine = nvml.and_then(|l| l.iter().find(|p| p.pid == me.pid));
+    let (list, mine) = match mine {
+        Some(m) if m.used.is_none_or(|used| used >= me.reserved) => (nvml.unwrap_or(&[]), m.used),
+        _ => (&[][..], None),
     };
-    let mine = list.iter().find(|p| p.pid == me).and_then(|p| p.used);
     for p in list {
-        if p.pid == me || others.iter().any(|o| o.pid == p.pid) {
+        if p.pid == me.pid || pids.contains(&p.pid) || others.iter().any(|o| o.pid == p.pid) {
             continue;
         }
         others.push(crate::error::OtherProcess {
@@ -411,7 +448,7 @@ pub(super) fn with_nvml(
 mod tests {
     use std::process::{Child, Command};
 
-    use super::{other_processes_on, with_nvml};
+    use super::{other_processes_on, with_nvml, Me, Recorded};
     use crate::error::OtherProcess;
     use crate::nvml::GpuProcess;
     use crate::registry::{self, DeviceRecord, Identity, ProcessSnapshot, Registry, State};
@@ -562,7 +599,14 @@ mod tests {
         );
 
         let named = other_processes_on(&config, "cuda", Some(GPU));
+        // Every live record of the driver has a pid here, the other GPU's too.
+        let mut pids = named.pids.clone();
+        pids.sort_unstable();
+        let mut want = vec![big.0.id(), small.0.id(), other_gpu.0.id()];
+        want.sort_unstable();
+        assert_eq!(pids, want);
         let got: Vec<(u32, u64, &str)> = named
+            .on_gpu
             .iter()
             .map(|p| (p.pid, p.bytes, p.command.as_str()))
             .collect();
@@ -575,13 +619,15 @@ mod tests {
             ]
         );
         // On the simulator, or for a GPU without a UUID, or with the registry off: nobody.
-        assert!(other_processes_on(&config, "sim", Some(GPU)).is_empty());
-        assert!(other_processes_on(&config, "cuda", None).is_empty());
+        assert!(other_processes_on(&config, "sim", Some(GPU))
+            .pids
+            .is_empty());
+        assert!(other_processes_on(&config, "cuda", None).pids.is_empty());
         let off = crate::Config {
             registry: false,
             ..config.clone()
         };
-        assert!(other_processes_on(&off, "cuda", Some(GPU)).is_empty());
+        assert!(other_processes_on(&off, "cuda", Some(GPU)).pids.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -598,22 +644,42 @@ mod tests {
         GpuProcess { pid, used }
     }
 
+    fn recorded(on_gpu: Vec<OtherProcess>, also: &[u32]) -> Recorded {
+        let pids = on_gpu
+            .iter()
+            .map(|p| p.pid)
+            .chain(also.iter().copied())
+            .collect();
+        Recorded { on_gpu, pids }
+    }
+
     /// NVML's processes join the records': those without one are added with NVML's bytes and
-    /// their command line, marked; one with a record keeps its record's bytes; this process is
-    /// not among them, and what NVML counts for it is returned; largest first, at most eight.
+    /// their command line, marked; one with a record keeps its record's bytes, and one with a
+    /// record but nothing here is not named; this process is not among them, and what NVML
+    /// counts for it is returned; largest first, at most eight.
     #[test]
     fn nvml_names_the_processes_without_a_record() {
-        const ME: u32 = 100;
+        const ME: Me = Me {
+            pid: 100,
+            reserved: 5 * GIB,
+        };
         let command = |pid: u32| (pid != 5).then(|| format!("prog{pid} --flag"));
         let list = [
             nvml(3, Some(4 * GIB)),
-            nvml(ME, Some(6 * GIB)),
+            nvml(ME.pid, Some(6 * GIB)),
             nvml(1, Some(9 * GIB)),
             nvml(5, None),
+            // A cistern process holding nothing on this GPU: its context only.
+            nvml(9, Some(GIB / 2)),
             // Listed twice (as NVML may, once per MIG instance): named once.
             nvml(3, Some(4 * GIB)),
         ];
-        let (others, mine) = with_nvml(vec![cistern(1, 8 * GIB)], Some(&list), ME, command);
+        let (others, mine) = with_nvml(
+            recorded(vec![cistern(1, 8 * GIB)], &[9]),
+            Some(&list),
+            ME,
+            command,
+        );
         assert_eq!(mine, Some(6 * GIB));
         let got: Vec<(u32, u64, &str, bool)> = others
             .iter()
@@ -630,20 +696,41 @@ mod tests {
 
         // NVML does not list this process: its pids are another namespace's, and unused.
         let elsewhere = [nvml(3, Some(4 * GIB)), nvml(7, Some(GIB))];
-        let (others, mine) = with_nvml(vec![cistern(1, GIB)], Some(&elsewhere), ME, command);
+        let one = || recorded(vec![cistern(1, GIB)], &[]);
+        let (others, mine) = with_nvml(one(), Some(&elsewhere), ME, command);
+        assert_eq!((others, mine), (vec![cistern(1, GIB)], None));
+        // Nor when it lists this pid with less than this process's pools hold: another
+        // namespace's process with the same pid.
+        let collide = [nvml(3, Some(4 * GIB)), nvml(ME.pid, Some(GIB))];
+        let (others, mine) = with_nvml(one(), Some(&collide), ME, command);
         assert_eq!((others, mine), (vec![cistern(1, GIB)], None));
         // No NVML: the records alone.
-        let (others, mine) = with_nvml(vec![cistern(1, GIB)], None, ME, command);
+        let (others, mine) = with_nvml(one(), None, ME, command);
         assert_eq!((others, mine), (vec![cistern(1, GIB)], None));
 
-        // Many processes: the eight largest.
+        // Many records, more than NVML's own: every one with a record keeps its record's
+        // bytes, never NVML's (the cut comes after the join); the eight largest.
+        let records: Vec<OtherProcess> = (1..=9).map(|p| cistern(p, u64::from(p) * GIB)).collect();
         let many: Vec<GpuProcess> = (1..=12)
-            .map(|p| nvml(p, Some(u64::from(p) * GIB)))
-            .chain([nvml(ME, None)])
+            .map(|p| nvml(p, Some(u64::from(p) * GIB + 4 * GIB)))
+            .chain([nvml(ME.pid, None)])
             .collect();
-        let (others, mine) = with_nvml(Vec::new(), Some(&many), ME, command);
+        let (others, mine) = with_nvml(recorded(records, &[]), Some(&many), ME, command);
         assert_eq!(mine, None);
-        let pids: Vec<u32> = others.iter().map(|p| p.pid).collect();
-        assert_eq!(pids, [12, 11, 10, 9, 8, 7, 6, 5]);
+        let got: Vec<(u32, bool)> = others.iter().map(|p| (p.pid, p.nvml_only)).collect();
+        assert_eq!(
+            got,
+            [
+                (12, true),
+                (11, true),
+                (10, true),
+                (9, false),
+                (8, false),
+                (7, false),
+                (6, false),
+                (5, false)
+            ]
+        );
+        assert_eq!(others[3].bytes, 9 * GIB);
     }
 }

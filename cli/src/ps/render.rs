@@ -293,7 +293,12 @@ pub fn oom_line(o: &OomRecord) -> String {
                 } else {
                     ""
                 };
-                format!("pid {} {} ({command}{note})", p.pid, format_bytes(p.bytes))
+                let bytes = if p.nvml_only && p.bytes == 0 {
+                    "?".to_string()
+                } else {
+                    format_bytes(p.bytes)
+                };
+                format!("pid {} {bytes} ({command}{note})", p.pid)
             })
             .collect();
         line.push_str(&format!("; other processes then: {}", named.join(", ")));

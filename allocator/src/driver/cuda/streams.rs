@@ -58,20 +58,28 @@ impl CudaDriver {
         let st = stream_ptr(call, stream)?;
         let _bound = self.bind(call, dev)?;
         let capturing = self.capture_status(call, st)?;
-        if capturing && !stream.is_special() {
-            self.note_capture(call, dev, st);
+        if !stream.is_special() {
+            self.note_capture(call, dev, st, capturing);
         }
         Ok(capturing)
     }
 
-    /// Remembers that the stream `st` of device `dev` was found capturing, for
-    /// [`Self::refuse_during_capture`] to ask again.
-    fn note_capture(&self, call: DriverCall, dev: DeviceId, st: sys::CUstream) {
-        if let Ok(d) = self.device(call, dev) {
-            let mut seen = d.captures.lock();
-            if !seen.contains(&(st as usize)) {
-                seen.push(st as usize);
+    /// Remembers whether the stream `st` of device `dev` was found capturing: one that is is
+    /// asked again by [`Self::refuse_during_capture`]; one that is not is forgotten at once, so
+    /// that a stream destroyed after its capture is not asked of (see "Handles" in the module
+    /// docs).
+    fn note_capture(&self, call: DriverCall, dev: DeviceId, st: sys::CUstream, capturing: bool) {
+        let Ok(d) = self.device(call, dev) else {
+            return;
+        };
+        let mut seen = d.captures.lock();
+        let at = seen.iter().position(|&s| s == st as usize);
+        match (capturing, at) {
+            (true, None) => seen.push(st as usize),
+            (false, Some(i)) => {
+                seen.swap_remove(i);
             }
+            _ => {}
         }
     }
 
@@ -80,7 +88,11 @@ impl CudaDriver {
     /// the device now would invalidate it in any capture mode (driver 580,
     /// `capture_rules.py`). Seen: a blocking stream of the context captures (the legacy stream
     /// answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), or a stream found capturing before still
-    /// is. Streams that no longer capture, or that the driver no longer knows, are forgotten.
+    /// is. A remembered stream is forgotten once found not capturing (here, or whenever the
+    /// backend asks of it), or an error answers for it, and when the pool retires its handle
+    /// or is told the stream is gone ([`Driver::forget_stream`](crate::driver::Driver)). One
+    /// destroyed while still remembered (its capture ended, no call of cistern's since, the
+    /// pool not told) is asked of once more: the limit of "Handles" in the module docs.
     pub(super) fn refuse_during_capture(
         &self,
         call: DriverCall,
@@ -155,7 +167,7 @@ impl CudaDriver {
         // A capturing stream cannot be named: cuStreamGetId would break its capture.
         if self.capture_status(call, st)? {
             if !stream.is_special() {
-                self.note_capture(call, device, st);
+                self.note_capture(call, device, st, true);
             }
             if stream == StreamId::PER_THREAD {
                 return Err(DriverError::new(
@@ -174,6 +186,9 @@ impl CudaDriver {
                 per_thread: false,
                 capturing: true,
             });
+        }
+        if !stream.is_special() {
+            self.note_capture(call, device, st, false);
         }
         let mut id: c_ulonglong = 0;
         // SAFETY: `id` is a live, writable integer; `st` is a live stream handle or a special
