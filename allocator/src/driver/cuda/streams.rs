@@ -131,7 +131,7 @@ impl CudaDriver {
     }
 
     /// Forgets the stream `stream` ([`Driver::forget_stream`](crate::driver::Driver)): it is
-    /// never asked of again.
+    /// not asked of again unless a stream with its handle is found capturing.
     pub(super) fn forget_capture(&self, stream: StreamId) {
         for d in &self.devices {
             d.captures.lock().retain(|&st| st as u64 != stream.0);
