@@ -115,7 +115,7 @@ impl Pending {
             match recorded {
                 Some(ev) => self.events.push(((u.dev, u.id), ev)),
                 None => {
-                    if !self.needs_device_sync && driver.device_synchronize(u.dev).is_err() {
+                    if !self.needs_device_sync && !core.sync_device(u.dev) {
                         self.needs_device_sync = true;
                         self.sync_dev = u.dev;
                     }
@@ -155,7 +155,7 @@ impl ArenaState {
         pending.retain_mut(|p| {
             if p.needs_device_sync {
                 // Only a blocking wait may synchronise the device (never the hot path).
-                if !wait || driver.device_synchronize(p.sync_dev).is_err() {
+                if !wait || !core.sync_device(p.sync_dev) {
                     return true;
                 }
                 p.needs_device_sync = false;
@@ -168,8 +168,7 @@ impl ArenaState {
                 let ev_dev = s.0;
                 let ok = if wait {
                     // An event the driver cannot wait for: the whole device is waited for.
-                    driver.event_synchronize(ev_dev, ev).is_ok()
-                        || driver.device_synchronize(ev_dev).is_ok()
+                    driver.event_synchronize(ev_dev, ev).is_ok() || core.sync_device(ev_dev)
                 } else if blocked.contains(&s) {
                     false
                 } else {
@@ -235,7 +234,6 @@ impl ArenaState {
         if core.capturing() {
             return false;
         }
-        let driver = &*core.driver;
         let mut devs: Vec<DeviceId> = Vec::new();
         for p in self.pending.iter().filter(|p| p.needs_device_sync) {
             if !devs.contains(&p.sync_dev) {
@@ -244,7 +242,7 @@ impl ArenaState {
         }
         let mut all = true;
         for d in devs {
-            if driver.device_synchronize(d).is_ok() {
+            if core.sync_device(d) {
                 for p in self.pending.iter_mut().filter(|p| p.sync_dev == d) {
                     p.needs_device_sync = false;
                 }

@@ -103,9 +103,34 @@ pub(crate) struct DeviceCore<D: Driver> {
     pub(crate) observer: crate::pool::ObserverSlot,
     /// Chunks exported to other processes, ranges opened from them (`pool/share.rs`).
     pub(crate) share: crate::pool::ShareState,
+    /// The handles of the streams with an arena of the device (not the special handles): asked
+    /// whether they capture before a device synchronisation ([`Self::sync_device`]). Kept by
+    /// the device pool as it makes and retires arenas; a leaf lock.
+    pub(crate) streams: Mutex<Vec<StreamId>>,
 }
 
 impl<D: Driver> DeviceCore<D> {
+    /// Blocks the host until all work on device `dev` has completed, unless a graph capture
+    /// may be under way that the synchronisation would invalidate (`cuCtxSynchronize` does, in
+    /// every capture mode): while a graph pool's window is open, and where the driver refuses
+    /// because it sees one. So that it sees the captures of the streams cistern knows, each
+    /// stream with an arena here is asked first (`Driver::stream_capturing`; the CUDA backend
+    /// remembers those that capture): a stream used before the capture and captured since,
+    /// whose allocations during it are served from this thread's cache without a driver call,
+    /// is otherwise unseen. Slow paths only. Whether the device was synchronised.
+    pub(crate) fn sync_device(&self, dev: DeviceId) -> bool {
+        if self.capturing() {
+            return false;
+        }
+        if dev == self.dev {
+            let streams = self.streams.lock().clone();
+            for s in streams {
+                let _ = self.driver.stream_capturing(dev, s);
+            }
+        }
+        self.driver.device_synchronize(dev).is_ok()
+    }
+
     /// Whether a graph capture may be underway on the device: no event query, no host wait.
     #[inline]
     pub(crate) fn capturing(&self) -> bool {
@@ -219,6 +244,6 @@ impl<D: Driver> DeviceCore<D> {
             }
         }
         self.counters.num_sync_all_streams.fetch_add(1, Relaxed);
-        d.device_synchronize(self.dev).is_ok()
+        self.sync_device(self.dev)
     }
 }

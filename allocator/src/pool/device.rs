@@ -255,6 +255,7 @@ impl<D: Driver> DevicePool<D> {
                 recorder,
                 observer: Default::default(),
                 share: Default::default(),
+                streams: Default::default(),
             }),
             arenas: RwLock::new(FxHashMap::default()),
             retired: Mutex::new(Vec::new()),
@@ -370,6 +371,12 @@ impl<D: Driver> DevicePool<D> {
         }
         let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
         map.insert(id, arena.clone());
+        if !stream.is_special() {
+            let mut known = self.core.streams.lock();
+            if !known.contains(&stream) {
+                known.push(stream);
+            }
+        }
         if map.len() >= self.sweep_at.load(Relaxed) {
             self.sweep_wanted.store(true, Relaxed);
         }
@@ -406,7 +413,8 @@ impl<D: Driver> DevicePool<D> {
                 self.retire(old);
             }
         }
-        // The driver forgets the gone stream too (what it remembers of captures).
+        // Never asked of again (`DeviceCore::sync_device`), nor remembered by the driver.
+        self.core.streams.lock().retain(|&s| s != stream);
         self.core.driver.forget_stream(stream);
         !gone.is_empty()
     }

@@ -551,8 +551,7 @@ impl<D: Driver> DevicePool<D> {
         let mut keep = Vec::new();
         for mut group in std::mem::take(&mut dev.deferred) {
             let done = if wait {
-                d.event_synchronize(c.dev, group.event).is_ok()
-                    || d.device_synchronize(c.dev).is_ok()
+                d.event_synchronize(c.dev, group.event).is_ok() || c.sync_device(c.dev)
             } else {
                 d.event_query(c.dev, group.event) == Ok(true)
             };

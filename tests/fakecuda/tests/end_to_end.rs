@@ -1119,10 +1119,12 @@ fn child_legacy_beside_capture() {
 /// every capture mode (`cuCtxSynchronize`, driver 580). A free whose block a destroyed stream
 /// used needs one (no event can be recorded there), and so does `empty_cache` for it: while a
 /// capture is seen under way the backend refuses them, the block stays pending, the capture
-/// stays valid, and the block comes back with the first synchronisation after it. Two
+/// stays valid, and the block comes back with the first synchronisation after it. Three
 /// captures: a blocking stream's that cistern never met (the legacy stream reveals it), in
-/// global mode, and a non-blocking stream's that cistern met by allocating on it, in relaxed
-/// mode (where the synchronisation is as fatal).
+/// global mode; a non-blocking stream's that cistern meets by allocating on it during the
+/// capture, in relaxed mode (where the synchronisation is as fatal); and one of a non-blocking
+/// stream used before its capture, whose allocation during it is served from the thread's
+/// cache without a driver call (the pool asks its streams before synchronising).
 #[test]
 fn a_device_synchronisation_waits_for_a_capture_to_end() {
     let stderr = run_child(
@@ -1139,9 +1141,11 @@ fn child_sync_beside_capture() {
     if !is_child("child_sync_beside_capture") {
         return;
     }
-    for (flags, mode) in [
-        (0, CU_STREAM_CAPTURE_MODE_GLOBAL),
-        (1, CU_STREAM_CAPTURE_MODE_RELAXED),
+    // Whether cistern meets the capturing stream: never, during the capture, before it.
+    for (flags, mode, meet) in [
+        (0, CU_STREAM_CAPTURE_MODE_GLOBAL, 0),
+        (1, CU_STREAM_CAPTURE_MODE_RELAXED, 1),
+        (1, CU_STREAM_CAPTURE_MODE_RELAXED, 2),
     ] {
         let d = driver();
         let (a, gone, s) = (
@@ -1153,11 +1157,20 @@ fn child_sync_beside_capture() {
         let p = pool.alloc_raw(0, 8 * MIB, a).unwrap();
         pool.record_stream(p, gone).unwrap();
         destroy_stream(gone);
+        if meet == 2 {
+            let warm = pool.alloc_raw(0, MIB, s).unwrap();
+            pool.free_raw(warm, s).unwrap();
+        }
         begin_capture(s, mode);
         let mut live = Vec::new();
-        if flags == 1 {
-            // cistern meets the capture: a first allocation on the capturing stream.
+        if meet > 0 {
+            // An allocation on the capturing stream: its first (the backend is asked what the
+            // stream is), or one served from the cache the warm-up left.
+            let devices = stat(&pool, "num_device_alloc");
             live.push((pool.alloc_raw(0, MIB, s).unwrap(), s));
+            if meet == 2 {
+                assert_eq!(stat(&pool, "num_device_alloc"), devices);
+            }
         }
         pool.free_raw(p, a).unwrap();
         pool.empty_cache();
@@ -1165,7 +1178,7 @@ fn child_sync_beside_capture() {
         assert_eq!(
             capture_status(s),
             1,
-            "the pool's calls invalidated the capture ({mode:?}, flags {flags})"
+            "the pool's calls invalidated the capture ({mode:?}, flags {flags}, meet {meet})"
         );
         assert_eq!(
             pool.driver().device_synchronize(0).map_err(|e| e.code),

@@ -70,9 +70,11 @@
 //! legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then), or one of a stream this
 //! backend has found capturing before and that still is (asked again each time; forgotten once
 //! it is not, or with [`Driver::forget_stream`]). The pool treats the refusal as any failed
-//! synchronisation: the blocks waiting for it stay pending until a later one succeeds. Still
-//! breaking a capture cistern was not told of: a device synchronisation while a non-blocking
-//! stream cistern never saw capturing, or another thread's per-thread stream, captures.
+//! synchronisation: the blocks waiting for it stay pending until a later one succeeds. The
+//! pool asks each stream it has an arena for before it synchronises (`DeviceCore::sync_device`),
+//! so the backend sees their captures too. Still breaking a capture cistern was not told of: a
+//! device synchronisation while a non-blocking stream never used through cistern, or another
+//! thread's per-thread stream, captures.
 //!
 //! # Handles
 //!
