@@ -105,7 +105,7 @@ pub(crate) struct DeviceCore<D: Driver> {
     pub(crate) share: crate::pool::ShareState,
     /// The handles of the streams with an arena of the device (not the special handles): asked
     /// whether they capture before a device synchronisation ([`Self::sync_device`]). Kept by
-    /// the device pool as it makes and retires arenas; a leaf lock.
+    /// the device pool as it makes, retires and sweeps arenas; a leaf lock.
     pub(crate) streams: Mutex<Vec<StreamId>>,
 }
 
@@ -129,6 +129,22 @@ impl<D: Driver> DeviceCore<D> {
             }
         }
         self.driver.device_synchronize(dev).is_ok()
+    }
+
+    /// Adds `stream` to those [`Self::sync_device`] asks of (not a special handle: the backend
+    /// asks of the legacy stream itself).
+    pub(crate) fn know_stream(&self, stream: StreamId) {
+        let mut known = self.streams.lock();
+        if !stream.is_special() && !known.contains(&stream) {
+            known.push(stream);
+        }
+    }
+
+    /// `stream` is gone, or its handle names another stream now: never asked of again here,
+    /// and the driver forgets it too ([`Driver::forget_stream`]).
+    pub(crate) fn forget_stream(&self, stream: StreamId) {
+        self.streams.lock().retain(|&s| s != stream);
+        self.driver.forget_stream(stream);
     }
 
     /// Whether a graph capture may be underway on the device: no event query, no host wait.

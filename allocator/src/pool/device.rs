@@ -204,9 +204,8 @@ pub struct DevicePool<D: Driver> {
     pub(super) state: Mutex<DeviceState>,
     /// The graph pools and the allocation windows open into them (`graphs.rs`); a leaf lock.
     pub(super) graphs: Mutex<super::graphs::GraphPools<D>>,
-    /// The other processes an OOM report last named, with what NVML counted for this one, and
-    /// when (`grow.rs`): the registry is read and NVML asked at most once a second, however
-    /// often OOMs are caught. A leaf lock.
+    /// Who an OOM report last named, NVML's count for this process, and when (`grow.rs`): read
+    /// at most once a second, however often OOMs are caught. A leaf lock.
     pub(super) others: Mutex<Option<(std::time::Instant, super::publish::Others)>>,
 }
 
@@ -344,12 +343,11 @@ impl<D: Driver> DevicePool<D> {
     /// a handle, and of every growth). A new stream seen with the handle of an arena's stream
     /// means that stream is gone: its arena retires (see [`DevicePool::retire`]).
     ///
-    /// Known limit: a thread's cache of handle -> arena is checked against retirements, not
-    /// against the driver, so a thread that destroys a stream and allocates at once on a new
-    /// stream that got the same handle is served from the old arena's cached blocks until its
-    /// next growth or until any other thread meets the new stream. Asking the driver on every
-    /// allocation (`cuStreamGetId`) would close it at the price of a driver call on the hot
-    /// path.
+    /// Known limit: a thread's cache of handle -> arena is checked against retirements, not the
+    /// driver, so a thread that destroys a stream and allocates at once on a new stream with the
+    /// same handle is served from the old arena's cached blocks until its next growth or until
+    /// another thread meets the new stream. Asking the driver (`cuStreamGetId`) on every
+    /// allocation would close it, at a driver call on the hot path.
     pub(super) fn arena(&self, stream: StreamId) -> Result<Arc<Arena<D>>> {
         let info = self.stream_here(stream)?;
         let key = |map: &FxHashMap<u64, Arc<Arena<D>>>| arena_key(map, stream, &info);
@@ -371,12 +369,7 @@ impl<D: Driver> DevicePool<D> {
         }
         let arena = Arc::new(Arena::new(StreamRef::new(stream, info), self.core.clone()));
         map.insert(id, arena.clone());
-        if !stream.is_special() {
-            let mut known = self.core.streams.lock();
-            if !known.contains(&stream) {
-                known.push(stream);
-            }
-        }
+        self.core.know_stream(stream);
         if map.len() >= self.sweep_at.load(Relaxed) {
             self.sweep_wanted.store(true, Relaxed);
         }
@@ -408,14 +401,10 @@ impl<D: Driver> DevicePool<D> {
             .filter(|(_, a)| a.stream == stream)
             .map(|(&id, _)| id)
             .collect();
-        for id in &gone {
-            if let Some(old) = map.remove(id) {
-                self.retire(old);
-            }
+        for old in gone.iter().filter_map(|id| map.remove(id)) {
+            self.retire(old);
         }
-        // Never asked of again (`DeviceCore::sync_device`), nor remembered by the driver.
-        self.core.streams.lock().retain(|&s| s != stream);
-        self.core.driver.forget_stream(stream);
+        self.core.forget_stream(stream);
         !gone.is_empty()
     }
 

@@ -95,6 +95,11 @@ impl<D: Driver> DevicePool<D> {
         }
         if !gone.is_empty() {
             self.generation.fetch_add(1, Relaxed);
+            // Streams without an arena now are no longer asked of (`DeviceCore::sync_device`).
+            self.core
+                .streams
+                .lock()
+                .retain(|&s| map.values().any(|a| a.stream == s));
         }
         self.sweep_at.store(
             (map.len() * 2).max(super::device::SWEEP_MIN_ARENAS),
@@ -418,5 +423,48 @@ impl<D: Driver> DevicePool<D> {
     /// The fraction last set (or configured).
     pub fn memory_fraction(&self) -> f64 {
         self.state.lock().fraction
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::Arc;
+
+    use crate::config::Config;
+    use crate::driver::sim::{SimConfig, SimDriver};
+    use crate::driver::StreamId;
+    use crate::pool::DevicePool;
+
+    /// The streams a device synchronisation asks of (`DeviceCore::sync_device`) are those with
+    /// an arena: a stream forgotten, or whose dormant arena was swept, leaves the list; the
+    /// special handles are never in it.
+    #[test]
+    fn the_streams_asked_before_a_device_sync_are_those_with_an_arena() {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let pool = DevicePool::new(sim, 0, Config::default()).unwrap();
+        let known = |pool: &DevicePool<SimDriver>| {
+            let mut v: Vec<u64> = pool.core.streams.lock().iter().map(|s| s.0).collect();
+            v.sort_unstable();
+            v
+        };
+        for s in [
+            StreamId::DEFAULT,
+            StreamId::LEGACY,
+            StreamId(10),
+            StreamId(11),
+        ] {
+            let p = pool.alloc_raw(4096, s).unwrap();
+            pool.free_raw(p, s).unwrap();
+        }
+        assert_eq!(known(&pool), [10, 11]);
+        pool.forget_stream(StreamId(10));
+        assert_eq!(known(&pool), [11]);
+        // Stream 11's arena, its memory released, is dormant: the next growth sweeps it.
+        pool.empty_cache();
+        pool.sweep_wanted.store(true, Relaxed);
+        let p = pool.alloc_raw(64 << 20, StreamId(12)).unwrap();
+        assert_eq!(known(&pool), [12]);
+        pool.free_raw(p, StreamId(12)).unwrap();
     }
 }
