@@ -288,6 +288,14 @@ fn drop_capture_stream(s: cudarc::driver::sys::CUstream) {
     }
 }
 
+/// Begins a capture of `s` (a stream of the caller's) in `mode`, which must succeed.
+fn begin_capture(s: cudarc::driver::sys::CUstream, mode: cudarc::driver::sys::CUstreamCaptureMode) {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    // SAFETY: `s` is a live stream of the caller's; the mode is a valid enum value.
+    let r = unsafe { sys::cuStreamBeginCapture_v2(s, mode) };
+    assert_eq!(r, CUDA_SUCCESS, "beginning a {mode:?} capture");
+}
+
 /// Ends the capture of `s`, destroying the graph it made; what `cuStreamEndCapture` said.
 fn end_capture(s: cudarc::driver::sys::CUstream) -> cudarc::driver::sys::CUresult {
     use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
@@ -307,7 +315,7 @@ fn end_capture(s: cudarc::driver::sys::CUstream) -> cudarc::driver::sys::CUresul
 /// capturing; the stream's own id comes back once the capture is over.
 #[test]
 fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
-    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
+    use cudarc::driver::sys::{CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
     let Some(d) = gpu("gpu_a_capturing_stream_is_resolved_without_breaking_the_capture") else {
         return;
     };
@@ -321,11 +329,7 @@ fn gpu_a_capturing_stream_is_resolved_without_breaking_the_capture() {
         CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         CU_STREAM_CAPTURE_MODE_RELAXED,
     ] {
-        // SAFETY: `s` is the stream created above; the mode is a valid enum value.
-        assert_eq!(
-            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
-            CUDA_SUCCESS
-        );
+        begin_capture(s, mode);
         let during = d.stream_info(0, stream).unwrap();
         assert!(during.capturing, "{mode:?}");
         assert_eq!(during.id, cistern::driver::CAPTURING_ID | stream.0);
@@ -393,9 +397,7 @@ fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
             CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             CU_STREAM_CAPTURE_MODE_RELAXED,
         ] {
-            // SAFETY: `s` is the stream created above; the mode is a valid enum value.
-            let r = unsafe { cudarc::driver::sys::cuStreamBeginCapture_v2(s, mode) };
-            assert_eq!(r, CUDA_SUCCESS);
+            begin_capture(s, mode);
             if flags == 1 {
                 // A non-blocking stream's capture: seen once the backend has met it.
                 assert_eq!(d.stream_capturing(0, id), Ok(true));
@@ -416,11 +418,7 @@ fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
         if flags == 1 {
             // A stream the backend was told is gone is not asked of: the backend does not
             // refuse the synchronisation; the driver does, and the capture is broken.
-            // SAFETY: `s` is the stream created above; the mode is a valid enum value.
-            let r = unsafe {
-                cudarc::driver::sys::cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_RELAXED)
-            };
-            assert_eq!(r, CUDA_SUCCESS);
+            begin_capture(s, CU_STREAM_CAPTURE_MODE_RELAXED);
             assert_eq!(d.stream_capturing(0, id), Ok(true));
             d.forget_stream(id);
             let e = d.device_synchronize(0).unwrap_err();
@@ -442,7 +440,7 @@ fn gpu_a_device_synchronisation_is_refused_during_a_capture() {
 /// stream would fail too (the other tests of this file use it).
 #[test]
 fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
-    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
+    use cudarc::driver::sys::{CUresult::CUDA_SUCCESS, CUstreamCaptureMode::*};
     const NAME: &str = "gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing";
     if !in_child(NAME) {
         return;
@@ -459,11 +457,7 @@ fn gpu_the_legacy_stream_beside_a_blocking_capture_is_reported_capturing() {
         CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         CU_STREAM_CAPTURE_MODE_RELAXED,
     ] {
-        // SAFETY: `s` is the stream created above; the mode is a valid enum value.
-        assert_eq!(
-            unsafe { sys::cuStreamBeginCapture_v2(s, mode) },
-            CUDA_SUCCESS
-        );
+        begin_capture(s, mode);
         for legacy in [StreamId::LEGACY, StreamId::DEFAULT] {
             assert_eq!(
                 d.stream_capturing(0, legacy),

@@ -19,6 +19,14 @@ fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
+/// A fresh registry directory: private, as registry directories must be.
+fn registry_dir(name: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tmpdir(name);
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+    d
+}
+
 fn cistern(registry: &Path, args: &[&str]) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_cistern"))
         .args(args)
@@ -65,10 +73,7 @@ fn three_processes_one_killed_one_exited() {
     let Some(kit) = HolderKit::new(&work) else {
         return;
     };
-    let registry = tmpdir("registry");
-    // Registry directories must be private.
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let registry = registry_dir("registry");
 
     let mut weights = kit.spawn(&registry, "weights", 40, "wait");
     let acts = kit.spawn(&registry, "activations", 24, "wait");
@@ -161,9 +166,7 @@ fn an_oom_names_the_other_processes_on_the_gpu() {
     let Some(kit) = HolderKit::new(&work) else {
         return;
     };
-    let registry = tmpdir("oom-registry");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let registry = registry_dir("oom-registry");
     let weights = kit.spawn(&registry, "weights", 40, "wait");
     wait_for(&registry, |ps| {
         process(ps, weights.pid()).is_some_and(|p| p["reserved"].as_u64().unwrap_or(0) >= 40 * MIB)
