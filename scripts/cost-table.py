@@ -6,7 +6,7 @@ the dev snapshots and every built-in workload, in one run each.
 
     cargo build --release -p cistern-cli
     python3 scripts/cost-table.py [--cistern target/release/cistern] [--traces ../shared/traces]
-        [--costs FILE.json] [--pressure FACTOR] [--gpu-lag N (default 2)]
+        [--costs FILE.json] [--pressure FACTOR] [--gpu-lag N (default 2)] [--seeds N]
 
 Prints a Markdown table and the medians the issue's targets name. With `--pressure 1.25`, each
 trace runs instead on a device FACTOR times the smallest one the `pytorch` model runs it on
@@ -17,6 +17,13 @@ each stream (`cistern replay --gpu-lag 2`; `--gpu-lag N` sets it): pages freed m
 still busy, as on a real GPU, and the table prices what cistern does about them (moves ordered
 on the device, by default). `--gpu-lag 0` replays on a GPU that is never behind (the tables of
 notes before device-side ordering).
+
+With `--seeds N`, a second table replays each generated workload (every built-in one but the
+`minimalloc-*` CSVs) drawn from seeds 1..N as well as the default (`cistern replay --seed`):
+cistern's driver time against `pytorch-expandable`'s and `pytorch`'s, its peak reserved
+against expandable's and its smallest device against its peak live bytes, as the median and
+the worst over the draws. One draw can be lucky: the serving workloads' stitching depends on
+where each request lands.
 """
 
 import argparse
@@ -73,7 +80,12 @@ def main():
     p.add_argument("--gpu-lag", type=int, metavar="N", default=2,
                    help="replay cistern on a GPU N kernels behind the host (cistern replay "
                         "--gpu-lag; default 2, 0 for a GPU that is never behind)")
+    p.add_argument("--seeds", type=int, metavar="N", default=0,
+                   help="also replay each generated workload drawn from seeds 1..N (a table "
+                        "of medians and worst cases over the draws)")
     a = p.parse_args()
+    if a.seeds < 0:
+        sys.exit("cost-table: --seeds takes a count of draws (e.g. 8)")
     if a.gpu_lag:
         GPU_LAG.extend(["--gpu-lag", str(a.gpu_lag)])
     if not os.path.exists(a.cistern):
@@ -131,6 +143,46 @@ def main():
     print(f"cistern's host waits where pytorch did not run out of memory: {waits_past_pytorch}")
     if a.pressure is not None:
         print(f"(each trace on a device {a.pressure}x the smallest the pytorch model runs it on)")
+    if a.seeds:
+        over_seeds(a, lag)
+
+
+def over_seeds(a, lag):
+    """The `--seeds N` table: each generated workload over seeds 1..N and the default."""
+    listing = subprocess.run([a.cistern, "replay", "--workload", "list"],
+                             capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in listing.splitlines()[1:]
+             if line.strip() and not line.split()[0].startswith("minimalloc-")]
+    per = {}
+    for seed in [None] + list(range(1, a.seeds + 1)):
+        args = [x for w in names for x in ("--workload", w)]
+        if seed is not None:
+            args += ["--seed", str(seed)]
+        found = replay(a.cistern, args, a.costs, allocators="cistern,pytorch,pytorch-expandable",
+                       search=True)
+        for name, t in zip(names, found):
+            r = {x["allocator"]: x for x in t["results"]}
+            c, e, pt = r["cistern" + lag], r["pytorch-expandable"], r["pytorch"]
+            per.setdefault(name, []).append((
+                c["driver_time_us"] / max(e["driver_time_us"], 1e-9),
+                c["driver_time_us"] / max(pt["driver_time_us"], 1e-9),
+                c["peak_reserved"] / e["peak_reserved"],
+                c["min_capacity"] / c["peak_live"] if c.get("min_capacity") else float("nan"),
+                c["host_waits"] if not pt.get("oom") else 0,
+            ))
+    print()
+    print(f"Generated workloads over {a.seeds + 1} draws (the default seed and 1..{a.seeds}); "
+          "median (worst):")
+    print()
+    print("| workload | drv time x expandable | drv time x pytorch | peak x expandable "
+          "| min capacity x peak live | host waits |")
+    print("|---|---|---|---|---|---|")
+    med = statistics.median
+    for name, rows in per.items():
+        col = [[row[i] for row in rows] for i in range(5)]
+        print(f"| {name} | {med(col[0]):.2f} ({max(col[0]):.2f}) "
+              f"| {med(col[1]):.2f} ({max(col[1]):.2f}) | {med(col[2]):.3f} ({max(col[2]):.3f}) "
+              f"| {med(col[3]):.4f} ({max(col[3]):.4f}) | {max(col[4])} |")
 
 
 if __name__ == "__main__":

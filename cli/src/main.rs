@@ -182,6 +182,11 @@ pub struct ReplayArgs {
     /// the blocks live then in place.
     #[arg(long)]
     pub seeded: bool,
+    /// Seed of the built-in workloads' generators (default 42, so that every machine gets the
+    /// same rows). Another seed draws another program of the same kind: a result that holds
+    /// on one seed only is luck. A row drawn from another seed says it (`seed N`).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
 }
 
 /// Gives SIGPIPE back its default action, which Rust's runtime sets to "ignore": a command

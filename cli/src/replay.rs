@@ -13,7 +13,7 @@ use crate::plot::{self, Chart, Series};
 use crate::table::{self, Align, Table};
 use crate::ReplayArgs;
 
-/// The seed of generated workloads (fixed, so that runs compare).
+/// The seed of generated workloads unless `--seed` names another (fixed, so that runs compare).
 const SEED: u64 = 42;
 
 /// A trace to replay, with where its recorded baseline came from.
@@ -286,8 +286,12 @@ fn gather(args: &ReplayArgs) -> Result<Vec<Input>, String> {
     } else {
         args.workloads.clone()
     };
+    let seed = args.seed.unwrap_or(SEED);
     for name in names {
-        let trace = workloads::generate(&name, SEED).map_err(|e| format!("--workload: {e}"))?;
+        let mut trace = workloads::generate(&name, seed).map_err(|e| format!("--workload: {e}"))?;
+        if seed != SEED && workloads::is_random(&name) {
+            trace.name = format!("{} seed {seed}", trace.name);
+        }
         inputs.push(Input {
             trace,
             recorded_label: None,

@@ -929,3 +929,36 @@ fn gpu_lag_applies_to_cistern_models() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("only cistern's models run GPU work"), "{err}");
 }
+
+/// `--seed` draws another program of the same kind, names the seed in the row, and gives the
+/// same rows again for the same seed; the default seed's rows carry no seed.
+#[test]
+fn seed_draws_another_program_and_says_so() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "-w",
+            "rmm-random",
+            "-a",
+            "ideal",
+            "--no-min-capacity",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let doc = replay_json(&args);
+        let name = doc["trace"].as_str().unwrap().to_string();
+        (name, doc["results"][0]["peak_live"].as_u64().unwrap())
+    };
+    let (default_name, default_live) = run(&[]);
+    assert!(!default_name.contains("seed"), "{default_name}");
+    assert_eq!(run(&["--seed", "42"]), (default_name.clone(), default_live));
+    let (name7, live7) = run(&["--seed", "7"]);
+    assert!(name7.ends_with(" seed 7"), "{name7}");
+    assert_ne!(live7, default_live, "seed 7 drew the default program");
+    assert_eq!(run(&["--seed", "7"]), (name7, live7));
+    let out = cistern()
+        .args(["replay", "-w", "rmm-random", "--seed", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--seed"));
+}

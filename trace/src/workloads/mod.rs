@@ -162,6 +162,12 @@ pub fn generate(name: &str, seed: u64) -> Result<Trace, String> {
     generate_in(name, seed, traces_dir().as_deref())
 }
 
+/// Whether the workload `name` is drawn from its seed: every built-in one but the
+/// `minimalloc-*` instances, which replay a fixed CSV.
+pub fn is_random(name: &str) -> bool {
+    !name.starts_with("minimalloc-")
+}
+
 /// [`generate`] with an explicit folder for the `minimalloc-*` CSVs.
 pub fn generate_from(name: &str, seed: u64, dir: &Path) -> Result<Trace, String> {
     generate_in(name, seed, Some(dir))
