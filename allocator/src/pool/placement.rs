@@ -1,8 +1,16 @@
 //! Where growth puts the chunks it gathers: a window's missing pages as runs, each filled
-//! first fit (`vmm.rs` gathers and maps; `sizing.rs` sizes handles for the runs).
+//! first fit, and the cached chunks that could fill them (`vmm.rs` gathers and maps;
+//! `sizing.rs` sizes handles for the runs).
 
+use std::sync::Arc;
+
+use super::device::DeviceState;
 use super::pages::Taker;
-use crate::arena::Chunk;
+use super::vmm::Window;
+use super::window::free_chunk_lens;
+use super::DevicePool;
+use crate::arena::{Arena, ArenaState, Chunk, HeapKind};
+use crate::driver::Driver;
 
 /// Where gathered chunks go in a window: the window's missing pages as runs of consecutive
 /// pages, each filled from its start, first fit (see Note [Chunks]).
@@ -49,6 +57,34 @@ impl Placement {
         self.placed.push((*lo + *f as u64 * self.g, c));
         *f += c.pages;
     }
+
+    /// How many of `lens` (chunk sizes in pages) fit the open runs, placed largest first (the
+    /// best packing; gathering, which goes arena by arena, may place fewer): `(pages, chunks)`.
+    /// Places nothing.
+    pub(super) fn fit(&self, mut lens: Vec<u32>) -> (usize, usize) {
+        let mut fit = Placement {
+            g: self.g,
+            runs: self.runs.clone(),
+            placed: Vec::new(),
+            spare: Vec::new(),
+        };
+        lens.sort_unstable_by(|x, y| y.cmp(x));
+        let mut placed = (0usize, 0usize);
+        for n in lens {
+            if fit.full() {
+                break;
+            }
+            if fit.wants(n) {
+                fit.take(Chunk {
+                    handle: crate::driver::PhysHandle(0),
+                    pages: n,
+                });
+                placed.0 += n as usize;
+                placed.1 += 1;
+            }
+        }
+        placed
+    }
 }
 
 impl Taker for Placement {
@@ -63,5 +99,52 @@ impl Taker for Placement {
     }
     fn full(&self) -> bool {
         self.runs.iter().all(|&(_, n, f)| n == f)
+    }
+}
+
+impl<D: Driver> DevicePool<D> {
+    /// The sizes (in pages) of the cached chunks that could serve window `w` of a `kind` heap
+    /// of `arena` (of at most `longest` pages): lost ones (one still mapped where it moved
+    /// from serves only a stream that can wait for its donor on the device, as gathering
+    /// does), this arena's outside the window (none of a pinned graph pool's), the other
+    /// arenas'. For a large window the small heaps' come apart, second (Note [Small pages stay
+    /// small] in `sizing.rs`); for a small one all are first.
+    pub(super) fn cached_chunk_lens(
+        &self,
+        dev: &DeviceState,
+        arena: &Arc<Arena<D>>,
+        a: &ArenaState,
+        kind: HeapKind,
+        w: &Window,
+        longest: u32,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let g = self.core.granularity;
+        let ordered = self.order_stream(arena).is_some();
+        let mut lens: Vec<u32> = dev
+            .lost
+            .iter()
+            .filter(|l| ordered || !dev.aliased(l.chunk.handle))
+            .map(|l| l.chunk.pages)
+            .filter(|&n| n <= longest)
+            .collect();
+        let mut small = Vec::new();
+        let mut add = |st: &ArenaState, exclude| match kind {
+            HeapKind::Large => {
+                lens.extend(free_chunk_lens(st, &[HeapKind::Large], exclude, g, longest));
+                small.extend(free_chunk_lens(st, &[HeapKind::Small], exclude, g, longest));
+            }
+            HeapKind::Small => {
+                lens.extend(free_chunk_lens(st, &HeapKind::ALL, exclude, g, longest))
+            }
+        };
+        if !arena.pinned() {
+            add(a, Some(w.exclude(kind)));
+        }
+        for other in self.donors() {
+            if !Arc::ptr_eq(&other, arena) {
+                add(&other.state.lock(), None);
+            }
+        }
+        (lens, small)
     }
 }

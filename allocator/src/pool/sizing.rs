@@ -1,6 +1,7 @@
 //! How large growth's physical handles are: a request's handles (`chunk_size`, `chunk_split`),
 //! whole chunks (`grow_whole_chunks`) and how far past a request they reach, and the `auto`
-//! policy that sizes them to what the process holds. `vmm.rs` creates and maps them.
+//! policy that sizes them to what the process holds and decides when new handles replace
+//! moved ones. `vmm.rs` creates and maps them.
 //!
 //! # Note [Auto growth]
 //!
@@ -95,6 +96,32 @@
 //! case went 1.85x -> 2.05x. The rule exists to give up memory only where moving is dear; on
 //! a GPU where creating costs what moving does it would give up memory everywhere, so the
 //! A100 ratio is kept as the policy.
+//!
+//! # Note [Small pages stay small]
+//!
+//! The small heap grows a granule at a time, and a granule it frees is a cached chunk like any
+//! other: a large window's stitching took it, and the small heap's next growth bought a new one.
+//! On the dev training snapshots that was most of the churn (`gpt-medium_train_ctx128`: 47
+//! granules moved from the small heaps to large windows, each followed by a new small-heap
+//! handle: 49 creates and 49 moves that expandable segments, whose small pool keeps its
+//! segments, never make). So while memory is plentiful (new memory covers the pages the large
+//! heaps' cached chunks do not, and the process then holds at most half of what the limit and
+//! the device allow it: [`INSTEAD_SHARE`], as for new handles instead of moves) a large window
+//! leaves the small heaps' free granules where they are, its feasibility check does not count
+//! them, and it buys those pages new ([`small_pages_stay`]). As with moves replaced by new
+//! handles, the device's room is read afresh before choosing so (a stale estimate would let
+//! growth take the room another process took since), and the granules left are not lost:
+//! creation falling short takes them without a wait, and under pressure stitching takes them
+//! first, as before. Measured (`python3 scripts/cost-table.py`, A100 prices, lag 2): modelled
+//! driver time on `gpt-medium_train_ctx128` 1.20x -> 1.06x expandable's (no move left),
+//! `forward_bf16_ctx128` 1.53x -> 1.35x, `infer_ctx128` 1.14x -> 1.12x, the median over all
+//! traces 1.17x -> 1.09x; peak reserved at most 1.014x expandable's as before (`infer_ctx128`
+//! 1.63 -> 1.65 GiB, expandable's 1.65). The generated workloads change their path from the
+//! first differing step (their stitching depends on where each request lands), so they were
+//! compared over 32 draws each (`cistern replay --seed`): modelled time on Mooncake a mean
+//! 0.338x -> 0.311x expandable's (H200 prices 1.23x -> 1.12x), `llm-serving` 0.684x -> 0.680x
+//! (1.51x either way), the rest within 1%; the smallest device the same in the mean but for
+//! `llm-serving`, 1.0285x -> 1.0292x its peak live bytes.
 
 use super::placement::Placement;
 use super::vmm::Window;
@@ -129,7 +156,7 @@ pub(super) fn creating_is_cheaper(
 }
 use super::DevicePool;
 use crate::arena::{ArenaState, HeapKind};
-use crate::config::Config;
+use crate::config::{Config, StreamSync, WholeChunks};
 use crate::driver::Driver;
 use crate::heap::SpanState;
 
@@ -152,6 +179,26 @@ const AUTO_HANDLE_SHARE: u64 = 32;
 /// beyond them).
 pub(super) fn plentiful(share: u64, held: u64, adding: u64, missing: u64, headroom: u64) -> bool {
     held.saturating_add(adding) <= held.saturating_add(missing).saturating_add(headroom) / share
+}
+
+/// Whether a large window leaves the small heaps' free pages where they are and buys the
+/// `missing` pages that the large heaps' cached chunks do not cover new instead (Note [Small
+/// pages stay small]): with `grow_whole_chunks:auto` (and not `stream_sync:always`, which
+/// takes cached pages first), while new memory (`room` pages under
+/// the limit and on the device) covers them and the process, holding `held` pages, then
+/// holds at most 1/[`INSTEAD_SHARE`] of what it may.
+pub(super) fn small_pages_stay(config: &Config, held: u64, room: usize, missing: usize) -> bool {
+    config.grow_whole_chunks == WholeChunks::Auto
+        && config.stream_sync != StreamSync::Always
+        && missing > 0
+        && room >= missing
+        && plentiful(
+            INSTEAD_SHARE,
+            held,
+            missing as u64,
+            missing as u64,
+            (room - missing) as u64,
+        )
 }
 
 /// How much room `auto` growth sees for a large request's handles ([`request_chunk_pages`]).
@@ -321,6 +368,29 @@ mod tests {
         );
         // Never below a granule.
         assert_eq!(request_chunk_pages(&c, G, 1, Plenty::Tight), 1);
+    }
+
+    /// Small pages stay while the room covers the missing pages and the process then holds at
+    /// most half of what it may; never with `stream_sync:always` or without `auto`.
+    #[test]
+    fn small_pages_stay_only_while_memory_is_plentiful() {
+        let c = Config::default();
+        // Holding 100 pages, 2 missing, 400 of room: 102 of 500.
+        assert!(small_pages_stay(&c, 100, 400, 2));
+        // Nothing missing: nothing to buy.
+        assert!(!small_pages_stay(&c, 100, 400, 0));
+        // No room for the missing pages: the small heap's are needed.
+        assert!(!small_pages_stay(&c, 100, 1, 2));
+        // 302 of 500: past half.
+        assert!(!small_pages_stay(&c, 300, 200, 2));
+        for other in [
+            "stream_sync:always",
+            "grow_whole_chunks:on",
+            "grow_whole_chunks:off",
+        ] {
+            let c = Config::parse(other).unwrap();
+            assert!(!small_pages_stay(&c, 100, 400, 2), "{other}");
+        }
     }
 
     /// A quarter and a half of what the limit and the device allow, after the growth.

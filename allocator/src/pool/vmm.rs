@@ -43,10 +43,10 @@ use super::grow::Grow;
 use super::pages::{Dest, Home, Taker};
 use super::placement::Placement;
 use super::sizing::{
-    creating_is_cheaper, plentiful, request_chunk_pages, whole_chunk_pages, Plenty, AUTO_SHARE,
-    INSTEAD_SHARE,
+    creating_is_cheaper, plentiful, request_chunk_pages, small_pages_stay, whole_chunk_pages,
+    Plenty, AUTO_SHARE, INSTEAD_SHARE,
 };
-use super::window::{choose_window, free_chunk_lens, next_extent, vmm_extent, Exclude};
+use super::window::{choose_window, next_extent, vmm_extent, Exclude};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Chunk, HeapKind};
 use crate::config::{StreamSync, WholeChunks};
@@ -68,7 +68,7 @@ pub(super) struct Window {
 
 impl Window {
     /// The window as a range page searches leave out.
-    fn exclude(&self, kind: HeapKind) -> Exclude {
+    pub(super) fn exclude(&self, kind: HeapKind) -> Exclude {
         Exclude {
             kind,
             lo: self.lo,
@@ -105,6 +105,10 @@ struct Feasible {
     /// from `cuMemGetInfo`, only when several cached chunks would move): what decides whether
     /// new handles may replace stitching (Note [Cheaper than moving]).
     spare: usize,
+    /// A large window leaves the small heaps' free pages out of `cached` and stitching, and
+    /// buys new pages for them (Note [Small pages stay small]); taken only if creation falls
+    /// short.
+    small_kept: bool,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -231,6 +235,23 @@ impl<D: Driver> DevicePool<D> {
         }
     }
 
+    /// The device's free memory read afresh (`cuMemGetInfo`) and kept as the estimate
+    /// (`free_seen`); `None`, and no estimate, when the read fails.
+    fn read_free(&self, dev: &mut DeviceState) -> Option<u64> {
+        let c = &*self.core;
+        let reserved = dev.reserved[0].current.max(0) as u64;
+        match c.driver.mem_info(c.dev) {
+            Ok(i) => {
+                dev.free_seen = Some((i.free, reserved));
+                Some(i.free)
+            }
+            Err(_) => {
+                dev.free_seen = None;
+                None
+            }
+        }
+    }
+
     /// Feasibility: can the window be backed at all? Counts the cached pages (whole free
     /// chunks anywhere but in the window that could be placed in it, and chunks whose release
     /// failed earlier) and the room under the limit and on the device, before moving anything:
@@ -253,55 +274,19 @@ impl<D: Driver> DevicePool<D> {
         let c = &*self.core;
         let g = c.granularity;
         let need = w.missing.len();
-        let mut fit = Placement::new(&w.missing, g);
-        let longest = fit.largest_open();
-        let cached = if need > 0 {
-            // The cached chunks that could serve the window, placed largest first in its runs
-            // of missing pages (the best packing; gathering, which goes arena by arena, may
-            // place fewer).
-            // A lost chunk still mapped where it moved from serves only a stream that can wait
-            // for its donor on the device (as gathering does below).
-            let ordered = self.order_stream(arena).is_some();
-            let mut lens: Vec<u32> = dev
-                .lost
-                .iter()
-                .filter(|l| ordered || !dev.aliased(l.chunk.handle))
-                .map(|l| l.chunk.pages)
-                .filter(|&n| n <= longest)
-                .collect();
-            if !arena.pinned() {
-                lens.extend(free_chunk_lens(a, Some(w.exclude(kind)), g, longest));
-            }
-            for other in self.donors() {
-                if !Arc::ptr_eq(&other, arena) {
-                    lens.extend(free_chunk_lens(&other.state.lock(), None, g, longest));
-                }
-            }
-            lens.sort_unstable_by(|x, y| y.cmp(x));
-            let mut placed = (0usize, 0usize);
-            for n in lens {
-                if fit.full() {
-                    break;
-                }
-                if fit.wants(n) {
-                    fit.take(Chunk {
-                        handle: crate::driver::PhysHandle(0),
-                        pages: n,
-                    });
-                    placed.0 += n as usize;
-                    placed.1 += 1;
-                }
-            }
-            placed
+        let fit = Placement::new(&w.missing, g);
+        let (mut lens, small) = if need > 0 {
+            self.cached_chunk_lens(dev, arena, a, kind, w, fit.largest_open())
         } else {
-            (0, 0)
+            Default::default()
         };
-        let (cached, cached_chunks) = cached;
+        let (mut cached, mut cached_chunks) = fit.fit(lens.clone());
         let by_limit = (dev
             .limit
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
             / g) as usize;
-        let by_device = if need > cached {
+        let mut fresh = false;
+        let mut by_device = if need > cached {
             let reserved = dev.reserved[0].current.max(0) as u64;
             let estimate = dev.free_seen.map(|(free, then)| {
                 (free.saturating_add(then).saturating_sub(reserved) / g) as usize
@@ -311,20 +296,35 @@ impl<D: Driver> DevicePool<D> {
             // under pressure, which would wait for busy streams.
             match estimate {
                 Some(pages) if pages >= need => pages,
-                _ => match c.driver.mem_info(c.dev) {
-                    Ok(i) => {
-                        dev.free_seen = Some((i.free, reserved));
-                        (i.free / g) as usize
-                    }
-                    Err(_) => {
-                        dev.free_seen = None;
-                        usize::MAX
-                    }
-                },
+                _ => {
+                    fresh = true;
+                    self.read_free(dev).map_or(usize::MAX, |f| (f / g) as usize)
+                }
             }
         } else {
             usize::MAX
         };
+        let mut small_kept = false;
+        if !small.is_empty() {
+            let held = dev.reserved[0].current.max(0) as u64 / g;
+            let stay = |room: usize| small_pages_stay(&c.config, held, room, need - cached);
+            small_kept = stay(by_limit.min(by_device));
+            if small_kept && !fresh {
+                // Read afresh (~10 µs, against a move now and a new small page later), as
+                // below: a stale estimate showing room another process has taken since would
+                // make growth fill the device.
+                by_device = self.read_free(dev).map_or(usize::MAX, |f| (f / g) as usize);
+                small_kept = by_device != usize::MAX && stay(by_limit.min(by_device));
+            }
+            if !small_kept {
+                lens.extend(small);
+                (cached, cached_chunks) = fit.fit(lens);
+                if need <= cached {
+                    // Cached pages cover it: as if the device had not been read.
+                    by_device = usize::MAX;
+                }
+            }
+        }
         let spare = if need > cached {
             by_limit.min(by_device).saturating_sub(need)
         } else if c.config.grow_whole_chunks == WholeChunks::Auto
@@ -333,17 +333,7 @@ impl<D: Driver> DevicePool<D> {
         {
             // Read afresh (~10 µs, against at least two moves of ~64 µs): a stale estimate
             // showing room another process has taken since would make growth fill the device.
-            let reserved = dev.reserved[0].current.max(0) as u64;
-            let free = match c.driver.mem_info(c.dev) {
-                Ok(i) => {
-                    dev.free_seen = Some((i.free, reserved));
-                    i.free
-                }
-                Err(_) => {
-                    dev.free_seen = None;
-                    0
-                }
-            };
+            let free = self.read_free(dev).unwrap_or(0);
             by_limit.min((free / g) as usize).saturating_sub(need)
         } else {
             0
@@ -361,6 +351,7 @@ impl<D: Driver> DevicePool<D> {
             pressure: by_limit.min(by_device) < need,
             headroom: if need > cached { spare } else { 0 },
             spare,
+            small_kept,
         })
     }
 
@@ -440,7 +431,12 @@ impl<D: Driver> DevicePool<D> {
         let settle = !wait_first && instead != Plenty::Tight;
         let mut moved = 0u64;
         if need > 0 && cached > 0 && !create_instead {
-            moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, &mut place);
+            let from: &[HeapKind] = if feasible.small_kept {
+                &[HeapKind::Large]
+            } else {
+                &HeapKind::ALL
+            };
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
         let mut i = 0;
@@ -579,15 +575,18 @@ impl<D: Driver> DevicePool<D> {
                 place.runs[last_run].1 -= optional.min(n - f);
             }
         }
-        if !place.full() && cached > 0 && (create_instead || settle) {
+        let any_cached = cached > 0 || feasible.small_kept;
+        if !place.full() && any_cached && (create_instead || settle || feasible.small_kept) {
             // Creation fell short (the limit, the device): the cached chunks after all, those
-            // left as bounces too, still without waiting for a busy stream.
-            moved += self.stitch(dev, arena, a, kind, w, wait_first, false, &mut place);
+            // left as bounces and the small heaps' too, still without waiting for a busy stream.
+            let all = &HeapKind::ALL;
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, false, all, &mut place);
         }
-        if !place.full() && cached > 0 && !wait_first && driver_err.is_none() {
+        if !place.full() && any_cached && !wait_first && driver_err.is_none() {
             // Memory pressure: the limit or the device stops creation, so waiting for busy
             // streams' cached chunks is now the only way to meet the request.
-            moved += self.stitch(dev, arena, a, kind, w, true, false, &mut place);
+            let all = &HeapKind::ALL;
+            moved += self.stitch(dev, arena, a, kind, w, true, false, all, &mut place);
         }
         if moved > 0 {
             c.counters.num_stitches.fetch_add(1, Relaxed);
@@ -642,6 +641,7 @@ impl<D: Driver> DevicePool<D> {
         w: &Window,
         wait: bool,
         settle: bool,
+        from: &[HeapKind],
         place: &mut Placement,
     ) -> u64 {
         let c = &*self.core;
@@ -665,7 +665,7 @@ impl<D: Driver> DevicePool<D> {
                 kind,
                 wait,
                 place,
-                &HeapKind::ALL,
+                from,
                 dest,
             ) as u64;
         }
@@ -683,7 +683,7 @@ impl<D: Driver> DevicePool<D> {
                     kind,
                     wait,
                     place,
-                    &HeapKind::ALL,
+                    from,
                     dest,
                 );
                 c.counters
@@ -702,7 +702,7 @@ impl<D: Driver> DevicePool<D> {
     /// device] in `pages.rs`): its own, with `stream_sync:device`, when it can be named here and
     /// no graph capture may be underway (a capturing stream may not wait for an event recorded
     /// outside the capture); `None` otherwise.
-    fn order_stream(&self, arena: &Arena<D>) -> Option<crate::driver::StreamId> {
+    pub(super) fn order_stream(&self, arena: &Arena<D>) -> Option<crate::driver::StreamId> {
         let c = &*self.core;
         if c.config.stream_sync != StreamSync::Device || c.capturing() {
             return None;

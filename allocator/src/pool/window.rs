@@ -199,16 +199,19 @@ pub(super) fn whole_mappings(
     out
 }
 
-/// The sizes (in pages) of the whole free chunks an arena could give up (both heaps), leaving
-/// out `exclude`, and only chunks of at most `max_len` pages (larger ones could not be placed).
+/// The sizes (in pages) of the whole free chunks an arena could give up from the heaps
+/// `kinds`, leaving out `exclude`, and only chunks of at most `max_len` pages (larger ones
+/// could not be placed).
 pub(super) fn free_chunk_lens(
     a: &ArenaState,
+    kinds: &[HeapKind],
     exclude: Option<Exclude>,
     g: u64,
     max_len: u32,
 ) -> Vec<u32> {
-    HeapKind::ALL
-        .into_iter()
+    kinds
+        .iter()
+        .copied()
         .flat_map(|k| {
             free_page_runs(a, k, exclude, g, usize::MAX)
                 .into_iter()
@@ -228,7 +231,7 @@ pub(super) fn count_free_pages(
     g: u64,
     max_len: u32,
 ) -> usize {
-    free_chunk_lens(a, exclude, g, max_len)
+    free_chunk_lens(a, &HeapKind::ALL, exclude, g, max_len)
         .into_iter()
         .map(|n| n as usize)
         .sum()
