@@ -46,7 +46,7 @@ use super::sizing::{
     creating_is_cheaper, plentiful, request_chunk_pages, small_pages_stay, whole_chunk_pages,
     Plenty, AUTO_SHARE, INSTEAD_SHARE,
 };
-use super::window::{choose_window, next_extent, vmm_extent, Exclude};
+use super::window::{choose_window, next_extent, vmm_extent, Exclude, EDGE_CHUNKS};
 use super::DevicePool;
 use crate::arena::{Arena, ArenaState, Chunk, HeapKind};
 use crate::config::{StreamSync, WholeChunks};
@@ -189,9 +189,11 @@ impl<D: Driver> DevicePool<D> {
         // Old mappings of moved chunks whose donors are done: their ranges become usable.
         self.finish_deferred(dev, false);
         let blocked = dev.still_mapped(g);
+        // Large blocks try the free spans' edges too (Note [Windows over free spans]).
+        let edges = c.config.chunk_size.saturating_mul(EDGE_CHUNKS);
         let mut choice: Option<Window> = None;
         for &seg in &a.kinds[kind].vmm_segs {
-            if let Some((lo, missing)) = choose_window(a, kind, seg, rounded, g, &blocked) {
+            if let Some((lo, missing)) = choose_window(a, kind, seg, rounded, g, &blocked, edges) {
                 if choice
                     .as_ref()
                     .is_none_or(|c| missing.len() < c.missing.len())
@@ -216,7 +218,7 @@ impl<D: Driver> DevicePool<D> {
             .unwrap_or(0);
         let extent = next_extent(cap, g, largest, rounded);
         let seg = self.reserve_for(dev, arena, a, kind, extent, rounded, size)?;
-        match choose_window(a, kind, seg, rounded, g, &blocked) {
+        match choose_window(a, kind, seg, rounded, g, &blocked, edges) {
             Some((lo, missing)) => Ok(Window {
                 seg,
                 lo,
