@@ -128,17 +128,35 @@ struct Move {
     to: Home,
 }
 
-/// The device's last [`BOUNCE_WINDOW`] chunk moves (stitching), oldest overwritten first.
+/// The device's last [`BOUNCE_WINDOW`] chunk moves (stitching), oldest overwritten first, and
+/// whether a small heap has had to buy pages again after a large window took some of its own
+/// (Note [Small pages stay small] in `sizing.rs`).
 #[derive(Debug, Default)]
 pub(super) struct RecentMoves {
     ring: [Option<Move>; BOUNCE_WINDOW],
     next: usize,
+    /// A large window has taken a small heap's page.
+    small_taken: bool,
+    /// ... and a small heap created a page since.
+    small_churn: bool,
 }
 
 impl RecentMoves {
     pub(super) fn record(&mut self, handle: PhysHandle, from: Home, to: Home) {
         self.ring[self.next] = Some(Move { handle, from, to });
         self.next = (self.next + 1) % BOUNCE_WINDOW;
+        self.small_taken |= from.kind == HeapKind::Small && to.kind == HeapKind::Large;
+    }
+
+    /// A small heap created pages: churn, if a large window took a small heap's before.
+    pub(super) fn small_grew(&mut self) {
+        self.small_churn |= self.small_taken;
+    }
+
+    /// Whether small heaps have bought pages again after large windows took theirs: from then
+    /// on, while memory is plentiful, large windows leave the small heaps' pages alone.
+    pub(super) fn small_churn(&self) -> bool {
+        self.small_churn
     }
 
     /// Forgets `handle`'s moves: it was released (the driver may issue its value again).

@@ -104,24 +104,28 @@
 //! On the dev training snapshots that was most of the churn (`gpt-medium_train_ctx128`: 47
 //! granules moved from the small heaps to large windows, each followed by a new small-heap
 //! handle: 49 creates and 49 moves that expandable segments, whose small pool keeps its
-//! segments, never make). So while memory is plentiful (new memory covers the pages the large
-//! heaps' cached chunks do not, and the process then holds at most half of what the limit and
-//! the device allow it: [`INSTEAD_SHARE`], as for new handles instead of moves) a large window
-//! leaves the small heaps' free granules where they are, its feasibility check does not count
-//! them, and it buys those pages new ([`small_pages_stay`]). As with moves replaced by new
-//! handles, the device's room is read afresh before choosing so (a stale estimate would let
-//! growth take the room another process took since), and the granules left are not lost:
-//! creation falling short takes them without a wait, and under pressure stitching takes them
-//! first, as before. Measured (`python3 scripts/cost-table.py`, A100 prices, lag 2): modelled
-//! driver time on `gpt-medium_train_ctx128` 1.20x -> 1.06x expandable's (no move left),
-//! `forward_bf16_ctx128` 1.53x -> 1.35x, `infer_ctx128` 1.14x -> 1.12x, the median over all
-//! traces 1.17x -> 1.09x; peak reserved at most 1.014x expandable's as before (`infer_ctx128`
-//! 1.63 -> 1.65 GiB, expandable's 1.65). The generated workloads change their path from the
-//! first differing step (their stitching depends on where each request lands), so they were
-//! compared over 32 draws each (`cistern replay --seed`): modelled time on Mooncake a mean
-//! 0.338x -> 0.311x expandable's (H200 prices 1.23x -> 1.12x), `llm-serving` 0.684x -> 0.680x
-//! (1.51x either way), the rest within 1%; the smallest device the same in the mean but for
-//! `llm-serving`, 1.0285x -> 1.0292x its peak live bytes.
+//! segments, never make). So once a small heap has had to buy pages again after a large window
+//! took some of its own (`RecentMoves::small_churn` in `pages.rs`), and while memory is
+//! plentiful (new memory covers the pages the large heaps' cached chunks do not, and the
+//! process then holds at most half of what the limit and the device allow it:
+//! [`INSTEAD_SHARE`], as for new handles instead of moves), a large window leaves the small
+//! heaps' free granules where they are, its feasibility check does not count them, and it buys
+//! those pages new ([`small_pages_stay`]). As with moves replaced by new handles, the device's
+//! room is read afresh before choosing so (a stale estimate would let growth take the room
+//! another process took since), and the granules left are not lost: creation falling short
+//! takes them without a wait, and under pressure stitching takes them first, as before.
+//!
+//! Measured (`python3 scripts/cost-table.py`, lag 2): modelled driver time on
+//! `gpt-medium_train_ctx128` 1.20x -> 1.07x expandable's at A100 prices (1.34x -> 1.10x at the
+//! H200's), `forward_bf16_ctx128` 1.53x -> 1.41x (1.85x -> 1.49x), the median over all traces
+//! 1.17x -> 1.10x; peak reserved at most 1.014x expandable's and the smallest device of every
+//! trace as before. Without waiting for churn (every large window, from the start) it also
+//! took `infer_ctx128` from 1.14x to 1.12x but cost the small static programs, whose small
+//! heaps rarely want their pages back: `packed-A` 3.38x -> 3.95x, and up to 7 points more
+//! fragmentation on a roomy device over six of the ten `packed-*` instances; with the wait,
+//! `packed-C` alone changes (30% -> 37% on a roomy device, 2.88x -> 2.95x, the same smallest
+//! device). The generated workloads were compared over 24 draws each (`cistern replay --seed`)
+//! together with Note [Windows over free spans] in `window.rs`.
 
 use super::placement::Placement;
 use super::vmm::Window;
@@ -184,9 +188,9 @@ pub(super) fn plentiful(share: u64, held: u64, adding: u64, missing: u64, headro
 /// Whether a large window leaves the small heaps' free pages where they are and buys the
 /// `missing` pages that the large heaps' cached chunks do not cover new instead (Note [Small
 /// pages stay small]): with `grow_whole_chunks:auto` (and not `stream_sync:always`, which
-/// takes cached pages first), while new memory (`room` pages under
-/// the limit and on the device) covers them and the process, holding `held` pages, then
-/// holds at most 1/[`INSTEAD_SHARE`] of what it may.
+/// takes cached pages first), while new memory (`room` pages under the limit and on the
+/// device) covers them and the process, holding `held` pages, then holds at most
+/// 1/[`INSTEAD_SHARE`] of what it may.
 pub(super) fn small_pages_stay(config: &Config, held: u64, room: usize, missing: usize) -> bool {
     config.grow_whole_chunks == WholeChunks::Auto
         && config.stream_sync != StreamSync::Always

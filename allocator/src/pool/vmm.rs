@@ -310,7 +310,9 @@ impl<D: Driver> DevicePool<D> {
         if !small.is_empty() {
             let held = dev.reserved[0].current.max(0) as u64 / g;
             let stay = |room: usize| small_pages_stay(&c.config, held, room, need - cached);
-            small_kept = stay(by_limit.min(by_device));
+            // Only with the device's room known (a failed read keeps nothing back).
+            small_kept =
+                dev.moves.small_churn() && by_device != usize::MAX && stay(by_limit.min(by_device));
             if small_kept && !fresh {
                 // Read afresh (~10 µs, against a move now and a new small page later), as
                 // below: a stale estimate showing room another process has taken since would
@@ -576,6 +578,9 @@ impl<D: Driver> DevicePool<D> {
             if let Some(&(_, n, f)) = place.runs.get(last_run) {
                 place.runs[last_run].1 -= optional.min(n - f);
             }
+        }
+        if kind == HeapKind::Small && !created.is_empty() {
+            dev.moves.small_grew();
         }
         let any_cached = cached > 0 || feasible.small_kept;
         if !place.full() && any_cached && (create_instead || settle || feasible.small_kept) {
