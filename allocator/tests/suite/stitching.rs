@@ -664,6 +664,50 @@ fn chunks_do_not_bounce_between_heaps_while_memory_is_plentiful() {
     assert_no_leak(&sim, pool);
 }
 
+/// A growing program (a new large block kept each round, as a training step's activations)
+/// whose small blocks come and go: the first large growth takes the small heap's free
+/// granules and the small heap buys pages again; from then on, memory being plentiful, large
+/// growth leaves them (Note [Small pages stay small] in `sizing.rs`): no chunk moves, and the
+/// small heap buys nothing more. Without the rule every round moved two granules to the large
+/// heap and bought two small ones again.
+#[test]
+fn a_growing_program_leaves_the_small_heaps_pages_once_it_wanted_them_back() {
+    let (sim, pool) = pool(16 * GIB, true);
+    let mut kept = Vec::new();
+    let mut round = |pool: &SimPool| {
+        let (unmaps, creates) = (
+            sim.calls(DriverCall::Unmap),
+            sim.calls(DriverCall::CreatePhysical),
+        );
+        let smalls: Vec<u64> = (0..4).map(|_| alloc(pool, MIB, A)).collect();
+        let small_creates = sim.calls(DriverCall::CreatePhysical) - creates;
+        for s in smalls {
+            free(pool, s, A);
+        }
+        kept.push(alloc(pool, 3 * MIB, A));
+        check(pool);
+        (sim.calls(DriverCall::Unmap) - unmaps, small_creates)
+    };
+    let first = round(&pool);
+    let second = round(&pool);
+    assert!(
+        first.0 + second.0 > 0,
+        "no large growth took the small heap's granules: {first:?} {second:?}"
+    );
+    for r in 2..10 {
+        assert_eq!(
+            round(&pool),
+            (0, 0),
+            "round {r}: moved or bought small pages"
+        );
+    }
+    for k in kept {
+        free(&pool, k, A);
+    }
+    assert!(sim.hazards().is_empty());
+    assert_no_leak(&sim, pool);
+}
+
 /// Under memory pressure the same program moves the granules back and forth rather than
 /// buying more: memory first.
 #[test]
