@@ -54,6 +54,15 @@ def replay(binary, args, costs, allocators=ALLOCATORS, search=False):
     return doc if isinstance(doc, list) else doc.get("traces", [doc])
 
 
+def listed_workloads(binary):
+    """The built-in workloads `cistern replay --workload list` names, each with whether it
+    needs a file from the traces folder."""
+    listing = subprocess.run([binary, "replay", "--workload", "list"],
+                             capture_output=True, text=True).stdout
+    return [(line.split()[0], "(needs" in line) for line in listing.splitlines()[1:]
+            if line.strip()]
+
+
 def under_pressure(binary, inputs, costs, factor):
     """Each input (a list of `cistern replay` arguments naming one trace) on a device `factor`
     times the smallest the `pytorch` model runs it on, rounded down to the 2 MiB granule."""
@@ -98,10 +107,7 @@ def main():
         traces = (replay(a.cistern, snaps, a.costs) if snaps else []) + replay(a.cistern, [],
                                                                               a.costs)
     else:
-        listing = subprocess.run([a.cistern, "replay", "--workload", "list"],
-                                 capture_output=True, text=True).stdout
-        builtin = [line.split()[0] for line in listing.splitlines()[1:]
-                   if line.strip() and "(needs" not in line]
+        builtin = [name for name, needs_file in listed_workloads(a.cistern) if not needs_file]
         inputs = [[s] for s in snaps] + [["--workload", w] for w in builtin]
         traces = under_pressure(a.cistern, inputs, a.costs, a.pressure)
     oom_col = " oom |" if a.pressure is not None else ""
@@ -149,10 +155,7 @@ def main():
 
 def over_seeds(a, lag):
     """The `--seeds N` table: each generated workload over seeds 1..N and the default."""
-    listing = subprocess.run([a.cistern, "replay", "--workload", "list"],
-                             capture_output=True, text=True).stdout
-    names = [line.split()[0] for line in listing.splitlines()[1:]
-             if line.strip() and not line.split()[0].startswith("minimalloc-")]
+    names = [name for name, _ in listed_workloads(a.cistern) if not name.startswith("minimalloc-")]
     per = {}
     for seed in [None] + list(range(1, a.seeds + 1)):
         args = [x for w in names for x in ("--workload", w)]

@@ -61,13 +61,14 @@ impl Placement {
     /// How many of `lens` (chunk sizes in pages) fit the open runs, placed largest first (the
     /// best packing; gathering, which goes arena by arena, may place fewer): `(pages, chunks)`.
     /// Places nothing.
-    pub(super) fn fit(&self, mut lens: Vec<u32>) -> (usize, usize) {
+    pub(super) fn fit(&self, lens: &[u32]) -> (usize, usize) {
         let mut fit = Placement {
             g: self.g,
             runs: self.runs.clone(),
             placed: Vec::new(),
             spare: Vec::new(),
         };
+        let mut lens = lens.to_vec();
         lens.sort_unstable_by(|x, y| y.cmp(x));
         let mut placed = (0usize, 0usize);
         for n in lens {
@@ -107,8 +108,9 @@ impl<D: Driver> DevicePool<D> {
     /// of `arena` (of at most `longest` pages): lost ones (one still mapped where it moved
     /// from serves only a stream that can wait for its donor on the device, as gathering
     /// does), this arena's outside the window (none of a pinned graph pool's), the other
-    /// arenas'. For a large window the small heaps' come apart, second (Note [Small pages stay
-    /// small] in `sizing.rs`); for a small one all are first.
+    /// arenas'. With `split_small`, the small heaps' come apart, second (Note [Small pages
+    /// stay small] in `sizing.rs`); else all are first.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn cached_chunk_lens(
         &self,
         dev: &DeviceState,
@@ -117,6 +119,7 @@ impl<D: Driver> DevicePool<D> {
         kind: HeapKind,
         w: &Window,
         longest: u32,
+        split_small: bool,
     ) -> (Vec<u32>, Vec<u32>) {
         let g = self.core.granularity;
         let ordered = self.order_stream(arena).is_some();
@@ -128,13 +131,12 @@ impl<D: Driver> DevicePool<D> {
             .filter(|&n| n <= longest)
             .collect();
         let mut small = Vec::new();
-        let mut add = |st: &ArenaState, exclude| match kind {
-            HeapKind::Large => {
+        let mut add = |st: &ArenaState, exclude| {
+            if split_small {
                 lens.extend(free_chunk_lens(st, &[HeapKind::Large], exclude, g, longest));
                 small.extend(free_chunk_lens(st, &[HeapKind::Small], exclude, g, longest));
-            }
-            HeapKind::Small => {
-                lens.extend(free_chunk_lens(st, &HeapKind::ALL, exclude, g, longest))
+            } else {
+                lens.extend(free_chunk_lens(st, &HeapKind::ALL, exclude, g, longest));
             }
         };
         if !arena.pinned() {

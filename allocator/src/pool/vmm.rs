@@ -277,12 +277,15 @@ impl<D: Driver> DevicePool<D> {
         let g = c.granularity;
         let need = w.missing.len();
         let fit = Placement::new(&w.missing, g);
+        // The small heaps' pages are counted apart only where they may stay (Note [Small
+        // pages stay small]): a large window, once small heaps have had to buy pages back.
+        let split = kind == HeapKind::Large && dev.moves.small_churn();
         let (mut lens, small) = if need > 0 {
-            self.cached_chunk_lens(dev, arena, a, kind, w, fit.largest_open())
+            self.cached_chunk_lens(dev, arena, a, kind, w, fit.largest_open(), split)
         } else {
             Default::default()
         };
-        let (mut cached, mut cached_chunks) = fit.fit(lens.clone());
+        let (mut cached, mut cached_chunks) = fit.fit(&lens);
         let by_limit = (dev
             .limit
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
@@ -311,8 +314,7 @@ impl<D: Driver> DevicePool<D> {
             let held = dev.reserved[0].current.max(0) as u64 / g;
             let stay = |room: usize| small_pages_stay(&c.config, held, room, need - cached);
             // Only with the device's room known (a failed read keeps nothing back).
-            small_kept =
-                dev.moves.small_churn() && by_device != usize::MAX && stay(by_limit.min(by_device));
+            small_kept = by_device != usize::MAX && stay(by_limit.min(by_device));
             if small_kept && !fresh {
                 // Read afresh (~10 µs, against a move now and a new small page later), as
                 // below: a stale estimate showing room another process has taken since would
@@ -322,7 +324,7 @@ impl<D: Driver> DevicePool<D> {
             }
             if !small_kept {
                 lens.extend(small);
-                (cached, cached_chunks) = fit.fit(lens);
+                (cached, cached_chunks) = fit.fit(&lens);
                 if need <= cached {
                     // Cached pages cover it: as if the device had not been read.
                     by_device = usize::MAX;

@@ -10,9 +10,9 @@ use crate::heap::{SpanId, SpanState};
 /// the smallest run, then the lowest address). In each run it tries the run's start and, for a
 /// block of at least `edges_from` bytes, each free span's start and end (the window beginning
 /// where the span begins, or ending where it ends), so that a large freed block next to a hole
-/// is grown in place (Note [Windows over free spans]). Ranges in `blocked` (sorted `(start, end)`: holes whose pages are still mapped, by
-/// a deferred or a failed unmap) are in no window. Returns the window's start and its
-/// unmapped pages.
+/// is grown in place (Note [Windows over free spans]). Ranges in `blocked` (sorted `(start,
+/// end)`: holes whose pages are still mapped, by a deferred or a failed unmap) are in no
+/// window. Returns the window's start and its unmapped pages.
 ///
 /// # Note [Windows over free spans]
 ///
@@ -49,12 +49,19 @@ pub(super) fn choose_window(
     let Backing::Vmm { pages } = &seg.backing else {
         return None;
     };
-    // unmapped[i]: how many of the first i pages are not mapped.
-    let mut unmapped = Vec::with_capacity(pages.len() + 1);
-    unmapped.push(0usize);
-    for p in pages {
-        unmapped.push(unmapped.last().unwrap() + usize::from(p.is_none()));
-    }
+    let edges_tried = size >= edges_from;
+    // With the edges tried, many windows are counted: unmapped[i], how many of the first i
+    // pages are not mapped, makes each count O(1). Else one per run, counted directly.
+    let unmapped: Vec<usize> = if edges_tried {
+        std::iter::once(0)
+            .chain(pages.iter().scan(0, |n, p| {
+                *n += usize::from(p.is_none());
+                Some(*n)
+            }))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let page_range = |lo: u64| {
         let first = ((lo - seg.base) / g) as usize;
         let last = (lo + size - seg.base).div_ceil(g) as usize;
@@ -62,17 +69,25 @@ pub(super) fn choose_window(
     };
     let missing_at = |lo: u64| {
         let (first, last) = page_range(lo);
-        unmapped[last] - unmapped[first]
+        if edges_tried {
+            unmapped[last] - unmapped[first]
+        } else {
+            pages[first..last].iter().filter(|p| p.is_none()).count()
+        }
     };
-    let mut best: Option<(usize, u64, u64)> = None; // (missing, run len, lo)
-                                                    // A window in `[start, end)` (a run of open space between blocked ranges) at each of
-                                                    // `at` (clamped into the run).
-    let consider = |start: u64, end: u64, at: &[u64], best: &mut Option<(usize, u64, u64)>| {
+    // (missing, run len, lo)
+    let mut best: Option<(usize, u64, u64)> = None;
+    // A window in `[start, end)` (a run of open space between blocked ranges) at each of `at`
+    // (clamped into the run).
+    let consider = |start: u64,
+                    end: u64,
+                    at: &mut dyn Iterator<Item = u64>,
+                    best: &mut Option<(usize, u64, u64)>| {
         let len = end - start;
         if len < size {
             return;
         }
-        for &want in at {
+        for want in at {
             let lo = want.clamp(start, end - size);
             let missing = missing_at(lo);
             let better = match best {
@@ -111,7 +126,7 @@ pub(super) fn choose_window(
         let mut n = first;
         while n != crate::heap::NIL && open(heap.span(n).state) {
             let sp = heap.span(n);
-            if sp.state == SpanState::Free && size >= edges_from {
+            if sp.state == SpanState::Free && edges_tried {
                 edges.push(sp.start);
                 edges.push(sp.end().saturating_sub(size));
             }
@@ -122,10 +137,9 @@ pub(super) fn choose_window(
         // The parts of the run between the blocked ranges.
         let mut from = start;
         let part = |lo: u64, hi: u64, best: &mut Option<(usize, u64, u64)>| {
-            let at: Vec<u64> = std::iter::once(lo)
-                .chain(edges.iter().copied().filter(|&e| e >= lo && e < hi))
-                .collect();
-            consider(lo, hi, &at, best);
+            let mut at =
+                std::iter::once(lo).chain(edges.iter().copied().filter(|&e| e >= lo && e < hi));
+            consider(lo, hi, &mut at, best);
         };
         for &(blo, bhi) in blocked {
             if bhi <= from || blo >= end {

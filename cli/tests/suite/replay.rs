@@ -21,6 +21,13 @@ fn replay_json(args: &[&str]) -> serde_json::Value {
     json(&out)
 }
 
+/// `cistern replay ARGS`, which must fail, as its standard error.
+fn replay_fails(args: &[&str]) -> String {
+    let out = cistern().arg("replay").args(args).output().unwrap();
+    assert!(!out.status.success(), "replay {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// The allocator of each row of one trace's JSON report.
 fn row_names(doc: &serde_json::Value) -> Vec<&str> {
     doc["results"]
@@ -157,12 +164,7 @@ fn bad_input_names_the_fix() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.trace") && err.contains("line 3"), "{err}");
 
-    let out = cistern()
-        .args(["replay", "-w", "rmm-random", "--capacity", "lots"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--capacity"));
+    assert!(replay_fails(&["-w", "rmm-random", "--capacity", "lots"]).contains("--capacity"));
 }
 
 #[test]
@@ -955,10 +957,5 @@ fn seed_draws_another_program_and_says_so() {
     assert!(name7.ends_with(" seed 7"), "{name7}");
     assert_ne!(live7, default_live, "seed 7 drew the default program");
     assert_eq!(run(&["--seed", "7"]), (name7, live7));
-    let out = cistern()
-        .args(["replay", "-w", "rmm-random", "--seed", "x"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--seed"));
+    assert!(replay_fails(&["-w", "rmm-random", "--seed", "x"]).contains("--seed"));
 }
