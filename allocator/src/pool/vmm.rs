@@ -399,7 +399,7 @@ impl<D: Driver> DevicePool<D> {
                 if p(AUTO_SHARE) {
                     Plenty::Quarter(held)
                 } else if p(INSTEAD_SHARE) {
-                    Plenty::Half(held)
+                    Plenty::Third(held)
                 } else {
                     Plenty::Tight
                 }
@@ -410,7 +410,7 @@ impl<D: Driver> DevicePool<D> {
             HeapKind::Large => {
                 // Handles beyond what a quarter allows are for replacing moves (below) only.
                 let now = match plenty(feasible.headroom) {
-                    Plenty::Half(_) => Plenty::Tight,
+                    Plenty::Third(_) => Plenty::Tight,
                     p => p,
                 };
                 request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, now)
@@ -420,7 +420,7 @@ impl<D: Driver> DevicePool<D> {
         // While memory is plentiful, new handles instead of many moved ones when they cost less
         // (Note [Cheaper than moving] in `sizing.rs`); the cached chunks stay where they are.
         // Those handles are sized as plentiful memory allows, and replace stitching while the
-        // process holds up to half of what it may ([`INSTEAD_SHARE`]).
+        // process holds up to a third of what it may ([`INSTEAD_SHARE`]).
         let instead = plenty(feasible.spare);
         let instead_pages = request_chunk_pages(&c.config, g, (w.hi - w.lo) / g, instead);
         let create_instead = instead != Plenty::Tight
