@@ -1,6 +1,35 @@
 //! Where growth puts the chunks it gathers: a window's missing pages as runs, each filled
-//! first fit, and the cached chunks that could fill them (`vmm.rs` gathers and maps;
-//! `sizing.rs` sizes handles for the runs).
+//! first fit, the cached chunks that could fill them, and under memory pressure a plan of
+//! which chunk sizes fill which run (`vmm.rs` gathers and maps; `sizing.rs` sizes handles for
+//! the runs).
+//!
+//! # Note [Packing under pressure]
+//!
+//! The feasibility check counted the cached chunks that fit the window's runs placed largest
+//! first; stitching goes arena by arena and takes chunks in address order, first fit. Where
+//! new memory covers what stitching leaves, the difference costs a handle or two; under
+//! memory pressure it failed requests that the check had let through: with free chunks of 2,
+//! 10 and 10 pages in that order and a run of 20 missing pages, first fit takes the 2 and one
+//! 10, and the 8 pages left have nowhere to come from. Mooncake's 12 GiB requests at the
+//! smallest devices failed so, short by 7 pages of 6,150 with 12.6 GiB of whole free chunks
+//! cached. Largest first is not the best packing either (chunks of 10, 8 and 5 pages and
+//! dozens of 2 leave a page of a 150-page run open, where leaving out the 5 fills it).
+//!
+//! So under pressure the check makes a [`Plan`]: per run, how many chunks of each size fill
+//! it. Each run, largest first, takes the fullest packing of the chunks left (a bounded subset
+//! sum over the chunk sizes, as a bitset of reachable page counts), or largest first where
+//! that places more; stitching then takes only chunks the plan still wants, in its usual
+//! order, so it places what the check counted. Away from pressure nothing changes.
+//!
+//! Measured with `cistern replay --gpu-lag 2` over the dev snapshots and every built-in
+//! workload, 17 draws of each generated one (`--seed`), the smallest device against the peak
+//! live bytes, mean (worst): `llm-serving` 1.0288x (1.0485x) -> 1.0206x (1.0291x), larger than
+//! `pytorch-expandable`'s on 8 draws -> 1; Mooncake 1.0072x (1.0141x) -> 1.0041x (1.0112x);
+//! the `packed-*` instances up to 2.7% less on seven of ten and up to 0.9% more on three (which
+//! chunks move changes the layout that follows); `training`, `rmm-random(-normal)` and the dev
+//! snapshots within 0.1%. Driver time and peak reserved on a roomy device are unchanged (no
+//! pressure there). Stitching to largest first's packing alone (one pass per chunk size) did
+//! as well on these, but made one more handle where first fit had not needed any.
 
 use std::sync::Arc;
 
@@ -22,6 +51,74 @@ pub(super) struct Placement {
     pub(super) placed: Vec<(u64, Chunk)>,
     /// Chunks taken that no run had room for (none, as `take` follows `wants`; released).
     pub(super) spare: Vec<Chunk>,
+    /// With a plan (Note [Packing under pressure]), only the chunks it still wants, per run.
+    pub(super) quota: Option<Vec<Vec<(u32, u32)>>>,
+}
+
+/// Which cached chunks fill which run of a window (Note [Packing under pressure]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Plan {
+    /// Per run of the window's missing pages, `(chunk pages, how many)`.
+    pub(super) quota: Vec<Vec<(u32, u32)>>,
+    /// The pages placed.
+    pub(super) pages: usize,
+    /// The chunks placed.
+    pub(super) chunks: usize,
+}
+
+/// The largest total of at most `open` pages that chunks of `avail` (`(pages, how many)`)
+/// reach, and how many of each it takes: a bounded subset sum over a bitset of reachable
+/// totals, each count split in powers of two. `None` when the bitset would be too large (a
+/// run of more than 2^22 pages, 8 TiB of 2 MiB granules).
+fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
+    if open > 1 << 22 {
+        return None;
+    }
+    let words = (open as usize + 1).div_ceil(64);
+    // Items of `(pages, count)` each: the powers of two that sum to a size's count.
+    let mut items: Vec<(u32, u32)> = Vec::new();
+    for &(pages, n) in avail {
+        if pages == 0 || pages > open {
+            continue;
+        }
+        let mut left = n.min(open / pages);
+        let mut k = 1;
+        while left > 0 {
+            let take = k.min(left);
+            items.push((pages, take));
+            left -= take;
+            k *= 2;
+        }
+    }
+    let mut reach = vec![0u64; words];
+    reach[0] = 1;
+    let mut before: Vec<Vec<u64>> = Vec::with_capacity(items.len());
+    for &(pages, count) in &items {
+        before.push(reach.clone());
+        let shift = (pages * count) as usize;
+        let (w, b) = (shift / 64, shift % 64);
+        for i in (w..words).rev() {
+            let mut v = reach[i - w] << b;
+            if b > 0 && i > w {
+                v |= reach[i - w - 1] >> (64 - b);
+            }
+            reach[i] |= v;
+        }
+    }
+    let bit = |set: &[u64], t: usize| set[t / 64] >> (t % 64) & 1 == 1;
+    let best = (0..=open as usize).rev().find(|&t| bit(&reach, t))?;
+    let mut t = best;
+    let mut taken: Vec<(u32, u32)> = Vec::new();
+    for (i, &(pages, count)) in items.iter().enumerate().rev() {
+        if !bit(&before[i], t) {
+            t -= (pages * count) as usize;
+            match taken.iter_mut().find(|e| e.0 == pages) {
+                Some(e) => e.1 += count,
+                None => taken.push((pages, count)),
+            }
+        }
+    }
+    Some((best as u32, taken))
 }
 
 impl Placement {
@@ -38,6 +135,7 @@ impl Placement {
             runs,
             placed: Vec::new(),
             spare: Vec::new(),
+            quota: None,
         }
     }
 
@@ -62,39 +160,107 @@ impl Placement {
     /// best packing; gathering, which goes arena by arena, may place fewer): `(pages, chunks)`.
     /// Places nothing.
     pub(super) fn fit(&self, lens: &[u32]) -> (usize, usize) {
-        let mut fit = Placement {
-            g: self.g,
-            runs: self.runs.clone(),
-            placed: Vec::new(),
-            spare: Vec::new(),
+        let p = self.largest_first(lens);
+        (p.pages, p.chunks)
+    }
+
+    /// [`Self::fit`]'s packing, as a plan.
+    fn largest_first(&self, lens: &[u32]) -> Plan {
+        let mut open: Vec<u32> = self.runs.iter().map(|&(_, n, f)| n - f).collect();
+        let mut plan = Plan {
+            quota: vec![Vec::new(); open.len()],
+            ..Plan::default()
         };
         let mut lens = lens.to_vec();
         lens.sort_unstable_by(|x, y| y.cmp(x));
-        let mut placed = (0usize, 0usize);
         for n in lens {
-            if fit.full() {
-                break;
-            }
-            if fit.wants(n) {
-                fit.take(Chunk {
-                    handle: crate::driver::PhysHandle(0),
-                    pages: n,
-                });
-                placed.0 += n as usize;
-                placed.1 += 1;
+            if let Some(r) = open.iter().position(|&o| o >= n) {
+                open[r] -= n;
+                add(&mut plan.quota[r], n, 1);
+                plan.pages += n as usize;
+                plan.chunks += 1;
             }
         }
-        placed
+        plan
+    }
+
+    /// Which of `lens` fill which run (Note [Packing under pressure]): each run, largest
+    /// first, takes the fullest packing of the chunks left, or the whole plan is largest
+    /// first's where that places more pages.
+    pub(super) fn plan(&self, lens: &[u32]) -> Plan {
+        let greedy = self.largest_first(lens);
+        let mut avail: Vec<(u32, u32)> = Vec::new();
+        for &n in lens {
+            add(&mut avail, n, 1);
+        }
+        // Largest first, so that of the fullest packings the one with the largest chunks is
+        // chosen (`fullest` leaves out the last items it can).
+        avail.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        let mut order: Vec<usize> = (0..self.runs.len()).collect();
+        order.sort_by_key(|&r| std::cmp::Reverse(self.runs[r].1 - self.runs[r].2));
+        let mut plan = Plan {
+            quota: vec![Vec::new(); self.runs.len()],
+            ..Plan::default()
+        };
+        for r in order {
+            let (_, n, f) = self.runs[r];
+            let Some((pages, taken)) = fullest(&avail, n - f) else {
+                return greedy;
+            };
+            for &(size, count) in &taken {
+                if let Some(e) = avail.iter_mut().find(|e| e.0 == size) {
+                    e.1 -= count;
+                }
+                add(&mut plan.quota[r], size, count);
+                plan.chunks += count as usize;
+            }
+            plan.pages += pages as usize;
+        }
+        // Largest first where it does as well: it moves the fewest chunks.
+        if greedy.pages >= plan.pages {
+            greedy
+        } else {
+            plan
+        }
+    }
+}
+
+/// Adds `count` chunks of `pages` to a `(pages, how many)` list.
+fn add(list: &mut Vec<(u32, u32)>, pages: u32, count: u32) {
+    match list.iter_mut().find(|e| e.0 == pages) {
+        Some(e) => e.1 += count,
+        None => list.push((pages, count)),
+    }
+}
+
+impl Placement {
+    /// The run chunk `pages` goes to: the first with room (and, with a plan, with a chunk of
+    /// that size still wanted).
+    fn run_for(&self, pages: u32) -> Option<usize> {
+        self.runs.iter().enumerate().position(|(r, &(_, n, f))| {
+            n - f >= pages
+                && self
+                    .quota
+                    .as_ref()
+                    .is_none_or(|q| q[r].iter().any(|&(size, left)| size == pages && left > 0))
+        })
     }
 }
 
 impl Taker for Placement {
     fn wants(&self, pages: u32) -> bool {
-        self.runs.iter().any(|&(_, n, f)| n - f >= pages)
+        self.run_for(pages).is_some()
     }
     fn take(&mut self, c: Chunk) {
-        match self.runs.iter().position(|&(_, n, f)| n - f >= c.pages) {
-            Some(r) => self.place_in(r, c),
+        match self.run_for(c.pages) {
+            Some(r) => {
+                if let Some(q) = self.quota.as_mut() {
+                    if let Some(e) = q[r].iter_mut().find(|e| e.0 == c.pages) {
+                        e.1 -= 1;
+                    }
+                }
+                self.place_in(r, c)
+            }
             None => self.spare.push(c),
         }
     }
@@ -148,5 +314,83 @@ impl<D: Driver> DevicePool<D> {
             }
         }
         (lens, small)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::PhysHandle;
+
+    const G: u64 = 2 << 20;
+
+    /// A placement over runs of `lens` missing pages, a page apart.
+    fn runs(lens: &[u32]) -> Placement {
+        let mut missing = Vec::new();
+        let mut at = 0;
+        for &n in lens {
+            missing.extend((0..n as u64).map(|i| (at + i) * G));
+            at += n as u64 + 1;
+        }
+        Placement::new(&missing, G)
+    }
+
+    fn chunk(pages: u32) -> Chunk {
+        Chunk {
+            handle: PhysHandle(0),
+            pages,
+        }
+    }
+
+    /// The fullest packing of chunks up to a run's size, with the largest chunks it can.
+    #[test]
+    fn fullest_fills_a_run_where_largest_first_cannot() {
+        let avail = [(10, 1), (8, 1), (5, 1), (2, 66)];
+        let (pages, taken) = fullest(&avail, 150).unwrap();
+        assert_eq!(pages, 150);
+        let mut taken = taken;
+        taken.sort_unstable();
+        assert_eq!(taken, vec![(2, 66), (8, 1), (10, 1)], "the 5 is left out");
+        // Never more than a run holds, nor more chunks than there are.
+        assert_eq!(fullest(&[(4, 3)], 10).unwrap().0, 8);
+        assert_eq!(fullest(&[(4, 3)], 100).unwrap().0, 12);
+        assert_eq!(fullest(&[(11, 3)], 10).unwrap().0, 0);
+        assert!(fullest(&[(1, 1)], (1 << 22) + 1).is_none());
+    }
+
+    /// The plan is largest first's where that does as well, and the fullest packing where it
+    /// places more; a placement following it takes only the chunks it wants.
+    #[test]
+    fn a_plan_packs_at_least_as_much_as_largest_first() {
+        let p = runs(&[20]);
+        let plan = p.plan(&[2, 10, 10]);
+        assert_eq!((plan.pages, plan.chunks), (20, 2));
+        assert_eq!(plan.quota, vec![vec![(10, 2)]]);
+
+        let mut lens = vec![10, 8, 5];
+        lens.extend([2; 66]);
+        let p = runs(&[150]);
+        assert_eq!(p.fit(&lens), (149, 66), "largest first leaves a page");
+        let plan = p.plan(&lens);
+        assert_eq!(plan.pages, 150);
+        let mut p = p;
+        p.quota = Some(plan.quota);
+        assert!(!p.wants(5), "the plan leaves the 5 out");
+        assert!(p.wants(10) && p.wants(8) && p.wants(2));
+        p.take(chunk(10));
+        assert!(!p.wants(10), "one 10 was planned");
+        p.take(chunk(8));
+        for _ in 0..66 {
+            assert!(p.wants(2));
+            p.take(chunk(2));
+        }
+        assert!(p.full());
+        assert!(p.spare.is_empty());
+
+        // Two runs: each takes the fullest packing of what the larger ones left.
+        let p = runs(&[6, 9]);
+        let plan = p.plan(&[3, 3, 3, 3, 3]);
+        assert_eq!(plan.pages, 15);
+        assert_eq!(plan.quota, vec![vec![(3, 2)], vec![(3, 3)]]);
     }
 }

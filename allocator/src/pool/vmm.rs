@@ -32,8 +32,11 @@
 //! `pages.rs`). A chunk whose stream may still have work queued on it moves with the order
 //! kept on the GPU, its old mapping unmapped later (Note [Moves ordered on the device] in
 //! `pages.rs`). The feasibility check places the cached chunks in the window's runs largest
-//! first; gathering, arena by arena and first fit, may place fewer, and then the request may
-//! run short after stitching, and keeps what it stitched as cache.
+//! first; gathering goes arena by arena and first fit, and may place fewer (new handles fill
+//! the rest), except under memory pressure, where the check plans the fullest packing and
+//! stitching follows it (Note [Packing under pressure] in `placement.rs`). A request that
+//! still runs short (a donor that could not be waited for, a failed unmap) keeps what it
+//! stitched as cache.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -90,7 +93,7 @@ struct Gathered {
 }
 
 /// What the feasibility check found: the request can be met.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Feasible {
     /// Cached pages that could serve it.
     cached: usize,
@@ -109,6 +112,9 @@ struct Feasible {
     /// buys new pages for them (Note [Small pages stay small]); taken only if creation falls
     /// short.
     small_kept: bool,
+    /// Under memory pressure, the chunk sizes stitching takes per run of the window (Note
+    /// [Packing under pressure] in `placement.rs`).
+    plan: Option<Vec<Vec<(u32, u32)>>>,
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -262,9 +268,10 @@ impl<D: Driver> DevicePool<D> {
     /// `Ok(cached pages)`, or `Err(limit_hit)`: whether the limit (rather than the device) is
     /// what stops it.
     ///
-    /// The cached chunks are placed in the window's runs largest first, the best packing;
-    /// gathering goes arena by arena, first fit, and may place fewer, so a request this lets
-    /// through may still run short while gathering, and then keeps what it stitched as cache.
+    /// The cached chunks are placed in the window's runs largest first; under memory
+    /// pressure, as fully as they go, in a plan that gathering follows (Note [Packing under
+    /// pressure] in `placement.rs`). Elsewhere gathering goes arena by arena, first fit, and
+    /// creates for the rest.
     fn check_feasible(
         &self,
         dev: &mut DeviceState,
@@ -331,6 +338,15 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         }
+        // Under memory pressure the cached chunks are what the request needs: packed as well
+        // as they go, and stitched to that plan (Note [Packing under pressure] in
+        // `placement.rs`).
+        let mut plan = None;
+        if need > 0 && !lens.is_empty() && by_limit.min(by_device) < need {
+            let p = fit.plan(&lens);
+            (cached, cached_chunks) = (p.pages, p.chunks);
+            plan = Some(p.quota);
+        }
         let spare = if need > cached {
             by_limit.min(by_device).saturating_sub(need)
         } else if c.config.grow_whole_chunks == WholeChunks::Auto
@@ -358,6 +374,7 @@ impl<D: Driver> DevicePool<D> {
             headroom: if need > cached { spare } else { 0 },
             spare,
             small_kept,
+            plan,
         })
     }
 
@@ -375,7 +392,7 @@ impl<D: Driver> DevicePool<D> {
         a: &mut ArenaState,
         kind: HeapKind,
         w: &Window,
-        feasible: Feasible,
+        mut feasible: Feasible,
     ) -> Gathered {
         let c = &*self.core;
         let g = c.granularity;
@@ -442,7 +459,10 @@ impl<D: Driver> DevicePool<D> {
             } else {
                 &HeapKind::ALL
             };
+            // Under pressure, only the chunks the check's plan wants.
+            place.quota = feasible.plan.take();
             moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
+            place.quota = None;
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
         let mut i = 0;

@@ -770,3 +770,38 @@ fn a_chunk_left_in_place_is_taken_without_a_wait_when_creation_runs_short() {
     assert!(sim.hazards().is_empty());
     assert_no_leak(&sim, pool);
 }
+
+/// Under memory pressure stitching packs the cached chunks largest first, as the feasibility
+/// check counts them (Note [Largest first under pressure]): stream A's free chunks of 2, 10
+/// and 10 granules, in that address order, back stream B's 40 MiB window on a device with no
+/// room left. First fit would take the 2 and one 10, and run 8 granules short.
+#[test]
+fn pressure_packs_cached_chunks_largest_first() {
+    let conf = "chunk_split:none,grow_whole_chunks:off";
+    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(44 * MIB), true, conf);
+    let x = alloc(&pool, 4 * MIB, A);
+    let y = alloc(&pool, 40 * MIB, A);
+    assert!(x < y);
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        3,
+        "2 + 10 + 10 granules"
+    );
+    free(&pool, x, A);
+    free(&pool, y, A);
+    check(&pool);
+    assert_eq!(sim.committed_bytes(0), 44 * MIB);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    // (Panics with the OOM error when stitching runs short.)
+    let p = alloc(&pool, 40 * MIB, B);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 3, "no new handle");
+    assert_eq!(
+        sim.calls(DriverCall::Unmap) - unmaps,
+        2,
+        "the two 10-granule chunks moved"
+    );
+    sim.launch(0, StreamId(B), &[(p, 40 * MIB)]).unwrap();
+    sim.complete_all(0);
+    free(&pool, p, B);
+    assert_no_leak(&sim, pool);
+}
