@@ -21,9 +21,10 @@ notes before device-side ordering).
 With `--seeds N`, a second table replays each generated workload (every built-in one but the
 `minimalloc-*` CSVs) drawn from seeds 1..N as well as the default (`cistern replay --seed`):
 cistern's driver time against `pytorch-expandable`'s and `pytorch`'s, its peak reserved
-against expandable's and its smallest device against its peak live bytes, as the median and
-the worst over the draws. One draw can be lucky: the serving workloads' stitching depends on
-where each request lands.
+against expandable's and its smallest device against its peak live bytes and against
+expandable's smallest device (with the number of draws where cistern needs more), as the
+median and the worst over the draws. One draw can be lucky: the serving workloads' stitching
+depends on where each request lands.
 """
 
 import argparse
@@ -172,20 +173,26 @@ def over_seeds(a, lag):
                 c["peak_reserved"] / e["peak_reserved"],
                 c["min_capacity"] / c["peak_live"] if c.get("min_capacity") else float("nan"),
                 c["host_waits"] if not pt.get("oom") else 0,
+                c["min_capacity"] / e["min_capacity"]
+                if c.get("min_capacity") and e.get("min_capacity") else float("nan"),
             ))
     print()
     print(f"Generated workloads over {a.seeds + 1} draws (the default seed and 1..{a.seeds}); "
           "median (worst):")
     print()
     print("| workload | drv time x expandable | drv time x pytorch | peak x expandable "
-          "| min capacity x peak live | host waits |")
-    print("|---|---|---|---|---|---|")
+          "| min capacity x peak live | min capacity x expandable's (draws above) "
+          "| host waits |")
+    print("|---|---|---|---|---|---|---|")
     med = statistics.median
     for name, rows in per.items():
-        col = [[row[i] for row in rows] for i in range(5)]
+        col = [[row[i] for row in rows] for i in range(6)]
+        above = sum(x > 1.0 for x in col[5])
         print(f"| {name} | {med(col[0]):.2f} ({max(col[0]):.2f}) "
               f"| {med(col[1]):.2f} ({max(col[1]):.2f}) | {med(col[2]):.3f} ({max(col[2]):.3f}) "
-              f"| {med(col[3]):.4f} ({max(col[3]):.4f}) | {max(col[4])} |")
+              f"| {med(col[3]):.4f} ({max(col[3]):.4f}) "
+              f"| {med(col[5]):.4f} ({max(col[5]):.4f}; {above} of {len(rows)}) "
+              f"| {max(col[4])} |")
 
 
 if __name__ == "__main__":
