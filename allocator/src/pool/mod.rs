@@ -239,6 +239,8 @@ impl<D: Driver> Pool<D> {
         if let Some(p) = slot.get() {
             return Ok(p);
         }
+        // Before the lock: a fork() child must never take one (see `crate::fork`).
+        crate::fork::check()?;
         let g = self.create.lock();
         if let Some(p) = slot.get() {
             return Ok(p);
@@ -296,6 +298,9 @@ impl<D: Driver> Pool<D> {
         if ptr == 0 {
             return Ok(());
         }
+        // Before `owns` takes a device's range lock: a fork() child must never take one (see
+        // `crate::fork`).
+        crate::fork::check()?;
         for d in self.devices() {
             if d.owns(ptr) {
                 return d.free_raw(ptr, stream);
@@ -313,6 +318,7 @@ impl<D: Driver> Pool<D> {
     /// Declares that `stream` uses the block containing `ptr` (see
     /// [`DevicePool::record_stream`]).
     pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        crate::fork::check()?;
         for d in self.devices() {
             if d.owns(ptr) {
                 return d.record_stream(ptr, stream);
@@ -326,6 +332,7 @@ impl<D: Driver> Pool<D> {
     /// Describes the live block containing `ptr` for another process (see
     /// [`DevicePool::share`]), with the device that owns it.
     pub fn share(&self, ptr: u64) -> Result<(DeviceId, crate::ipc::Share)> {
+        crate::fork::check()?;
         for d in self.devices() {
             if d.owns(ptr) {
                 return Ok((d.device(), d.share(ptr)?));
