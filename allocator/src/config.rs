@@ -97,7 +97,7 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          and the device allow it, in chunks of at most an eighth of what it holds, and then \
          also backs large requests with handles of up to 1/32 of what it holds (and up to an \
          eighth of it whatever chunk_split says); and while it \
-         holds at most half, with new handles rather than by moving cached chunks where \
+         holds at most a third, with new handles rather than by moving cached chunks where \
          moving them costs more (two or more of them): cheap growth while memory is \
          plentiful, memory first as it runs short. `off` never does. On the \
          dev snapshots, median modelled driver time 0.88x pytorch-expandable's with `auto` \
@@ -219,7 +219,7 @@ pub enum WholeChunks {
     /// allow it, in chunks of at most an eighth of what it holds; then large requests are also
     /// backed with handles of up to 1/32 of what it holds (an eighth whatever `chunk_split`
     /// says); and while it would hold at most
-    /// half, with new handles rather than by moving two or more cached chunks where moving
+    /// a third, with new handles rather than by moving two or more cached chunks where moving
     /// costs more.
     Auto,
 }

@@ -17,9 +17,12 @@
 //!
 //! So under pressure the check makes a [`Plan`]: per run, how many chunks of each size fill
 //! it. Each run, largest first, takes the fullest packing of the chunks left (a bounded subset
-//! sum over the chunk sizes, as a bitset of reachable page counts), or largest first where
-//! that places more; stitching then takes only chunks the plan still wants, in its usual
-//! order, so it places what the check counted. Away from pressure nothing changes.
+//! sum over the chunk sizes, as a bitset of reachable page counts), unless largest first
+//! places as many (it takes the largest chunks); stitching and the reuse of lost chunks then
+//! take only chunks the plan still wants, in their usual order, so they place what the check
+//! counted. Should a planned chunk not come (a failed unmap, a donor that cannot be waited
+//! for), a plain first-fit stitch follows before new memory. Away from pressure nothing
+//! changes.
 //!
 //! Measured with `cistern replay --gpu-lag 2` over the dev snapshots and every built-in
 //! workload, 17 draws of each generated one (`--seed`), the smallest device against the peak
@@ -66,14 +69,15 @@ pub(super) struct Plan {
     pub(super) chunks: usize,
 }
 
+/// The most words of bitsets [`fullest`] keeps (one per item, for the reconstruction): 8 MiB.
+const FULLEST_WORDS: usize = 1 << 20;
+
 /// The largest total of at most `open` pages that chunks of `avail` (`(pages, how many)`)
 /// reach, and how many of each it takes: a bounded subset sum over a bitset of reachable
-/// totals, each count split in powers of two. `None` when the bitset would be too large (a
-/// run of more than 2^22 pages, 8 TiB of 2 MiB granules).
+/// totals, each count split in powers of two. Of the fullest packings it takes the one that
+/// leaves out the items last in `avail` where it can. `None` when the bitsets would take more
+/// than [`FULLEST_WORDS`] (e.g. a run of 2^16 pages, 128 GiB of 2 MiB granules, with 16 items).
 fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
-    if open > 1 << 22 {
-        return None;
-    }
     let words = (open as usize + 1).div_ceil(64);
     // Items of `(pages, count)` each: the powers of two that sum to a size's count.
     let mut items: Vec<(u32, u32)> = Vec::new();
@@ -89,6 +93,12 @@ fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
             left -= take;
             k *= 2;
         }
+    }
+    if items.is_empty() {
+        return Some((0, Vec::new()));
+    }
+    if (items.len() + 1).saturating_mul(words) > FULLEST_WORDS {
+        return None;
     }
     let mut reach = vec![0u64; words];
     reach[0] = 1;
@@ -106,7 +116,15 @@ fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
         }
     }
     let bit = |set: &[u64], t: usize| set[t / 64] >> (t % 64) & 1 == 1;
-    let best = (0..=open as usize).rev().find(|&t| bit(&reach, t))?;
+    // The highest total reached, at most `open` (bits above it in the last word are ignored).
+    let top = open as usize;
+    let best = (0..=top / 64).rev().find_map(|i| {
+        let mut v = reach[i];
+        if i == top / 64 && top % 64 < 63 {
+            v &= (1u64 << (top % 64 + 1)) - 1;
+        }
+        (v != 0).then(|| i * 64 + 63 - v.leading_zeros() as usize)
+    })?;
     let mut t = best;
     let mut taken: Vec<(u32, u32)> = Vec::new();
     for (i, &(pages, count)) in items.iter().enumerate().rev() {
@@ -156,8 +174,9 @@ impl Placement {
         *f += c.pages;
     }
 
-    /// How many of `lens` (chunk sizes in pages) fit the open runs, placed largest first (the
-    /// best packing; gathering, which goes arena by arena, may place fewer): `(pages, chunks)`.
+    /// How many of `lens` (chunk sizes in pages) fit the open runs, placed largest first (a
+    /// good packing, not always the fullest: see [`Self::plan`]; gathering, which goes arena by
+    /// arena, may place fewer): `(pages, chunks)`.
     /// Places nothing.
     pub(super) fn fit(&self, lens: &[u32]) -> (usize, usize) {
         let p = self.largest_first(lens);
@@ -186,7 +205,7 @@ impl Placement {
 
     /// Which of `lens` fill which run (Note [Packing under pressure]): each run, largest
     /// first, takes the fullest packing of the chunks left, or the whole plan is largest
-    /// first's where that places more pages.
+    /// first's where that places at least as many pages.
     pub(super) fn plan(&self, lens: &[u32]) -> Plan {
         let greedy = self.largest_first(lens);
         let mut avail: Vec<(u32, u32)> = Vec::new();
@@ -216,7 +235,7 @@ impl Placement {
             }
             plan.pages += pages as usize;
         }
-        // Largest first where it does as well: it moves the fewest chunks.
+        // Largest first where it does as well: it takes the largest chunks.
         if greedy.pages >= plan.pages {
             greedy
         } else {
@@ -266,6 +285,10 @@ impl Taker for Placement {
     }
     fn full(&self) -> bool {
         self.runs.iter().all(|&(_, n, f)| n == f)
+            || self
+                .quota
+                .as_ref()
+                .is_some_and(|q| q.iter().flatten().all(|&(_, left)| left == 0))
     }
 }
 
@@ -355,7 +378,9 @@ mod tests {
         assert_eq!(fullest(&[(4, 3)], 10).unwrap().0, 8);
         assert_eq!(fullest(&[(4, 3)], 100).unwrap().0, 12);
         assert_eq!(fullest(&[(11, 3)], 10).unwrap().0, 0);
-        assert!(fullest(&[(1, 1)], (1 << 22) + 1).is_none());
+        // Too large a bitset for the items: `None` (the plan is then largest first's).
+        assert!(fullest(&[(1, 1), (2, 1)], 1 << 26).is_none());
+        assert!(fullest(&[], 1 << 26).is_some());
     }
 
     /// The plan is largest first's where that does as well, and the fullest packing where it
@@ -387,7 +412,7 @@ mod tests {
         assert!(p.full());
         assert!(p.spare.is_empty());
 
-        // Two runs: each takes the fullest packing of what the larger ones left.
+        // Two runs: largest first fills both (3 + 3 in the first, 3 + 3 + 3 in the second).
         let p = runs(&[6, 9]);
         let plan = p.plan(&[3, 3, 3, 3, 3]);
         assert_eq!(plan.pages, 15);

@@ -459,10 +459,9 @@ impl<D: Driver> DevicePool<D> {
             } else {
                 &HeapKind::ALL
             };
-            // Under pressure, only the chunks the check's plan wants.
+            // Under pressure, only the chunks the check's plan wants (lost ones too, below).
             place.quota = feasible.plan.take();
             moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
-            place.quota = None;
         }
         // Chunks whose release failed earlier are good memory: use them before new ones.
         let mut i = 0;
@@ -494,6 +493,21 @@ impl<D: Driver> DevicePool<D> {
                 dev.add_segments(kind, 1);
             }
             place.take(l.chunk);
+        }
+        if place.quota.take().is_some() && !place.full() {
+            // A chunk the plan counted could not be taken (a failed carve, a donor that could
+            // not be waited for): any that fit, before new memory.
+            moved += self.stitch(
+                dev,
+                arena,
+                a,
+                kind,
+                w,
+                wait_first,
+                false,
+                &HeapKind::ALL,
+                &mut place,
+            );
         }
         let mut limit_hit = false;
         let mut driver_err = None;

@@ -772,7 +772,7 @@ fn a_chunk_left_in_place_is_taken_without_a_wait_when_creation_runs_short() {
 }
 
 /// Under memory pressure stitching packs the cached chunks largest first, as the feasibility
-/// check counts them (Note [Largest first under pressure]): stream A's free chunks of 2, 10
+/// check counts them (Note [Packing under pressure]): stream A's free chunks of 2, 10
 /// and 10 granules, in that address order, back stream B's 40 MiB window on a device with no
 /// room left. First fit would take the 2 and one 10, and run 8 granules short.
 #[test]
@@ -801,6 +801,47 @@ fn pressure_packs_cached_chunks_largest_first() {
         "the two 10-granule chunks moved"
     );
     sim.launch(0, StreamId(B), &[(p, 40 * MIB)]).unwrap();
+    sim.complete_all(0);
+    free(&pool, p, B);
+    assert_no_leak(&sim, pool);
+}
+
+/// Under pressure the plan is the fullest packing, not only largest first: stream A's free
+/// chunks of 10, 8 and 5 granules and 66 of 2 back stream B's 300 MiB window (150 granules)
+/// on a device with no room left. Largest first (10, 8, 5, then 63 of 2) leaves a granule
+/// open; leaving out the 5 fills it.
+#[test]
+fn pressure_packs_cached_chunks_fully() {
+    let conf = "chunk_split:none,grow_whole_chunks:off";
+    let (sim, pool) = pool_with(
+        cistern::SimConfig::default().capacity(310 * MIB),
+        true,
+        conf,
+    );
+    let mut blocks = vec![
+        alloc(&pool, 20 * MIB, A),
+        alloc(&pool, 16 * MIB, A),
+        alloc(&pool, 10 * MIB, A),
+    ];
+    blocks.extend((0..66).map(|_| alloc(&pool, 4 * MIB, A)));
+    assert_eq!(
+        sim.calls(DriverCall::CreatePhysical),
+        69,
+        "one handle per block"
+    );
+    for p in blocks {
+        free(&pool, p, A);
+    }
+    assert_eq!(sim.committed_bytes(0), 310 * MIB);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let p = alloc(&pool, 300 * MIB, B);
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), 69, "no new handle");
+    assert_eq!(
+        sim.calls(DriverCall::Unmap) - unmaps,
+        68,
+        "the 10, the 8 and the 2s moved; the 5 stayed"
+    );
+    sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
     sim.complete_all(0);
     free(&pool, p, B);
     assert_no_leak(&sim, pool);
