@@ -576,17 +576,22 @@ fn up_to_a_third_of_the_device_creates_rather_than_moving() {
 fn tight_memory_still_stitches_small_chunks() {
     for device in [256 * MIB, 400 * MIB] {
         let (sim, pool) = small_chunks_cached(device);
-        let unmaps = sim.calls(DriverCall::Unmap);
-        let big = alloc(&pool, 60 * MIB, B);
-        check(&pool);
-        assert!(
-            sim.calls(DriverCall::Unmap) > unmaps,
-            "nothing was stitched on {device} bytes"
-        );
-        assert!(stat(&pool, "num_stitches") >= 1);
-        free(&pool, big, B);
-        assert_no_leak(&sim, pool);
+        stitches_60_mib(sim, pool);
     }
+}
+
+/// A 60 MiB request on stream B moves cached chunks (from `small_chunks_cached`).
+fn stitches_60_mib(sim: std::sync::Arc<cistern::SimDriver>, pool: SimPool) {
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let big = alloc(&pool, 60 * MIB, B);
+    check(&pool);
+    assert!(
+        sim.calls(DriverCall::Unmap) > unmaps,
+        "nothing was stitched"
+    );
+    assert!(stat(&pool, "num_stitches") >= 1);
+    free(&pool, big, B);
+    assert_no_leak(&sim, pool);
 }
 
 /// The choice reads the device's free memory afresh: after another process took all but
@@ -615,15 +620,7 @@ fn another_processs_memory_makes_growth_stitch_again() {
 #[test]
 fn stream_sync_always_still_stitches_first() {
     let (sim, pool) = small_chunks_cached_with(16 * GIB, "stream_sync:always");
-    let unmaps = sim.calls(DriverCall::Unmap);
-    let big = alloc(&pool, 60 * MIB, B);
-    check(&pool);
-    assert!(
-        sim.calls(DriverCall::Unmap) > unmaps,
-        "nothing was stitched"
-    );
-    free(&pool, big, B);
-    assert_no_leak(&sim, pool);
+    stitches_60_mib(sim, pool);
 }
 
 /// One round of small and large requests taking turns over the same pages: four 1 MiB
@@ -771,78 +768,50 @@ fn a_chunk_left_in_place_is_taken_without_a_wait_when_creation_runs_short() {
     assert_no_leak(&sim, pool);
 }
 
-/// Under memory pressure stitching packs the cached chunks largest first, as the feasibility
-/// check counts them (Note [Packing under pressure]): stream A's free chunks of 2, 10
-/// and 10 granules, in that address order, back stream B's 40 MiB window on a device with no
-/// room left. First fit would take the 2 and one 10, and run 8 granules short.
-#[test]
-fn pressure_packs_cached_chunks_largest_first() {
+/// Stream A allocates blocks of `sizes` MiB in turn (`handles` handles in all, one per 20 MiB
+/// or less: `chunk_split:none`, no whole chunks) and frees them, on a device they fill; then
+/// stream B's `request` MiB, under memory pressure, must come from those cached chunks alone,
+/// moving `moved` of them (Note [Packing under pressure]). Panics with the OOM error when
+/// stitching runs short.
+fn packs_under_pressure(sizes: &[u64], handles: u64, request: u64, moved: u64) {
+    let device = sizes.iter().sum::<u64>() * MIB;
     let conf = "chunk_split:none,grow_whole_chunks:off";
-    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(44 * MIB), true, conf);
-    let x = alloc(&pool, 4 * MIB, A);
-    let y = alloc(&pool, 40 * MIB, A);
-    assert!(x < y);
+    let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(device), true, conf);
+    let blocks: Vec<u64> = sizes.iter().map(|&s| alloc(&pool, s * MIB, A)).collect();
+    assert!(blocks.windows(2).all(|w| w[0] < w[1]), "in address order");
+    assert_eq!(sim.calls(DriverCall::CreatePhysical), handles);
+    for p in blocks {
+        free(&pool, p, A);
+    }
+    assert_eq!(sim.committed_bytes(0), device);
+    let unmaps = sim.calls(DriverCall::Unmap);
+    let p = alloc(&pool, request * MIB, B);
     assert_eq!(
         sim.calls(DriverCall::CreatePhysical),
-        3,
-        "2 + 10 + 10 granules"
+        handles,
+        "no new handle"
     );
-    free(&pool, x, A);
-    free(&pool, y, A);
-    check(&pool);
-    assert_eq!(sim.committed_bytes(0), 44 * MIB);
-    let unmaps = sim.calls(DriverCall::Unmap);
-    // (Panics with the OOM error when stitching runs short.)
-    let p = alloc(&pool, 40 * MIB, B);
-    assert_eq!(sim.calls(DriverCall::CreatePhysical), 3, "no new handle");
-    assert_eq!(
-        sim.calls(DriverCall::Unmap) - unmaps,
-        2,
-        "the two 10-granule chunks moved"
-    );
-    sim.launch(0, StreamId(B), &[(p, 40 * MIB)]).unwrap();
+    assert_eq!(sim.calls(DriverCall::Unmap) - unmaps, moved, "chunks moved");
+    sim.launch(0, StreamId(B), &[(p, request * MIB)]).unwrap();
     sim.complete_all(0);
     free(&pool, p, B);
     assert_no_leak(&sim, pool);
 }
 
-/// Under pressure the plan is the fullest packing, not only largest first: stream A's free
-/// chunks of 10, 8 and 5 granules and 66 of 2 back stream B's 300 MiB window (150 granules)
-/// on a device with no room left. Largest first (10, 8, 5, then 63 of 2) leaves a granule
-/// open; leaving out the 5 fills it.
+/// Under memory pressure stitching packs the cached chunks at least as well as largest first:
+/// free chunks of 2, 10 and 10 granules, in that address order, back a 40 MiB window. First
+/// fit would take the 2 and one 10, and run 8 granules short.
+#[test]
+fn pressure_packs_cached_chunks_largest_first() {
+    packs_under_pressure(&[4, 40], 3, 40, 2);
+}
+
+/// ... and fully where largest first does not: free chunks of 10, 8 and 5 granules and 66 of
+/// 2 back a 300 MiB window (150 granules). Largest first (10, 8, 5, then 63 of 2) leaves a
+/// granule open; leaving out the 5 fills it.
 #[test]
 fn pressure_packs_cached_chunks_fully() {
-    let conf = "chunk_split:none,grow_whole_chunks:off";
-    let (sim, pool) = pool_with(
-        cistern::SimConfig::default().capacity(310 * MIB),
-        true,
-        conf,
-    );
-    let mut blocks = vec![
-        alloc(&pool, 20 * MIB, A),
-        alloc(&pool, 16 * MIB, A),
-        alloc(&pool, 10 * MIB, A),
-    ];
-    blocks.extend((0..66).map(|_| alloc(&pool, 4 * MIB, A)));
-    assert_eq!(
-        sim.calls(DriverCall::CreatePhysical),
-        69,
-        "one handle per block"
-    );
-    for p in blocks {
-        free(&pool, p, A);
-    }
-    assert_eq!(sim.committed_bytes(0), 310 * MIB);
-    let unmaps = sim.calls(DriverCall::Unmap);
-    let p = alloc(&pool, 300 * MIB, B);
-    assert_eq!(sim.calls(DriverCall::CreatePhysical), 69, "no new handle");
-    assert_eq!(
-        sim.calls(DriverCall::Unmap) - unmaps,
-        68,
-        "the 10, the 8 and the 2s moved; the 5 stayed"
-    );
-    sim.launch(0, StreamId(B), &[(p, 300 * MIB)]).unwrap();
-    sim.complete_all(0);
-    free(&pool, p, B);
-    assert_no_leak(&sim, pool);
+    let mut sizes = vec![20, 16, 10];
+    sizes.extend([4; 66]);
+    packs_under_pressure(&sizes, 69, 300, 68);
 }
