@@ -1,38 +1,44 @@
-//! Where growth puts the chunks it gathers: a window's missing pages as runs, each filled
-//! first fit, the cached chunks that could fill them, and under memory pressure a plan of
-//! which chunk sizes fill which run (`vmm.rs` gathers and maps; `sizing.rs` sizes handles for
-//! the runs).
+//! Where growth puts the chunks it gathers: a window's missing pages as runs, the cached
+//! chunks that could fill them, and the plan of which chunk sizes fill which run, which
+//! stitching follows (`vmm.rs` gathers and maps; `sizing.rs` sizes handles for the runs).
 //!
-//! # Note [Packing under pressure]
+//! # Note [Stitching to a plan]
 //!
 //! The feasibility check counted the cached chunks that fit the window's runs placed largest
-//! first; stitching goes arena by arena and takes chunks in address order, first fit. Where
-//! new memory covers what stitching leaves, the difference costs a handle or two; under
-//! memory pressure it failed requests that the check had let through: with free chunks of 2,
-//! 10 and 10 pages in that order and a run of 20 missing pages, first fit takes the 2 and one
-//! 10, and the 8 pages left have nowhere to come from. Mooncake's 12 GiB requests at the
-//! smallest devices failed so, short by 7 pages of 6,150 with 12.6 GiB of whole free chunks
-//! cached. Largest first is not the best packing either (chunks of 10, 8 and 5 pages and
-//! dozens of 2 leave a page of a 150-page run open, where leaving out the 5 fills it).
+//! first; stitching went arena by arena and took chunks in address order, first fit. Two
+//! costs followed. Under memory pressure, requests the check had let through failed: with
+//! free chunks of 2, 10 and 10 pages in that order and a run of 20 missing pages, first fit
+//! takes the 2 and one 10, and the 8 pages left have nowhere to come from (Mooncake's 12 GiB
+//! requests at the smallest devices failed so, short by 7 pages of 6,150 with 12.6 GiB of
+//! whole free chunks cached). And everywhere, first fit moved more chunks than needed: small
+//! ones first, where they lay, each costing an unmap, a map and an access grant.
 //!
-//! So under pressure the check makes a [`Plan`]: per run, how many chunks of each size fill
-//! it. Each run, largest first, takes the fullest packing of the chunks left (a bounded subset
-//! sum over the chunk sizes, as a bitset of reachable page counts), unless largest first
-//! places as many (it takes the largest chunks); stitching and the reuse of lost chunks then
-//! take only chunks the plan still wants, in their usual order, so they place what the check
-//! counted. Should a planned chunk not come (a failed unmap, a donor that cannot be waited
-//! for), a plain first-fit stitch follows before new memory. Away from pressure nothing
-//! changes.
+//! So the check makes a [`Plan`]: per run, how many chunks of each size fill it. Largest first
+//! (fewest moves), unless the fullest packing places more pages (largest first is not always
+//! the fullest: chunks of 10, 8 and 5 pages and dozens of 2 leave a page of a 150-page run
+//! open, where leaving out the 5 fills it): each run, largest first, takes the fullest packing
+//! of the chunks left, a bounded subset sum over the chunk sizes as a bitset of reachable page
+//! counts. Stitching and the reuse of lost chunks then take only chunks the plan still wants,
+//! in their usual order (this arena's first), so they place what the check counted. Should a
+//! planned chunk not come (a failed unmap, a busy donor, a chunk left as a bounce), a plain
+//! first-fit stitch follows before new memory.
 //!
 //! Measured with `cistern replay --gpu-lag 2` over the dev snapshots and every built-in
-//! workload, 17 draws of each generated one (`--seed`), the smallest device against the peak
-//! live bytes, mean (worst): `llm-serving` 1.0288x (1.0485x) -> 1.0206x (1.0291x), larger than
-//! `pytorch-expandable`'s on 8 draws -> 1; Mooncake 1.0072x (1.0141x) -> 1.0041x (1.0112x);
-//! the `packed-*` instances up to 2.7% less on seven of ten and up to 0.9% more on three (which
-//! chunks move changes the layout that follows); `training`, `rmm-random(-normal)` and the dev
-//! snapshots within 0.1%. Driver time and peak reserved on a roomy device are unchanged (no
-//! pressure there). Stitching to largest first's packing alone (one pass per chunk size) did
-//! as well on these, but made one more handle where first fit had not needed any.
+//! workload, 17 draws of each generated one (`--seed`), mean (worst), against first fit:
+//! - under pressure only (the first version), the smallest device against the peak live
+//!   bytes: `llm-serving` 1.0288x (1.0485x) -> 1.0206x (1.0291x), larger than
+//!   `pytorch-expandable`'s on 8 draws -> 1; Mooncake 1.0072x (1.0141x) -> 1.0041x (1.0112x);
+//!   the `packed-*` instances up to 2.7% less on seven of ten and up to 0.9% more on three
+//!   (which chunks move changes the layout that follows);
+//! - then everywhere, modelled driver time against expandable's: `llm-serving` 0.66x (1.00x)
+//!   -> 0.51x (0.61x) at the published A100 prices and 1.39x (2.38x) -> 0.98x (1.38x) at the
+//!   H200's; Mooncake 0.35x (0.70x) -> 0.19x (0.28x) and 1.27x (3.32x) -> 0.75x (1.36x); the
+//!   `packed-*` instances 1-7% less on all ten; `training`, `rmm-random(-normal)` and the dev
+//!   snapshots within 1%. Peak reserved on a roomy device: `llm-serving` 0.960x (1.028x) ->
+//!   0.953x (1.017x) expandable's, Mooncake 0.881x (0.968x) -> 0.902x (0.979x), over
+//!   expandable's on 6 of 170 `packed-*` draws instead of 4 (the worst 1.236x -> 1.111x). The
+//!   smallest device within 0.1% on the generated workloads (`training`'s worst 1.0365x ->
+//!   1.0397x) and unchanged on the dev snapshots.
 
 use std::sync::Arc;
 
@@ -54,11 +60,11 @@ pub(super) struct Placement {
     pub(super) placed: Vec<(u64, Chunk)>,
     /// Chunks taken that no run had room for (none, as `take` follows `wants`; released).
     pub(super) spare: Vec<Chunk>,
-    /// With a plan (Note [Packing under pressure]), only the chunks it still wants, per run.
+    /// With a plan (Note [Stitching to a plan]), only the chunks it still wants, per run.
     pub(super) quota: Option<Vec<Vec<(u32, u32)>>>,
 }
 
-/// Which cached chunks fill which run of a window (Note [Packing under pressure]).
+/// Which cached chunks fill which run of a window (Note [Stitching to a plan]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Plan {
     /// Per run of the window's missing pages, `(chunk pages, how many)`.
@@ -203,7 +209,7 @@ impl Placement {
         plan
     }
 
-    /// Which of `lens` fill which run (Note [Packing under pressure]): each run, largest
+    /// Which of `lens` fill which run (Note [Stitching to a plan]): each run, largest
     /// first, takes the fullest packing of the chunks left, or the whole plan is largest
     /// first's where that places at least as many pages.
     pub(super) fn plan(&self, lens: &[u32]) -> Plan {

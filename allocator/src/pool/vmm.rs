@@ -31,11 +31,10 @@
 //! not go straight back to the arena and heap a recent move took it from (Note [No bounce] in
 //! `pages.rs`). A chunk whose stream may still have work queued on it moves with the order
 //! kept on the GPU, its old mapping unmapped later (Note [Moves ordered on the device] in
-//! `pages.rs`). The feasibility check places the cached chunks in the window's runs largest
-//! first; gathering goes arena by arena and first fit, and may place fewer (new handles fill
-//! the rest), except under memory pressure, where the check plans the fullest packing and
-//! stitching follows it (Note [Packing under pressure] in `placement.rs`). A request that
-//! still runs short (a donor that could not be waited for, a failed unmap) keeps what it
+//! `pages.rs`). The feasibility check plans which cached chunks fill which run, largest first
+//! or as fully as they go, and stitching takes those (Note [Stitching to a plan] in
+//! `placement.rs`). A request that still runs short (a donor that could not be waited for, a
+//! failed unmap, creation falling short of what the device seemed to have) keeps what it
 //! stitched as cache.
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -112,8 +111,8 @@ struct Feasible {
     /// buys new pages for them (Note [Small pages stay small]); taken only if creation falls
     /// short.
     small_kept: bool,
-    /// Under memory pressure, the chunk sizes stitching takes per run of the window (Note
-    /// [Packing under pressure] in `placement.rs`).
+    /// The chunk sizes stitching takes per run of the window (Note [Stitching to a plan] in
+    /// `placement.rs`); `None` when no cached chunk could serve it.
     plan: Option<Vec<Vec<(u32, u32)>>>,
 }
 
@@ -268,10 +267,9 @@ impl<D: Driver> DevicePool<D> {
     /// `Ok(cached pages)`, or `Err(limit_hit)`: whether the limit (rather than the device) is
     /// what stops it.
     ///
-    /// The cached chunks are placed in the window's runs largest first; under memory
-    /// pressure, as fully as they go, in a plan that gathering follows (Note [Packing under
-    /// pressure] in `placement.rs`). Elsewhere gathering goes arena by arena, first fit, and
-    /// creates for the rest.
+    /// The cached chunks are placed in the window's runs largest first, or as fully as they
+    /// go where that places more, in a plan that gathering follows (Note [Stitching to a plan]
+    /// in `placement.rs`).
     fn check_feasible(
         &self,
         dev: &mut DeviceState,
@@ -338,11 +336,10 @@ impl<D: Driver> DevicePool<D> {
                 }
             }
         }
-        // Under memory pressure the cached chunks are what the request needs: packed as well
-        // as they go, and stitched to that plan (Note [Packing under pressure] in
-        // `placement.rs`).
+        // Which cached chunks stitching takes: the largest first, or the fullest packing where
+        // that places more (Note [Stitching to a plan] in `placement.rs`).
         let mut plan = None;
-        if need > 0 && !lens.is_empty() && by_limit.min(by_device) < need {
+        if need > 0 && !lens.is_empty() {
             let p = fit.plan(&lens);
             (cached, cached_chunks) = (p.pages, p.chunks);
             plan = Some(p.quota);
@@ -459,7 +456,7 @@ impl<D: Driver> DevicePool<D> {
             } else {
                 &HeapKind::ALL
             };
-            // Under pressure, only the chunks the check's plan wants (lost ones too, below).
+            // Only the chunks the check's plan wants (lost ones too, below).
             place.quota = feasible.plan.take();
             moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
         }
@@ -495,8 +492,8 @@ impl<D: Driver> DevicePool<D> {
             place.take(l.chunk);
         }
         if place.quota.take().is_some() && !place.full() {
-            // A chunk the plan counted could not be taken (a failed carve, a donor that could
-            // not be waited for): any that fit, before new memory.
+            // A chunk the plan counted could not be taken (a failed carve, a busy donor, a
+            // chunk left as a bounce): any others that fit, as stitching would take them.
             moved += self.stitch(
                 dev,
                 arena,
@@ -504,7 +501,7 @@ impl<D: Driver> DevicePool<D> {
                 kind,
                 w,
                 wait_first,
-                false,
+                settle,
                 &HeapKind::ALL,
                 &mut place,
             );

@@ -769,12 +769,12 @@ fn a_chunk_left_in_place_is_taken_without_a_wait_when_creation_runs_short() {
 }
 
 /// Stream A allocates blocks of `sizes` MiB in turn (`handles` handles in all, one per 20 MiB
-/// or less: `chunk_split:none`, no whole chunks) and frees them, on a device they fill; then
-/// stream B's `request` MiB, under memory pressure, must come from those cached chunks alone,
-/// moving `moved` of them (Note [Packing under pressure]). Panics with the OOM error when
-/// stitching runs short.
-fn packs_under_pressure(sizes: &[u64], handles: u64, request: u64, moved: u64) {
-    let device = sizes.iter().sum::<u64>() * MIB;
+/// or less: `chunk_split:none`, no whole chunks) and frees them, on a device they fill but for
+/// `room` MiB; then stream B's `request` MiB comes from those cached chunks alone, moving
+/// `moved` of them (Note [Stitching to a plan]). Panics with the OOM error when stitching
+/// runs short.
+fn stitches_to_plan(sizes: &[u64], handles: u64, room: u64, request: u64, moved: u64) {
+    let device = (sizes.iter().sum::<u64>() + room) * MIB;
     let conf = "chunk_split:none,grow_whole_chunks:off";
     let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(device), true, conf);
     let blocks: Vec<u64> = sizes.iter().map(|&s| alloc(&pool, s * MIB, A)).collect();
@@ -783,7 +783,6 @@ fn packs_under_pressure(sizes: &[u64], handles: u64, request: u64, moved: u64) {
     for p in blocks {
         free(&pool, p, A);
     }
-    assert_eq!(sim.committed_bytes(0), device);
     let unmaps = sim.calls(DriverCall::Unmap);
     let p = alloc(&pool, request * MIB, B);
     assert_eq!(
@@ -799,11 +798,11 @@ fn packs_under_pressure(sizes: &[u64], handles: u64, request: u64, moved: u64) {
 }
 
 /// Under memory pressure stitching packs the cached chunks at least as well as largest first:
-/// free chunks of 2, 10 and 10 granules, in that address order, back a 40 MiB window. First
-/// fit would take the 2 and one 10, and run 8 granules short.
+/// free chunks of 2, 10 and 10 granules, in that address order, back a 40 MiB window on a
+/// device with no room left. First fit would take the 2 and one 10, and run 8 granules short.
 #[test]
 fn pressure_packs_cached_chunks_largest_first() {
-    packs_under_pressure(&[4, 40], 3, 40, 2);
+    stitches_to_plan(&[4, 40], 3, 0, 40, 2);
 }
 
 /// ... and fully where largest first does not: free chunks of 10, 8 and 5 granules and 66 of
@@ -813,5 +812,13 @@ fn pressure_packs_cached_chunks_largest_first() {
 fn pressure_packs_cached_chunks_fully() {
     let mut sizes = vec![20, 16, 10];
     sizes.extend([4; 66]);
-    packs_under_pressure(&sizes, 69, 300, 68);
+    stitches_to_plan(&sizes, 69, 0, 300, 68);
+}
+
+/// With room to spare, stitching still moves the fewest chunks: five free chunks of 2
+/// granules lie before one of 10, and a 20 MiB window takes the 10 (one move), not the five
+/// 2s first (five moves).
+#[test]
+fn stitching_moves_the_largest_chunks_first() {
+    stitches_to_plan(&[4, 4, 4, 4, 4, 20], 6, 1024, 20, 1);
 }
