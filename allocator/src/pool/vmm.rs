@@ -450,12 +450,12 @@ impl<D: Driver> DevicePool<D> {
         // them from (Note [No bounce] in `pages.rs`): growth creates for the rest instead.
         let settle = !wait_first && instead != Plenty::Tight;
         let mut moved = 0u64;
+        let from: &[HeapKind] = if feasible.small_kept {
+            &[HeapKind::Large]
+        } else {
+            &HeapKind::ALL
+        };
         if need > 0 && cached > 0 && !create_instead {
-            let from: &[HeapKind] = if feasible.small_kept {
-                &[HeapKind::Large]
-            } else {
-                &HeapKind::ALL
-            };
             // Only the chunks the check's plan wants (lost ones too, below).
             place.quota = feasible.plan.take();
             moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
@@ -494,17 +494,7 @@ impl<D: Driver> DevicePool<D> {
         if place.quota.take().is_some() && !place.full() {
             // A chunk the plan counted could not be taken (a failed carve, a busy donor, a
             // chunk left as a bounce): any others that fit, as stitching would take them.
-            moved += self.stitch(
-                dev,
-                arena,
-                a,
-                kind,
-                w,
-                wait_first,
-                settle,
-                &HeapKind::ALL,
-                &mut place,
-            );
+            moved += self.stitch(dev, arena, a, kind, w, wait_first, settle, from, &mut place);
         }
         let mut limit_hit = false;
         let mut driver_err = None;
