@@ -100,7 +100,7 @@ fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
             let take = k.min(left);
             items.push((pages, take));
             left -= take;
-            k *= 2;
+            k = k.saturating_mul(2);
         }
     }
     if items.is_empty() {
@@ -217,6 +217,10 @@ impl Placement {
     /// first's where that places at least as many pages.
     pub(super) fn plan(&self, lens: &[u32]) -> Plan {
         let greedy = self.largest_first(lens);
+        if greedy.pages == self.open() || greedy.chunks == lens.len() {
+            // Every page filled or every chunk placed: no packing places more.
+            return greedy;
+        }
         let mut avail: Vec<(u32, u32)> = Vec::new();
         for &n in lens {
             add(&mut avail, n, 1);
