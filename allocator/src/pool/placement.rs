@@ -139,10 +139,7 @@ fn fullest(avail: &[(u32, u32)], open: u32) -> Option<(u32, Vec<(u32, u32)>)> {
     for (i, &(pages, count)) in items.iter().enumerate().rev() {
         if !bit(&before[i], t) {
             t -= (pages * count) as usize;
-            match taken.iter_mut().find(|e| e.0 == pages) {
-                Some(e) => e.1 += count,
-                None => taken.push((pages, count)),
-            }
+            add(&mut taken, pages, count);
         }
     }
     Some((best as u32, taken))
@@ -183,17 +180,10 @@ impl Placement {
         *f += c.pages;
     }
 
-    /// How many of `lens` (chunk sizes in pages) fit the open runs, placed largest first (a
-    /// good packing, not always the fullest: see [`Self::plan`]; gathering, which goes arena by
-    /// arena, may place fewer): `(pages, chunks)`.
+    /// How `lens` (chunk sizes in pages) fit the open runs placed largest first, each in the
+    /// first run with room: a good packing, not always the fullest (see [`Self::plan`]).
     /// Places nothing.
-    pub(super) fn fit(&self, lens: &[u32]) -> (usize, usize) {
-        let p = self.largest_first(lens);
-        (p.pages, p.chunks)
-    }
-
-    /// [`Self::fit`]'s packing, as a plan.
-    fn largest_first(&self, lens: &[u32]) -> Plan {
+    pub(super) fn largest_first(&self, lens: &[u32]) -> Plan {
         let mut open: Vec<u32> = self.runs.iter().map(|&(_, n, f)| n - f).collect();
         let mut plan = Plan {
             quota: vec![Vec::new(); open.len()],
@@ -214,9 +204,9 @@ impl Placement {
 
     /// Which of `lens` fill which run (Note [Stitching to a plan]): each run, largest
     /// first, takes the fullest packing of the chunks left, or the whole plan is largest
-    /// first's where that places at least as many pages.
-    pub(super) fn plan(&self, lens: &[u32]) -> Plan {
-        let greedy = self.largest_first(lens);
+    /// first's (`greedy`, [`Self::largest_first`] of the same `lens`) where that places at
+    /// least as many pages.
+    pub(super) fn plan(&self, greedy: Plan, lens: &[u32]) -> Plan {
         if greedy.pages == self.open() || greedy.chunks == lens.len() {
             // Every page filled or every chunk placed: no packing places more.
             return greedy;
@@ -401,15 +391,20 @@ mod tests {
     #[test]
     fn a_plan_packs_at_least_as_much_as_largest_first() {
         let p = runs(&[20]);
-        let plan = p.plan(&[2, 10, 10]);
+        let plan = p.plan(p.largest_first(&[2, 10, 10]), &[2, 10, 10]);
         assert_eq!((plan.pages, plan.chunks), (20, 2));
         assert_eq!(plan.quota, vec![vec![(10, 2)]]);
 
         let mut lens = vec![10, 8, 5];
         lens.extend([2; 66]);
         let p = runs(&[150]);
-        assert_eq!(p.fit(&lens), (149, 66), "largest first leaves a page");
-        let plan = p.plan(&lens);
+        let greedy = p.largest_first(&lens);
+        assert_eq!(
+            (greedy.pages, greedy.chunks),
+            (149, 66),
+            "largest first leaves a page"
+        );
+        let plan = p.plan(greedy, &lens);
         assert_eq!(plan.pages, 150);
         let mut p = p;
         p.quota = Some(plan.quota);
@@ -427,7 +422,7 @@ mod tests {
 
         // Two runs: largest first fills both (3 + 3 in the first, 3 + 3 + 3 in the second).
         let p = runs(&[6, 9]);
-        let plan = p.plan(&[3, 3, 3, 3, 3]);
+        let plan = p.plan(p.largest_first(&[3; 5]), &[3; 5]);
         assert_eq!(plan.pages, 15);
         assert_eq!(plan.quota, vec![vec![(3, 2)], vec![(3, 3)]]);
     }

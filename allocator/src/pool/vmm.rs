@@ -290,7 +290,8 @@ impl<D: Driver> DevicePool<D> {
         } else {
             Default::default()
         };
-        let (mut cached, mut cached_chunks) = fit.fit(&lens);
+        let mut greedy = fit.largest_first(&lens);
+        let (mut cached, mut cached_chunks) = (greedy.pages, greedy.chunks);
         let by_limit = (dev
             .limit
             .saturating_sub(dev.reserved[0].current.max(0) as u64)
@@ -329,7 +330,8 @@ impl<D: Driver> DevicePool<D> {
             }
             if !small_kept {
                 lens.extend(small);
-                (cached, cached_chunks) = fit.fit(&lens);
+                greedy = fit.largest_first(&lens);
+                (cached, cached_chunks) = (greedy.pages, greedy.chunks);
                 if need <= cached {
                     // Cached pages cover it: as if the device had not been read.
                     by_device = usize::MAX;
@@ -340,7 +342,7 @@ impl<D: Driver> DevicePool<D> {
         // that places more (Note [Stitching to a plan] in `placement.rs`).
         let mut plan = None;
         if need > 0 && !lens.is_empty() {
-            let p = fit.plan(&lens);
+            let p = fit.plan(greedy, &lens);
             (cached, cached_chunks) = (p.pages, p.chunks);
             plan = Some(p.quota);
         }
