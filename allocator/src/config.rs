@@ -94,7 +94,8 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          to another stream only whole, so they can strand memory that stitching cannot take \
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
-         and the device allow it, in chunks of at most an eighth of what it holds, and then \
+         and the device allow it, in chunks of at most an eighth of what it holds (but at \
+         least 6 MiB while that is at most a 64th of what it may hold), and then \
          also backs large requests with handles of up to 1/32 of what it holds (and up to an \
          eighth of it whatever chunk_split says); and while it \
          holds at most a third, with new handles rather than by moving cached chunks where \
@@ -216,7 +217,8 @@ pub enum WholeChunks {
     /// While the limit and the device keep room for one chunk more.
     On,
     /// While the process would then hold at most a quarter of what the limit and the device
-    /// allow it, in chunks of at most an eighth of what it holds; then large requests are also
+    /// allow it, in chunks of at most an eighth of what it holds (at least 6 MiB while that is
+    /// at most a 64th of what it may hold); then large requests are also
     /// backed with handles of up to 1/32 of what it holds (an eighth whatever `chunk_split`
     /// says); and while it would hold at most
     /// a third, with new handles rather than by moving two or more cached chunks where moving

@@ -46,6 +46,30 @@
 //! nothing; the split dropped only while the process holds an eighth (not a quarter) gave
 //! `rmm-random` 0.90x.
 //!
+//! An eighth alone bought a small program its memory a granule at a time: until it holds 16
+//! granules an eighth is less than one, so a 64 MiB program (the `packed-*` and minimalloc
+//! instances) made 22-27 creations where expandable makes 4-9, at 2.1-7.7x its modelled
+//! driver time. So a whole chunk is at least 6 MiB ([`AUTO_CHUNK_FLOOR`]) while that is at most
+//! a 64th of what the limit and the device allow the process ([`AUTO_FLOOR_SHARE`]): on a
+//! device with room a small program pins at most a few 6 MiB handles, and on a device barely
+//! larger than the program (the smallest it runs on) chunks start at a granule as before.
+//! Measured over five draws of every generated workload with the dev snapshots and the
+//! minimalloc instances (`cistern replay --seed`, lag 2, A100 prices), against
+//! `pytorch-expandable`: the small programs' median driver time 2.79x -> 1.93x (worst 7.67x ->
+//! 3.52x), their peak reserved a mean 0.81x -> 0.86x (over expandable's on 5 of 61 draws
+//! instead of 4; the worst 1.11x -> 1.09x); the dev snapshots' median 0.88x -> 0.86x (worst
+//! 1.58x -> 1.43x), the other generated workloads' 0.56x -> 0.53x. The smallest device of
+//! every `packed-*` and minimalloc instance is unchanged; over 9 draws (`python3
+//! scripts/cost-table.py --seeds 8`) `llm-serving`'s went from a median 1.0206x its peak live
+//! bytes to 1.0231x (still under expandable's on every draw), `rmm-random`'s 1.0396x ->
+//! 1.0420x and `rmm-random-normal`'s 1.0482x -> 1.0508x (worst unchanged and 1.0554x ->
+//! 1.0590x): their first 48 MiB are laid out otherwise, and the rest follows. A floor of 8 MiB
+//! gave 1.66x on the small programs but peak reserved up to 1.21x expandable's; 20 MiB
+//! (expandable's), 1.11x and over expandable's peak on 34 of 61 draws; without the 64th the
+//! smallest device of minimalloc-C grew from 1.20x its peak live bytes to 1.39x. With the
+//! floor, an eighth of what the process holds is kept: a quarter gave 1.59x but peak reserved
+//! over expandable's on 13 draws (up to 1.25x), a sixth 1.75x and 12 draws.
+//!
 //! # Note [Cheaper than moving]
 //!
 //! Stitching is cheap in memory and dear in calls: each cached chunk it moves costs an unmap, a
@@ -180,6 +204,10 @@ pub(super) const AUTO_SHARE: u64 = 4;
 pub(super) const INSTEAD_SHARE: u64 = 3;
 /// ... in chunks of at most 1/`AUTO_CHUNK_SHARE` of what it holds.
 const AUTO_CHUNK_SHARE: u64 = 8;
+/// ... but not below `AUTO_CHUNK_FLOOR` bytes while that is at most 1/`AUTO_FLOOR_SHARE` of what
+/// the limit and the device allow it ...
+const AUTO_CHUNK_FLOOR: u64 = 6 << 20;
+const AUTO_FLOOR_SHARE: u64 = 64;
 /// ... and while it does, backs a request with handles of up to 1/`AUTO_HANDLE_SHARE` of what
 /// it holds when that is more than `chunk_size` (still at most a `chunk_split`-th of the
 /// request).
@@ -256,15 +284,21 @@ pub(super) fn request_chunk_pages(
     .clamp(1, u32::MAX as u64) as u32
 }
 
-/// The pages of a whole chunk: `chunk_size`, and with `auto_held` (`auto`: the pages the
-/// process holds) at most 1/`AUTO_CHUNK_SHARE` of them: at a small scale a 20 MiB handle is a
-/// large share of a process's memory, and pins it once partly used. At least one granule.
-pub(super) fn whole_chunk_pages(config: &Config, g: u64, auto_held: Option<u64>) -> u32 {
-    let full = (config.chunk_size / g).clamp(1, u32::MAX as u64) as u32;
-    match auto_held {
-        Some(held) => full.min((held / AUTO_CHUNK_SHARE).clamp(1, u32::MAX as u64) as u32),
+/// The pages of a whole chunk: `chunk_size`, and with `auto` (`Some((held, may))`: the pages
+/// the process holds, and what the limit and the device allow it) at most 1/`AUTO_CHUNK_SHARE`
+/// of what it holds: at a small scale a 20 MiB handle is a large share of a process's memory,
+/// and pins it once partly used. But not below [`AUTO_CHUNK_FLOOR`] while that is at most
+/// 1/[`AUTO_FLOOR_SHARE`] of what it may hold (Note [Auto growth]). At least one granule.
+pub(super) fn whole_chunk_pages(config: &Config, g: u64, auto: Option<(u64, u64)>) -> u32 {
+    let full = (config.chunk_size / g).clamp(1, u32::MAX as u64);
+    let pages = match auto {
+        Some((held, may)) => {
+            let floor = (AUTO_CHUNK_FLOOR / g).min(may / AUTO_FLOOR_SHARE);
+            full.min((held / AUTO_CHUNK_SHARE).max(floor))
+        }
         None => full,
-    }
+    };
+    pages.clamp(1, u32::MAX as u64) as u32
 }
 
 impl<D: Driver> DevicePool<D> {
@@ -380,6 +414,26 @@ mod tests {
         );
         // Never below a granule.
         assert_eq!(request_chunk_pages(&c, G, 1, Plenty::Tight), 1);
+    }
+
+    /// Whole chunks are `chunk_size` (ten granules), with `auto` at most an eighth of what the
+    /// process holds, but at least 6 MiB (three granules) while that is at most a 64th of what
+    /// it may hold.
+    #[test]
+    fn whole_chunks_scale_with_the_process_and_start_at_six_mib() {
+        let c = Config::default();
+        assert_eq!(whole_chunk_pages(&c, G, None), 10);
+        // Holding 2 GiB: an eighth is past chunk_size.
+        assert_eq!(whole_chunk_pages(&c, G, Some((1024, 8192))), 10);
+        // Holding 96 MiB: an eighth, six granules.
+        assert_eq!(whole_chunk_pages(&c, G, Some((48, 8192))), 6);
+        // Holding nothing on a roomy device: the floor; on 256 MiB, a 64th (two granules); on
+        // 64 MiB, one granule.
+        assert_eq!(whole_chunk_pages(&c, G, Some((0, 8192))), 3);
+        assert_eq!(whole_chunk_pages(&c, G, Some((0, 128))), 2);
+        assert_eq!(whole_chunk_pages(&c, G, Some((0, 32))), 1);
+        // A granule larger than the floor: one granule.
+        assert_eq!(whole_chunk_pages(&c, 8 << 20, Some((0, 8192))), 1);
     }
 
     /// Small pages stay while the room covers the missing pages and the process then holds at

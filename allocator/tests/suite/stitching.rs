@@ -150,13 +150,14 @@ fn large_growth_buys_chunks() {
 /// `chunk_split:none` backs each run with handles of `chunk_size` whatever the request: the
 /// 5 MiB request (three pages) that takes three single-granule handles by default takes one
 /// 6 MiB handle, and a 200 MiB block still takes ten of 20 MiB; `chunk_split:1` bounds a
-/// handle by the request's whole pages (two), so 5 MiB takes two.
+/// handle by the request's whole pages (two), so 5 MiB takes two. (Memory first: `auto` would
+/// back the 5 MiB request with one whole 6 MiB chunk on this roomy device.)
 #[test]
 fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
     for (conf, small, large) in [
-        ("chunk_split:none", 1, 10),
-        ("chunk_split:1", 2, 10),
-        ("chunk_split:4", 3, 10),
+        ("grow_whole_chunks:off,chunk_split:none", 1, 10),
+        ("grow_whole_chunks:off,chunk_split:1", 2, 10),
+        ("grow_whole_chunks:off,chunk_split:4", 3, 10),
     ] {
         let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(GIB), true, conf);
         let q = alloc(&pool, 5 * MIB, A);
@@ -176,18 +177,19 @@ fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
 }
 
 /// `grow_whole_chunks:auto` (the default) while memory is plentiful: a process holding
-/// 200 MiB of a 4 GiB device backs a 3 MiB request with one whole 20 MiB chunk (a chunk is at
-/// most an eighth of what it holds: 25 MiB), and the next requests are served from its rest
-/// with no driver call.
+/// 204 MiB of a 4 GiB device (bought in whole chunks of 6 MiB) backs a 3 MiB request with one
+/// whole 20 MiB chunk (a chunk is at most an eighth of what it holds: 25.5 MiB), and the next
+/// requests are served from its rest with no driver call.
 #[test]
 fn auto_buys_whole_chunks_while_memory_is_plentiful() {
     let (sim, pool) = pool(4 * GIB, true);
-    let held = alloc(&pool, 200 * MIB, A);
+    let held = alloc(&pool, 204 * MIB, A);
+    assert_eq!(sim.committed_bytes(0), 204 * MIB);
     let creates = sim.calls(DriverCall::CreatePhysical);
     let first = alloc(&pool, 3 * MIB, A);
     check(&pool);
     assert_eq!(sim.calls(DriverCall::CreatePhysical), creates + 1);
-    assert_eq!(sim.committed_bytes(0), 220 * MIB);
+    assert_eq!(sim.committed_bytes(0), 224 * MIB);
     let calls = sim.total_calls();
     let rest: Vec<u64> = (0..5).map(|_| alloc(&pool, 3 * MIB, A)).collect();
     check(&pool);
@@ -218,32 +220,60 @@ fn auto_is_memory_first_past_a_quarter() {
     }
 }
 
-/// `auto` sizes whole chunks to the process: holding 40 MiB, chunks are at most an eighth of
-/// that (5 MiB: two granules), so a 3 MiB request maps 4 MiB, not a 20 MiB handle that would be
-/// half of everything it holds.
+/// `auto` sizes whole chunks to the process: holding 96 MiB, chunks are at most an eighth of
+/// that (12 MiB: six granules), so a 3 MiB request maps 12 MiB, not a 20 MiB handle that
+/// would be a fifth of everything it holds.
 #[test]
 fn auto_chunks_scale_with_what_the_process_holds() {
     let (sim, pool) = pool(4 * GIB, true);
-    let held = alloc(&pool, 40 * MIB, A);
+    let held = alloc(&pool, 96 * MIB, A);
+    assert_eq!(sim.committed_bytes(0), 96 * MIB, "whole 6 MiB chunks");
     let creates = sim.calls(DriverCall::CreatePhysical);
     let q = alloc(&pool, 3 * MIB, A);
     check(&pool);
-    assert_eq!(sim.committed_bytes(0), 44 * MIB);
+    assert_eq!(sim.committed_bytes(0), 108 * MIB);
     assert_eq!(sim.calls(DriverCall::CreatePhysical), creates + 1);
     free(&pool, q, A);
     free(&pool, held, A);
     assert_no_leak(&sim, pool);
 }
 
+/// ... but not below 6 MiB while that is at most 1/64 of what the device allows: a process
+/// holding nothing backs a 3 MiB request with one 6 MiB chunk on a 4 GiB device (not two
+/// granules, then more one at a time), 4 MiB in one handle on a 256 MiB device (a 64th of
+/// it) and the request's two granules one at a time on a 64 MiB one, as before.
+#[test]
+fn auto_chunks_start_at_six_mib_on_a_roomy_device() {
+    for (cap, committed, creates) in [
+        (4 * GIB, 6 * MIB, 1),
+        (256 * MIB, 4 * MIB, 1),
+        (64 * MIB, 4 * MIB, 2),
+    ] {
+        let (sim, pool) = pool(cap, true);
+        let q = alloc(&pool, 3 * MIB, A);
+        check(&pool);
+        assert_eq!(sim.committed_bytes(0), committed, "{cap}");
+        assert_eq!(sim.calls(DriverCall::CreatePhysical), creates, "{cap}");
+        let calls = sim.total_calls();
+        if committed == 6 * MIB {
+            let r = alloc(&pool, 3 * MIB, A);
+            assert_eq!(sim.total_calls(), calls, "served from the chunk's rest");
+            free(&pool, r, A);
+        }
+        free(&pool, q, A);
+        assert_no_leak(&sim, pool);
+    }
+}
+
 /// `auto` while memory is plentiful backs a large request with handles of up to 1/32 of what
-/// the process holds: holding 2 GiB of a 16 GiB device, a 400 MiB block takes handles of
-/// 64 MiB (32 granules; a quarter of the request would allow 100 MiB): 7 creations, where
+/// the process holds: holding 3 GiB of a 16 GiB device, a 400 MiB block takes handles of
+/// 96 MiB (48 granules; a quarter of the request would allow 100 MiB): 5 creations, where
 /// memory first (`off`) takes twenty of 20 MiB.
 #[test]
 fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
-    for (conf, handles) in [("", 7), ("grow_whole_chunks:off", 20)] {
+    for (conf, handles) in [("", 5), ("grow_whole_chunks:off", 20)] {
         let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(16 * GIB), true, conf);
-        let held = alloc(&pool, 2 * GIB, A);
+        let held = alloc(&pool, 3 * GIB, A);
         let creates = sim.calls(DriverCall::CreatePhysical);
         let p = alloc(&pool, 400 * MIB, A);
         check(&pool);
@@ -252,7 +282,7 @@ fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
             creates + handles,
             "{conf}"
         );
-        assert_eq!(sim.committed_bytes(0), 2 * GIB + 400 * MIB, "{conf}");
+        assert_eq!(sim.committed_bytes(0), 3 * GIB + 400 * MIB, "{conf}");
         free(&pool, p, A);
         free(&pool, held, A);
         assert_no_leak(&sim, pool);
@@ -260,7 +290,7 @@ fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
 }
 
 /// While memory is plentiful, `chunk_split` yields to the whole chunks' cap of an eighth of
-/// what the process holds: holding 2 GiB of a 16 GiB device, a 60 MiB request over a released
+/// what the process holds: holding 3 GiB of a 16 GiB device, a 60 MiB request over a released
 /// 20 MiB hole and the 40 MiB of cached pages after it (so not grown as whole chunks) backs
 /// the hole with one handle, where memory first (`off`) takes two (a quarter of the request,
 /// 7 granules, and the rest). (A small process still splits: `sizing::tests`.)
@@ -268,7 +298,7 @@ fn auto_backs_large_requests_with_larger_handles_while_memory_is_plentiful() {
 fn auto_lets_a_request_handle_reach_an_eighth_of_what_the_process_holds() {
     for (conf, handles) in [("", 1), ("grow_whole_chunks:off", 2)] {
         let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(16 * GIB), true, conf);
-        let held = alloc(&pool, 2 * GIB, A);
+        let held = alloc(&pool, 3 * GIB, A);
         let hole = alloc(&pool, 20 * MIB, A);
         let cached = alloc(&pool, 40 * MIB, A);
         let after = alloc(&pool, 20 * MIB, A);
@@ -484,25 +514,25 @@ fn chunk_size_of_one_granule_gives_page_handles() {
     assert_no_leak(&sim, pool);
 }
 
-/// A chunk moves between streams whole: B's 80 MiB block takes A's four cached 20 MiB chunks
-/// (four unmaps, no creation), and `empty_cache` gives whole chunks back.
+/// A chunk moves between streams whole: B's 120 MiB block takes A's six cached 20 MiB chunks
+/// (six unmaps, no creation), and `empty_cache` gives whole chunks back.
 #[test]
 fn chunks_move_and_are_released_whole() {
     let (sim, pool) = pool(GIB, true);
-    let a = alloc(&pool, 80 * MIB, A);
+    let a = alloc(&pool, 120 * MIB, A);
     free(&pool, a, A);
     let created = sim.calls(DriverCall::CreatePhysical);
-    assert_eq!(created, 4);
-    let b = alloc(&pool, 80 * MIB, B);
+    assert_eq!(created, 6);
+    let b = alloc(&pool, 120 * MIB, B);
     check(&pool);
     assert_eq!(sim.calls(DriverCall::CreatePhysical), created);
-    assert_eq!(sim.calls(DriverCall::Unmap), 4);
-    assert_eq!(stat(&pool, "num_cross_stream_pages"), 40);
+    assert_eq!(sim.calls(DriverCall::Unmap), 6);
+    assert_eq!(stat(&pool, "num_cross_stream_pages"), 60);
     free(&pool, b, B);
     pool.empty_cache();
     check(&pool);
     assert_eq!(sim.committed_bytes(0), 0);
-    assert_eq!(sim.calls(DriverCall::ReleasePhysical), 4);
+    assert_eq!(sim.calls(DriverCall::ReleasePhysical), 6);
     assert_no_leak(&sim, pool);
 }
 
