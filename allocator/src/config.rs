@@ -95,16 +95,16 @@ pub const KEYS: &[(&str, &str, &str)] = &[
          back. `on` does it while the limit and the device keep room for one chunk more. \
          `auto` does it only while the process then holds at most a quarter of what the limit \
          and the device allow it, in chunks of at most an eighth of what it holds (but at \
-         least 6 MiB while that is at most a 64th of what it may hold), and then \
+         least 6 MiB or a 64th of what it may hold, whichever is less), and then \
          also backs large requests with handles of up to 1/32 of what it holds (and up to an \
          eighth of it whatever chunk_split says); and while it \
          holds at most a third, with new handles rather than by moving cached chunks where \
          moving them costs more (two or more of them): cheap growth while memory is \
          plentiful, memory first as it runs short. `off` never does. On the \
-         dev snapshots, median modelled driver time 0.88x pytorch-expandable's with `auto` \
-         (1.03x with `on`, 4.9x with `off`), for at most 1.4% more peak reserved than \
+         dev snapshots, median modelled driver time 0.86x pytorch-expandable's with `auto` \
+         (1.03x with `on`, 4.9x with `off`), for at most 1.7% more peak reserved than \
          expandable on a device with room; the smallest device each dev snapshot and built-in \
-         workload runs on is within 0.5% of `off`'s (`on`: up to 66% more on packed-*).",
+         workload runs on is within 0.8% of `off`'s (`on`: up to 66% more on packed-*).",
     ),
     (
         "peer_access",
@@ -217,8 +217,8 @@ pub enum WholeChunks {
     /// While the limit and the device keep room for one chunk more.
     On,
     /// While the process would then hold at most a quarter of what the limit and the device
-    /// allow it, in chunks of at most an eighth of what it holds (at least 6 MiB while that is
-    /// at most a 64th of what it may hold); then large requests are also
+    /// allow it, in chunks of at most an eighth of what it holds (at least 6 MiB or a 64th of
+    /// what it may hold, whichever is less); then large requests are also
     /// backed with handles of up to 1/32 of what it holds (an eighth whatever `chunk_split`
     /// says); and while it would hold at most
     /// a third, with new handles rather than by moving two or more cached chunks where moving

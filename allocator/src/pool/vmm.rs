@@ -508,7 +508,9 @@ impl<D: Driver> DevicePool<D> {
         // and the device leave room for it and one chunk more; those `optional` pages are
         // cached free memory for the next requests, and are given up (never failing the
         // request, never waited for) as soon as room runs short.
-        let may = |held: u64| (held, held + need as u64 + feasible.headroom as u64);
+        // What the process may hold (understated when cached pages may cover the request and
+        // `headroom` is 0; whole chunks are then never grown past it).
+        let may = |h: u64| (h, h.saturating_add((need + feasible.headroom) as u64));
         let full = whole_chunk_pages(&c.config, g, auto.map(may));
         let mut whole: Option<u32> = None;
         if mode != WholeChunks::Off && kind == HeapKind::Large && !feasible.pressure {

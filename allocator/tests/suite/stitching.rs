@@ -150,8 +150,9 @@ fn large_growth_buys_chunks() {
 /// `chunk_split:none` backs each run with handles of `chunk_size` whatever the request: the
 /// 5 MiB request (three pages) that takes three single-granule handles by default takes one
 /// 6 MiB handle, and a 200 MiB block still takes ten of 20 MiB; `chunk_split:1` bounds a
-/// handle by the request's whole pages (two), so 5 MiB takes two. (Memory first: `auto` would
-/// back the 5 MiB request with one whole 6 MiB chunk on this roomy device.)
+/// handle by the request's whole pages (two), so 5 MiB takes two. (All with memory first,
+/// `grow_whole_chunks:off`: `auto` would back the 5 MiB request with one whole 6 MiB chunk on
+/// this roomy device.)
 #[test]
 fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
     for (conf, small, large) in [
@@ -177,9 +178,10 @@ fn chunk_split_sets_the_fewest_handles_a_request_is_backed_with() {
 }
 
 /// `grow_whole_chunks:auto` (the default) while memory is plentiful: a process holding
-/// 204 MiB of a 4 GiB device (bought in whole chunks of 6 MiB) backs a 3 MiB request with one
-/// whole 20 MiB chunk (a chunk is at most an eighth of what it holds: 25.5 MiB), and the next
-/// requests are served from its rest with no driver call.
+/// 204 MiB of a 4 GiB device (a multiple of the 6 MiB whole chunks its first growth rounds
+/// to) backs a 3 MiB request with one whole 20 MiB chunk (a chunk is at most an eighth of
+/// what it holds: 24 MiB), and the next requests are served from its rest with no driver
+/// call.
 #[test]
 fn auto_buys_whole_chunks_while_memory_is_plentiful() {
     let (sim, pool) = pool(4 * GIB, true);
@@ -227,7 +229,11 @@ fn auto_is_memory_first_past_a_quarter() {
 fn auto_chunks_scale_with_what_the_process_holds() {
     let (sim, pool) = pool(4 * GIB, true);
     let held = alloc(&pool, 96 * MIB, A);
-    assert_eq!(sim.committed_bytes(0), 96 * MIB, "whole 6 MiB chunks");
+    assert_eq!(
+        sim.committed_bytes(0),
+        96 * MIB,
+        "a multiple of 6 MiB: no rounding"
+    );
     let creates = sim.calls(DriverCall::CreatePhysical);
     let q = alloc(&pool, 3 * MIB, A);
     check(&pool);
