@@ -247,19 +247,25 @@ fn auto_chunks_scale_with_what_the_process_holds() {
 /// ... but not below 6 MiB while that is at most 1/64 of what the device allows: a process
 /// holding nothing backs a 3 MiB request with one 6 MiB chunk on a 4 GiB device (not two
 /// granules, then more one at a time), 4 MiB in one handle on a 256 MiB device (a 64th of
-/// it) and the request's two granules one at a time on a 64 MiB one, as before.
+/// it) and the request's two granules one at a time on a 64 MiB one, as before; a 64 MiB
+/// `memory_limit` on the 4 GiB device counts as the 64 MiB device does.
 #[test]
 fn auto_chunks_start_at_six_mib_on_a_roomy_device() {
-    for (cap, committed, creates) in [
-        (4 * GIB, 6 * MIB, 1),
-        (256 * MIB, 4 * MIB, 1),
-        (64 * MIB, 4 * MIB, 2),
+    for (cap, conf, committed, creates) in [
+        (4 * GIB, "", 6 * MIB, 1),
+        (256 * MIB, "", 4 * MIB, 1),
+        (64 * MIB, "", 4 * MIB, 2),
+        (4 * GIB, "memory_limit:64MiB", 4 * MIB, 2),
     ] {
-        let (sim, pool) = pool(cap, true);
+        let (sim, pool) = pool_with(cistern::SimConfig::default().capacity(cap), true, conf);
         let q = alloc(&pool, 3 * MIB, A);
         check(&pool);
-        assert_eq!(sim.committed_bytes(0), committed, "{cap}");
-        assert_eq!(sim.calls(DriverCall::CreatePhysical), creates, "{cap}");
+        assert_eq!(sim.committed_bytes(0), committed, "{cap} {conf}");
+        assert_eq!(
+            sim.calls(DriverCall::CreatePhysical),
+            creates,
+            "{cap} {conf}"
+        );
         let calls = sim.total_calls();
         if committed == 6 * MIB {
             let r = alloc(&pool, 3 * MIB, A);
