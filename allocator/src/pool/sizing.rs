@@ -29,11 +29,10 @@
 //! expandable's on a device with room, and the smallest device each trace runs on within
 //! 0.5% of memory first's (`off`). The early large handles are what a tight device pays for;
 //! a quarter, an eighth and 1/32 are where that stayed within 0.5% on every trace (0.8% since
-//! the floor below) while the
-//! time fell: a half with uncapped chunks needed a 17% larger device on `packed-C`, chunks of
-//! a sixteenth raised the median over all traces from 1.65x expandable's to 2.3x, and request
-//! handles of 1/16 needed a 0.7% larger device on `training` (of 1/32 with no quarter rule,
-//! 2.2%).
+//! the floor below) while the time fell: a half with uncapped chunks needed a 17% larger
+//! device on `packed-C`, chunks of a sixteenth raised the median over all traces from 1.65x
+//! expandable's to 2.3x, and request handles of 1/16 needed a 0.7% larger device on
+//! `training` (of 1/32 with no quarter rule, 2.2%).
 //!
 //! The split yielding to the eighth came later (`python3 scripts/cost-table.py` and the
 //! smallest device per trace, as in the next note): median modelled driver time over the dev
@@ -59,6 +58,7 @@
 //! the pages past it are cache for the requests that follow (ending the run at the request's
 //! last handle instead measured the same on the small programs and a median 0.53x -> 0.55x on
 //! the other generated workloads).
+//!
 //! Measured over five draws of every generated workload with the dev snapshots and the
 //! minimalloc instances (`cistern replay --seed`, lag 2, A100 prices), against
 //! `pytorch-expandable`: the small programs' median driver time 2.79x -> 1.93x (worst 7.67x ->
@@ -71,8 +71,8 @@
 //! 1.0420x and `rmm-random-normal`'s 1.0482x -> 1.0508x (worst unchanged and 1.0554x ->
 //! 1.0590x): their first 48 MiB are laid out otherwise, and the rest follows. On their default
 //! draws `llm-serving` and `rmm-random` now need a device 0.76% and 0.70% larger than memory
-//! first's (within 0.5% before), every other trace within 0.4%. A floor of 8 MiB
-//! gave 1.66x on the small programs but peak reserved up to 1.21x expandable's; 20 MiB
+//! first's (within 0.5% before), every other trace within 0.4%. A floor of 8 MiB gave 1.66x
+//! on the small programs but peak reserved up to 1.21x expandable's; 20 MiB
 //! (expandable's), 1.11x and over expandable's peak on 34 of 61 draws; without the 64th the
 //! smallest device of minimalloc-C grew from 1.20x its peak live bytes to 1.39x. With the
 //! floor, an eighth of what the process holds is kept: a quarter gave 1.59x but peak reserved
