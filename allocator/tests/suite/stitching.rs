@@ -244,7 +244,7 @@ fn auto_chunks_scale_with_what_the_process_holds() {
     assert_no_leak(&sim, pool);
 }
 
-/// ... but not below 6 MiB while that is at most 1/64 of what the device allows: a process
+/// ... but not below 6 MiB or a 64th of what the device allows, whichever is less: a process
 /// holding nothing backs a 3 MiB request with one 6 MiB chunk on a 4 GiB device (not two
 /// granules, then more one at a time), 4 MiB in one handle on a 256 MiB device (a 64th of
 /// it) and the request's two granules one at a time on a 64 MiB one, as before; a 64 MiB
